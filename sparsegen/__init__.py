@@ -1,0 +1,6 @@
+"""sparsegen: sparse, long-sequence inference for Hugging Face causal LMs."""
+
+from sparsegen.models import ModelLoadError, ModelSpec, load, model_spec
+
+__version__ = "0.1.0"
+__all__ = ["ModelLoadError", "ModelSpec", "load", "model_spec", "__version__"]

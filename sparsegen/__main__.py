@@ -1,0 +1,4 @@
+from sparsegen.cli import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""The ``sparsegen`` command line: a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("model", help="hub id, local checkpoint folder, or 'reference'")
+    else:
+        p.add_argument("--model", default="reference", help="hub id, local checkpoint folder, or 'reference' (default)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    from sparsegen.models import model_spec
+
+    spec = model_spec(args.model, dtype=args.dtype).to_dict()
+    if args.json:
+        print(json.dumps(spec, indent=2))
+        return
+    width = max(map(len, spec))
+    for key, value in spec.items():
+        print(f"{key:<{width}}  {value:,}" if isinstance(value, int) else f"{key:<{width}}  {value}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from sparsegen.generation import generate_text
+    from sparsegen.models import load
+
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    print(args.prompt, end="", flush=True)
+    generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stream=True)
+
+
+def cmd_train_reference(args: argparse.Namespace) -> None:
+    import torch
+
+    from sparsegen.models.loading import CHECKPOINTS
+    from sparsegen.reference.report import write_report
+    from sparsegen.reference.train import train_reference
+
+    out = args.out or CHECKPOINTS / args.preset
+    record = train_reference(
+        out, preset=args.preset, work_dir=args.work, device=args.device, compile=not args.no_compile,
+        threads=args.threads, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    print(json.dumps(record, indent=2))
+    if not args.no_report:
+        torch.set_num_threads(args.threads or torch.get_num_threads())
+        print(json.dumps(write_report(out, device=args.device), indent=2))
+
+
+def cmd_sinks(args: argparse.Namespace) -> None:
+    from sparsegen.data import data_dir, tokenize_files
+    from sparsegen.eval.sinks import sink_statistics
+    from sparsegen.models import load
+
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype, attn_implementation="eager")
+    text = args.text or data_dir() / "books" / "test"
+    bos = None if args.no_bos else tokenizer.bos_token_id
+    stats = sink_statistics(model, tokenize_files(text, tokenizer), bos, length=args.length,
+                            window=args.window, sinks=args.sinks, max_windows=args.windows)
+    print(json.dumps(stats, indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="architecture, size and KV-cache cost of a model")
+    _model_args(p, positional=True)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="continue a prompt")
+    _model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
+    p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])
+    p.add_argument("--out", default=None, help="checkpoint folder (default: the package's bundled folder)")
+    p.add_argument("--work", default=None, help="training state, log and tokenizer (default runs/PRESET); resumes from it")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between resumable training states")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--no-report", action="store_true", help="skip the perplexity and sink evaluation after training")
+    p.set_defaults(func=cmd_train_reference)
+
+    p = sub.add_parser("sinks", help="attention-sink statistics: attention mass on token 0, and PPL with/without the first tokens")
+    _model_args(p, positional=True)
+    p.add_argument("--text", default=None, help="text file or folder (default ../shared/data/books/test)")
+    p.add_argument("--length", type=int, default=256, help="window length (default 256)")
+    p.add_argument("--window", type=int, default=64, help="local attention window (default 64)")
+    p.add_argument("--sinks", type=int, default=4, help="first tokens kept in the sink pattern (default 4)")
+    p.add_argument("--windows", type=int, default=128, help="number of text windows (default 128)")
+    p.add_argument("--no-bos", action="store_true", help="do not start windows with the BOS token")
+    p.set_defaults(func=cmd_sinks)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from sparsegen.models import ModelLoadError
+
+    try:
+        args.func(args)
+    except (ModelLoadError, FileNotFoundError, ValueError) as err:
+        print(f"sparsegen {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

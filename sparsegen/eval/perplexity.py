@@ -1,0 +1,51 @@
+"""Perplexity over non-overlapping windows (the pruning papers' protocol)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+
+def windows(token_arrays: Sequence[np.ndarray], length: int, max_windows: int | None = None) -> torch.Tensor:
+    """Cut each array into non-overlapping windows of ``length`` tokens (tails dropped), stacked."""
+    cut = [torch.from_numpy(a[: len(a) // length * length].astype(np.int64)).view(-1, length)
+           for a in token_arrays if len(a) >= length]
+    if not cut:
+        raise ValueError(f"no text is at least {length} tokens long")
+    stacked = torch.cat(cut)
+    return stacked[:max_windows] if max_windows else stacked
+
+
+@torch.inference_mode()
+def window_perplexity(
+    model: torch.nn.Module,
+    token_arrays: Sequence[np.ndarray],
+    ctx: int,
+    bos_id: int | None = None,
+    batch_size: int = 8,
+    max_windows: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Mean NLL over every predicted token of windows of ``ctx`` tokens.
+
+    With ``bos_id`` each window is ``[BOS] + ctx-1`` text tokens, as the model saw in training, and
+    every text token is scored; without it the first token of each window is context only.
+    """
+    device = next(model.parameters()).device
+    body = ctx - 1 if bos_id is not None else ctx
+    data = windows(token_arrays, body, max_windows)
+    total, count = 0.0, 0
+    for start in tqdm(range(0, len(data), batch_size), desc="ppl", disable=not progress, leave=False):
+        batch = data[start : start + batch_size].to(device)
+        if bos_id is not None:
+            batch = torch.cat([torch.full_like(batch[:, :1], bos_id), batch], dim=1)
+        logits = model(input_ids=batch).logits.float()
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total += nll.item()
+        count += batch[:, 1:].numel()
+    return {"nll": total / count, "ppl": math.exp(total / count), "tokens": count, "windows": len(data)}

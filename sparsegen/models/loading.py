@@ -1,0 +1,149 @@
+"""Load any Hugging Face causal LM (hub id or local folder) or a bundled reference model, with clear errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+BUNDLED = ("reference", "reference-large")
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says why and what to do."""
+
+
+def resolve(name_or_path: str | Path) -> str:
+    """Turn a bundled name into its folder; anything else is returned as given (a path or a hub id)."""
+    name = str(name_or_path)
+    if name in BUNDLED:
+        folder = CHECKPOINTS / name
+        if not (folder / "config.json").exists():
+            raise ModelLoadError(
+                f"the bundled model {name!r} is not in this installation ({folder} has no config.json); "
+                f"train it with `sparsegen train-reference --preset {name}`"
+            )
+        return str(folder)
+    return name
+
+
+def _hub_unreachable_reason() -> str | None:
+    """Why the hub cannot be used right now (offline mode or no route), or None if it answers."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as err:
+        return f"{host} is unreachable ({err.strerror or err})"
+    return None
+
+
+def load_config(name_or_path: str | Path, **kwargs) -> PretrainedConfig:
+    """The model's config from a local folder, the HF cache, or (if reachable) the hub: one clear error otherwise."""
+    source = resolve(name_or_path)
+    if Path(source).exists():
+        if not (Path(source) / "config.json").exists():
+            raise ModelLoadError(f"{source} is a local path but has no config.json; point at a saved HF checkpoint folder")
+        return AutoConfig.from_pretrained(source, **kwargs)
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+    except OSError:
+        pass
+    reason = _hub_unreachable_reason()
+    if reason:
+        raise ModelLoadError(
+            f"model {source!r} is not a local folder and not in the Hugging Face cache, and the hub cannot be "
+            f"reached: {reason}. Download it where the hub is reachable (`hf download {source}`) and copy the "
+            f"cache here, or pass the path of a local checkpoint."
+        )
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise ModelLoadError(f"cannot load {source!r} from the hub: {err}") from None
+
+
+def _dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """None picks float32 on CPU (half precision is slow and inexact there) and the checkpoint's dtype elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        if device.type == "cpu":
+            return torch.float32
+        dtype = "auto"
+    if dtype == "auto":
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(saved, str):
+            saved = DTYPES.get(saved)
+        return saved if isinstance(saved, torch.dtype) else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load(
+    name_or_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
+) -> tuple[torch.nn.Module, object]:
+    """Return ``(model, tokenizer)`` for a hub id, a local checkpoint folder, or ``reference``.
+
+    The model is in eval mode on ``device``. ``dtype`` defaults to float32 on CPU and the checkpoint's
+    dtype on accelerators.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    config = load_config(name_or_path)
+    source = resolve(name_or_path)
+    local = Path(source).exists() or _is_cached(source)
+    kwargs = {"local_files_only": True} if local and not Path(source).exists() else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load the tokenizer of {source!r}: {err}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, dtype=_dtype(dtype, config, device), attn_implementation=attn_implementation, **kwargs
+        )
+    except ValueError as err:
+        if "Unrecognized configuration class" in str(err):
+            raise ModelLoadError(
+                f"{source!r} ({config.model_type}) is not a causal language model that transformers can load "
+                f"with AutoModelForCausalLM; sparsegen works on decoder-only LMs (Llama, Mistral, Qwen, GPT-NeoX, OPT, ...)"
+            ) from None
+        raise
+    except (OSError, RuntimeError, SafetensorError) as err:
+        if Path(source).exists():
+            raise ModelLoadError(
+                f"the checkpoint in {source} could not be read ({type(err).__name__}: {err}); it may be incomplete or "
+                f"corrupted: re-download or re-save it"
+            ) from None
+        raise ModelLoadError(f"cannot load {source!r}: {err}") from None
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+def _is_cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id that is not a valid repo name is simply not cached
+        return False

@@ -1,0 +1,76 @@
+"""What sparsegen needs to know about a model's shape, read from its config alone (no weights loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from sparsegen.models.loading import DTYPES, load_config
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    architecture: str
+    model_type: str
+    params: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int | None
+    positions: str  # "rope" or "learned"
+    dtype: str
+    kv_bytes_per_token: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _dtype_name(config: PretrainedConfig, dtype: str | None) -> str:
+    if dtype is not None:
+        return str(DTYPES[dtype]).removeprefix("torch.")
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return str(saved).removeprefix("torch.")
+
+
+def count_params(config: PretrainedConfig) -> int:
+    """Parameters of the model the config describes, built on the meta device (no memory, no weights)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def spec_from_config(config: PretrainedConfig, name: str, dtype: str | None = None) -> ModelSpec:
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    dtype_name = _dtype_name(text, dtype)
+    element = torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None) or getattr(text, "rotary_pct", None)
+    return ModelSpec(
+        name=name,
+        architecture=(config.architectures or [type(config).__name__])[0],
+        model_type=config.model_type,
+        params=count_params(config),
+        layers=text.num_hidden_layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+        max_positions=getattr(text, "max_position_embeddings", None),
+        positions="rope" if rope else "learned",
+        dtype=dtype_name,
+        kv_bytes_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * element,
+    )
+
+
+def model_spec(name_or_path: str, dtype: str | None = None) -> ModelSpec:
+    """The spec of a hub id, local checkpoint or bundled model; ``dtype`` overrides the saved one."""
+    return spec_from_config(load_config(name_or_path), str(name_or_path), dtype)

@@ -1,0 +1,204 @@
+"""Train the project's own reference model: a small Llama (RoPE, SwiGLU, GQA) on the training books.
+
+Reproducible (seeded model init and batch sampling), resumable (a training state is written every
+``checkpoint_every`` steps to the work folder), and exported as a plain Hugging Face checkpoint that
+``AutoModelForCausalLM.from_pretrained`` loads with no code of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from sparsegen.data import data_dir, text_files, tokenize_files
+from sparsegen.reference.tokenizer import train_tokenizer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    hidden_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    context: int
+    batch_size: int
+    steps: int
+    lr: float
+    vocab_size: int = 8192
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.05
+    min_lr_fraction: float = 0.1
+    grad_clip: float = 1.0
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+
+PRESETS = {
+    # ~6.6M parameters; ~4M tokens in about 40 minutes on 2 CPU cores.
+    "reference": TrainConfig(hidden_size=256, layers=6, heads=8, kv_heads=2, intermediate_size=768,
+                             context=512, batch_size=8, steps=1000, lr=2e-3),
+    # ~28M parameters, context 1024, ~330M tokens: a GPU run, long enough for attention sinks to form.
+    "reference-large": TrainConfig(hidden_size=512, layers=8, heads=8, kv_heads=2, intermediate_size=1536,
+                                   context=1024, batch_size=64, steps=5000, lr=1e-3),
+}
+
+
+def model_config(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.context,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_fraction`` of the peak."""
+    warmup = max(1, int(cfg.warmup_fraction * cfg.steps))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.lr * (cfg.min_lr_fraction + (1 - cfg.min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def token_stream(tokenizer: PreTrainedTokenizerFast, files_root: Path) -> np.ndarray:
+    """All training books as one stream, an EOS between books."""
+    arrays = tokenize_files(files_root, tokenizer)
+    eos = np.asarray([tokenizer.eos_token_id], dtype=arrays[0].dtype)
+    return np.concatenate([x for a in arrays for x in (a, eos)])
+
+
+def sample_batch(stream: np.ndarray, cfg: TrainConfig, bos_id: int, rng: np.random.Generator) -> torch.Tensor:
+    """``batch_size`` random windows, each ``[BOS] + context-1`` tokens: every sequence starts with BOS."""
+    body = cfg.context - 1
+    starts = rng.integers(0, len(stream) - body, size=cfg.batch_size)
+    rows = np.stack([stream[s : s + body] for s in starts]).astype(np.int64)
+    return torch.cat([torch.full((cfg.batch_size, 1), bos_id), torch.from_numpy(rows)], dim=1)
+
+
+def train_reference(
+    out_dir: str | Path,
+    preset: str = "reference",
+    work_dir: str | Path | None = None,
+    device: str = "cpu",
+    compile: bool = True,
+    checkpoint_every: int = 50,
+    threads: int | None = None,
+    **overrides,
+) -> dict:
+    """Train (or resume) a reference model and export it to ``out_dir``; returns the training record."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    cfg = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+    out_dir = Path(out_dir)
+    work_dir = Path(work_dir or Path("runs") / preset)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    train_root = data_dir() / "books" / "train"
+    tok_dir = work_dir / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    else:
+        print(f"training a {cfg.vocab_size}-token byte-level BPE on {train_root} ...", flush=True)
+        tokenizer = train_tokenizer(text_files(train_root), cfg.vocab_size)
+        tokenizer.save_pretrained(tok_dir)
+    stream = token_stream(tokenizer, train_root)
+    print(f"training stream: {len(stream):,} tokens", flush=True)
+
+    model = LlamaForCausalLM(model_config(cfg, tokenizer)).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95), fused=device.startswith("cuda"),
+    )
+    rng = np.random.default_rng(cfg.seed)
+    step, elapsed = 0, 0.0
+    state_file = work_dir / "train_state.pt"
+    if state_file.exists():
+        state = torch.load(state_file, map_location=device, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise ValueError(f"{state_file} was written with other settings; delete it or use another --work")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.bit_generator.state = state["rng"]
+        step, elapsed = state["step"], state["elapsed"]
+        print(f"resuming at step {step}", flush=True)
+
+    forward = torch.compile(model) if compile else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+    tokens_per_step = cfg.batch_size * cfg.context
+    log = (work_dir / "log.jsonl").open("a")
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {preset}", unit="step")
+    model.train()
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        batch = sample_batch(stream, cfg, tokenizer.bos_token_id, rng).to(device)
+        with autocast:
+            loss = forward(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        step += 1
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        log.write(json.dumps({"step": step, "loss": loss_value, "lr": learning_rate(cfg, step - 1),
+                              "tokens_per_s": tokens_per_step / dt}) + "\n")
+        if step % checkpoint_every == 0 or step == cfg.steps:
+            log.flush()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
+                        "step": step, "elapsed": elapsed, "config": asdict(cfg)}, state_file)
+    bar.close()
+    log.close()
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.to(torch.float16).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    # The generic class name loads on every transformers release, 4.x included.
+    tok_cfg = out_dir / "tokenizer_config.json"
+    tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    record = {
+        "preset": preset,
+        "config": asdict(cfg),
+        "params": sum(p.numel() for p in model.parameters()),
+        "training_tokens": cfg.steps * tokens_per_step,
+        "training_stream_tokens": int(len(stream)),
+        "train_seconds": round(elapsed, 1),
+        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "compiled": compile,
+    }
+    (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record

@@ -1,0 +1,27 @@
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparsegen.eval.perplexity import window_perplexity, windows
+
+
+def test_windows_drop_tails_and_short_texts():
+    data = windows([np.arange(10), np.arange(3), np.arange(8)], 4)
+    assert data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="at least 5 tokens"):
+        windows([np.arange(3)], 5)
+
+
+@pytest.mark.parametrize("bos", [None, 0])
+def test_matches_the_models_own_loss(tiny_checkpoint, bos):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    tokens = [np.random.default_rng(1).integers(2, 300, size=200)]
+    result = window_perplexity(model, tokens, ctx=32, bos_id=bos, batch_size=3, progress=False)
+    data = windows(tokens, 31 if bos is not None else 32)
+    if bos is not None:
+        data = torch.cat([torch.full((len(data), 1), bos), data], dim=1)
+    with torch.no_grad():
+        losses = [model(input_ids=row[None], labels=row[None]).loss.item() for row in data]
+    assert result["tokens"] == len(data) * 31
+    assert result["nll"] == pytest.approx(np.mean(losses), rel=1e-5)
