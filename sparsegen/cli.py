@@ -48,8 +48,11 @@ def cmd_train_reference(args: argparse.Namespace) -> None:
     record = train_reference(
         out, preset=args.preset, work_dir=args.work, device=args.device, compile=not args.no_compile,
         threads=args.threads, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
     )
+    if record is None:
+        print(f"stopped after {args.stop_after} steps; run the same command again to resume")
+        return
     print(json.dumps(record, indent=2))
     if not args.no_report:
         torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between resumable training states")
+    p.add_argument("--stop-after", type=int, default=None, help="end this run after N steps (state saved; rerun to resume)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--no-report", action="store_true", help="skip the perplexity and sink evaluation after training")
     p.set_defaults(func=cmd_train_reference)

@@ -102,9 +102,14 @@ def train_reference(
     compile: bool = True,
     checkpoint_every: int = 50,
     threads: int | None = None,
+    stop_after: int | None = None,
     **overrides,
-) -> dict:
-    """Train (or resume) a reference model and export it to ``out_dir``; returns the training record."""
+) -> dict | None:
+    """Train (or resume) a reference model and export it to ``out_dir``; returns the training record.
+
+    ``stop_after`` ends this run after that many steps, with its state saved, for time-sliced training;
+    the call then exports nothing and returns None.
+    """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     cfg = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
@@ -154,7 +159,8 @@ def train_reference(
     log = (work_dir / "log.jsonl").open("a")
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {preset}", unit="step")
     model.train()
-    while step < cfg.steps:
+    last_step = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
+    while step < last_step:
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
@@ -173,12 +179,14 @@ def train_reference(
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         log.write(json.dumps({"step": step, "loss": loss_value, "lr": learning_rate(cfg, step - 1),
                               "tokens_per_s": tokens_per_step / dt}) + "\n")
-        if step % checkpoint_every == 0 or step == cfg.steps:
+        if step % checkpoint_every == 0 or step == last_step:
             log.flush()
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
                         "step": step, "elapsed": elapsed, "config": asdict(cfg)}, state_file)
     bar.close()
     log.close()
+    if step < cfg.steps:
+        return None
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model.eval()

@@ -1,0 +1,178 @@
+"""Hooking a Hugging Face model so an ``EvictionCache`` can evict: attention function, rotary helper, step hook.
+
+``prepare(model)`` switches the model to the attention implementation ``sparsegen_sdpa`` or
+``sparsegen_eager`` (registered with transformers' ``AttentionInterface``). With any other cache these
+call transformers' own ``sdpa``/``eager`` code unchanged; with an ``EvictionCache`` they attend over the
+held tokens, accumulate attention scores when the policy needs them (always fp32, computed from q and the
+cached k, so no backend has to return weights), and then let the cache evict. A forward pre-hook on the
+decoder tells the cache what each call brings (padding, positions) before any layer runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "phi3", "opt")
+BACKENDS = ("sdpa", "eager")
+_ACTIVE = threading.local()
+
+
+def active_cache():
+    return getattr(_ACTIVE, "cache", None)
+
+
+class Rotary:
+    """The model's own rotary embedding, used to move keys and queries between positions exactly as it would."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.scale = float(getattr(module, "attention_scaling", 1.0))
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Rotary:
+        module = getattr(model.get_decoder(), "rotary_emb", None)
+        if module is None:
+            raise ValueError(
+                f"rolling positions need rotary position embeddings (RoPE), but {model.config.model_type} uses learned "
+                f"absolute positions; use positions='original' (--positions original)"
+            )
+        rope_type = str(getattr(module, "rope_type", "default"))
+        if "dynamic" in rope_type or "longrope" in rope_type:
+            raise ValueError(f"rolling positions do not support the length-dependent RoPE type {rope_type!r}; "
+                             f"use positions='original'")
+        return cls(module)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate ``x[..., L, D]`` to ``positions[..., L]`` (broadcast over x's leading dims), or undo that."""
+        flat = positions.reshape(-1, positions.shape[-1])
+        cos, sin = self.module(x, flat)
+        cos = cos.reshape(*positions.shape, -1)
+        sin = sin.reshape(*positions.shape, -1)
+        while cos.dim() < x.dim():
+            cos, sin = cos.unsqueeze(-4), sin.unsqueeze(-4)
+        dim = cos.shape[-1]
+        rot, rest = x[..., :dim], x[..., dim:]
+        half = torch.cat((-rot[..., dim // 2 :], rot[..., : dim // 2]), dim=-1)
+        if inverse:
+            out = (rot * cos - half * sin) / (self.scale * self.scale)
+        else:
+            out = rot * cos + half * sin
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo the model's rotation of new tokens: ``x[B, H, q, D]`` at ``positions[B, q]``."""
+        return self.rotate(x, positions[:, None, :], inverse=True)
+
+
+def slot_ranks(index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each slot's rank among the valid slots of its row by token order: the rolling position."""
+    order = torch.argsort(index.masked_fill(~valid, torch.iinfo(index.dtype).max), dim=-1, stable=True)
+    ranks = torch.empty_like(order)
+    return ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+
+
+def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
+    """Attention of the new queries over the held + new tokens of one layer, then eviction."""
+    step = cache.step
+    batch, q_heads, q, head_dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    group, start = q_heads // kv_heads, total - q
+    device = query.device
+    slot = torch.arange(total, device=device)
+    row = torch.arange(q, device=device)
+    causal = (slot[None, :] < start) | (slot[None, :] - start <= row[:, None])  # [q, T]
+    own = slot[None, :] == (start + row)[:, None]
+    valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
+    mask = (valid[:, :1, None, :] & causal) | (own & ~step.new_valid[:, None, :, None])  # [B, 1, q, T]
+    if sliding_window is not None:
+        distance = step.new_index[:, None, :, None] - layer.index[:, :, None, :total]
+        mask = mask & ((distance < sliding_window) | (own & ~step.new_valid[:, None, :, None]))  # [B, Hkv, q, T]
+    if cache.rolling:
+        key = cache.rotary.rotate(key, slot_ranks(layer.index[:, :, :total], valid))
+        held_before = valid[:, 0, :start].sum(-1)
+        query_slots = (held_before[:, None] + step.new_valid.long().cumsum(-1) - 1).clamp(min=0)
+        query = cache.rotary.rotate(cache.rotary.unrotate(query, step.positions), query_slots[:, None, :])
+
+    if cache.policy.needs_attention or sliding_window is not None:
+        grouped = query.float().view(batch, kv_heads, group, q, head_dim)
+        scores = grouped @ key.float()[:, :, None].transpose(-1, -2) * scaling  # [B, Hkv, g, q, T]
+        scores = scores.masked_fill(~mask[:, :, None], -torch.inf)
+        probs = torch.softmax(scores, dim=-1)
+        if layer.attention is not None:
+            from_real_queries = probs.masked_fill(~step.new_valid[:, None, None, :, None], 0)
+            layer.attention[:, :, :total] += from_real_queries.sum(dim=(2, 3))
+        out = (probs.to(value.dtype) @ value[:, :, None]).reshape(batch, q_heads, q, -1)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    layer.evict(step.seen)
+    return out.transpose(1, 2).contiguous()
+
+
+def _model_eager(module):
+    return importlib.import_module(type(module).__module__).eager_attention_forward
+
+
+def _make_attention(backend: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cache = active_cache()
+        if cache is None:
+            fn = ALL_ATTENTION_FUNCTIONS["sdpa"] if backend == "sdpa" else _model_eager(module)
+            return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        layer = cache.layers[module.layer_idx]
+        out = eviction_attention(cache, layer, query, key, value, scale, kwargs.get("sliding_window"))
+        return out, None
+
+    return attention
+
+
+for _backend in BACKENDS:
+    AttentionInterface.register(f"sparsegen_{_backend}", _make_attention(_backend))
+    AttentionMaskInterface.register(f"sparsegen_{_backend}", sdpa_mask if _backend == "sdpa" else eager_mask)
+
+
+def _begin(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    from sparsegen.kv.cache import EvictionCache
+
+    if not isinstance(cache, EvictionCache):
+        _ACTIVE.cache = None
+        return
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if inputs is None and args:
+        inputs = args[0]
+    cache.begin_step(inputs.shape[0], inputs.shape[1], kwargs.get("attention_mask"), kwargs.get("position_ids"),
+                     inputs.device)
+    _ACTIVE.cache = cache
+
+
+def _end(module, args, kwargs, output):
+    cache = active_cache()
+    if cache is not None:
+        cache.end_step(cache.step.new_valid.shape[1] if cache.step is not None else 0)
+    _ACTIVE.cache = None
+
+
+def prepare(model: torch.nn.Module) -> None:
+    """Make ``model`` evict through sparsegen (idempotent). Other caches keep transformers' exact behaviour."""
+    model_type = model.config.model_type
+    if model_type not in SUPPORTED:
+        raise ValueError(f"unsupported architecture {model_type!r}: eviction supports {', '.join(SUPPORTED)}")
+    current = model.config._attn_implementation
+    if not current.startswith("sparsegen_"):
+        if current not in BACKENDS:
+            raise ValueError(f"unsupported attention backend {current!r}: load the model with "
+                             f"attn_implementation='sdpa' or 'eager'")
+        model.set_attn_implementation(f"sparsegen_{current}")
+    decoder = model.get_decoder()
+    if not getattr(decoder, "_sparsegen_hooked", False):
+        decoder.register_forward_pre_hook(_begin, with_kwargs=True)
+        decoder.register_forward_hook(_end, with_kwargs=True, always_call=True)
+        decoder._sparsegen_hooked = True

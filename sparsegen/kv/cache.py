@@ -1,0 +1,263 @@
+"""A transformers ``Cache`` that really evicts: each layer holds at most ``budget`` tokens per KV head.
+
+Storage per layer is a preallocated ``[batch, kv_heads, budget + chunk, head_dim]`` buffer. A forward
+step appends its tokens after the held ones; attention (``sparsegen.kv.attention``) runs over held +
+new; then the layer keeps the ``budget`` highest-priority tokens of every (sequence, KV head) and fills
+the holes left in the front by moving the few survivors from the tail. Slot order carries no meaning
+(attention is order-free), so a decode step moves at most one token per head.
+
+With ``positions="rolling"`` keys are stored without their rotary embedding and rotated at attention
+time to their rank in the cache (StreamingLLM), so positions never exceed the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sparsegen.kv.policy import Policy, TokenView
+
+DEFAULT_CHUNK = 512
+
+
+@dataclass
+class Step:
+    """What the current forward call brings, per sequence: set by the model hook before the layers run."""
+
+    new_valid: torch.Tensor  # bool [batch, q]: real tokens (False = padding)
+    new_index: torch.Tensor  # int64 [batch, q]: ordinal of each new token among its sequence's real tokens
+    positions: torch.Tensor  # int64 [batch, q]: the positions the model rotates the new tokens with
+    seen: torch.Tensor  # int64 [batch]: real tokens seen, this step included
+
+
+class EvictionLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: EvictionCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.used = 0  # slots in use (the largest held count of any sequence, plus the pending chunk)
+        self.pending = 0  # tokens appended by update() and not yet attended
+        self.peak_tokens = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        capacity = self.cache.capacity(key_states.shape[-2])
+        self.keys = key_states.new_zeros(batch, heads, capacity, head_dim)
+        self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        self.index = torch.zeros(batch, heads, capacity, dtype=torch.long, device=self.device)
+        self.valid = torch.zeros(batch, heads, capacity, dtype=torch.bool, device=self.device)
+        self.attention = (
+            torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
+            if self.cache.policy.needs_attention else None
+        )
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        """Only the unbounded ``full`` policy, or a forward call larger than the chunk, gets here."""
+        capacity = max(needed, 2 * self.keys.shape[2])
+        for name in ("keys", "values", "index", "valid", "attention"):
+            old = getattr(self, name)
+            if old is not None:
+                new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+                new[:, :, : old.shape[2]] = old
+                setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        step = self.cache.step
+        if step is None:
+            raise RuntimeError("EvictionCache was used outside a forward of the model it was built for")
+        if self.pending:
+            raise RuntimeError(
+                "the previous step's tokens were never attended through sparsegen's attention: the model's "
+                "attn_implementation was changed after the cache was built; build a new EvictionCache"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        start, end = self.used, self.used + q
+        if end > self.keys.shape[2]:
+            self._grow(end)
+        if self.cache.rolling:
+            key_states = self.cache.rotary.unrotate(key_states, step.positions)
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.index[:, :, start:end] = step.new_index[:, None, :]
+        self.valid[:, :, start:end] = step.new_valid[:, None, :]
+        if self.attention is not None:
+            self.attention[:, :, start:end] = 0
+        self.used, self.pending = end, q
+        self.peak_tokens = max(self.peak_tokens, end)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def view(self, seen: torch.Tensor) -> TokenView:
+        t = self.used
+        return TokenView(
+            index=self.index[:, :, :t], valid=self.valid[:, :, :t], seen=seen,
+            attention=None if self.attention is None else self.attention[:, :, :t],
+        )
+
+    def evict(self, seen: torch.Tensor) -> None:
+        """Keep the ``budget`` highest-priority real tokens of each (sequence, head); compact them to the front."""
+        self.pending = 0
+        budget = self.cache.policy.budget
+        t = self.used
+        valid = self.valid[:, :, :t]
+        if budget is None:
+            return
+        view = self.view(seen)
+        priority = self.cache.policy.priority(view).masked_fill(~valid, -torch.inf)
+        keep_count = valid.sum(-1).clamp(max=budget)  # [batch, heads]
+        # ascending (priority, index): the first t - keep_count slots of each row are dropped
+        by_index = torch.argsort(view.index, dim=-1, stable=True)
+        order = by_index.gather(-1, torch.argsort(priority.gather(-1, by_index), dim=-1, stable=True))
+        drop_count = t - keep_count
+        drop_rank = torch.arange(t, device=self.device).expand_as(order) < drop_count[..., None]
+        kept = torch.ones_like(valid).scatter_(-1, order, ~drop_rank)
+        self._compact(kept, keep_count)
+
+    def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor) -> None:
+        t = kept.shape[-1]
+        slot = torch.arange(t, device=self.device)
+        front = slot < keep_count[..., None]
+        holes = front & ~kept
+        movers = ~front & kept
+        moves = int(holes.sum(-1).max())
+        if moves:
+            # pair the i-th hole with the i-th mover of each row; rows with fewer pairs copy a slot onto itself
+            dst = torch.sort(torch.where(holes, slot, t), dim=-1).values[..., :moves]
+            src = torch.sort(torch.where(movers, slot, t), dim=-1).values[..., :moves]
+            real = dst < t
+            dst = torch.where(real, dst, 0)
+            src = torch.where(real, src, dst)
+            for name in ("keys", "values", "index", "valid", "attention"):
+                buf = getattr(self, name)
+                if buf is None:
+                    continue
+                if buf.dim() == 4:
+                    idx_src = src[..., None].expand(-1, -1, -1, buf.shape[-1])
+                    idx_dst = dst[..., None].expand(-1, -1, -1, buf.shape[-1])
+                else:
+                    idx_src, idx_dst = src, dst
+                buf.scatter_(2, idx_dst, buf.gather(2, idx_src))
+        new_used = int(keep_count.max()) if keep_count.numel() else 0
+        self.valid[:, :, :t] &= slot < keep_count[..., None]
+        self.used = new_used
+
+    # --- what transformers asks of a cache layer ---
+    def get_seq_length(self) -> int:
+        return self.cache.length
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.used + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.used = self.pending = self.peak_tokens = 0
+        self.is_initialized = False
+        self.keys = self.values = self.index = self.valid = self.attention = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for name in ("keys", "values", "index", "valid", "attention"):
+            buf = getattr(self, name)
+            if buf is not None:
+                setattr(self, name, buf.index_select(0, beam_idx.to(buf.device)))
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("an EvictionCache cannot be cropped: evicted tokens are gone")
+
+
+class EvictionCache(Cache):
+    """Pass as ``past_key_values`` to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it)."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, positions: str | None = None,
+                 chunk_size: int = DEFAULT_CHUNK):
+        from sparsegen.kv.attention import Rotary, prepare
+
+        prepare(model)
+        positions = positions or policy.default_positions
+        if positions not in ("original", "rolling"):
+            raise ValueError(f"positions must be 'original' or 'rolling', got {positions!r}")
+        self.rolling = positions == "rolling"
+        self.rotary = Rotary.of(model) if self.rolling else None
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be at least 1")
+        self.policy, self.positions, self.chunk_size = policy, positions, chunk_size
+        config = model.config.get_text_config()
+        super().__init__(layers=[EvictionLayer(self, i) for i in range(config.num_hidden_layers)])
+        self.step: Step | None = None
+        self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
+        self.seen: torch.Tensor | None = None  # real tokens per sequence
+
+    def capacity(self, first_chunk: int) -> int:
+        budget = self.policy.budget
+        return (budget + max(self.chunk_size, first_chunk)) if budget is not None else max(first_chunk, 64)
+
+    # --- driven by the hook around the decoder's forward ---
+    def begin_step(self, batch: int, q: int, attention_mask: torch.Tensor | None,
+                   position_ids: torch.Tensor | None, device: torch.device) -> None:
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("EvictionCache needs a 2D padding mask (batch, length); custom 4D masks are not supported")
+        if self.seen is None:
+            self.seen = torch.zeros(batch, dtype=torch.long, device=device)
+        elif self.seen.shape[0] != batch:
+            raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the input has {batch}")
+        if attention_mask is None:
+            new_valid = torch.ones(batch, q, dtype=torch.bool, device=device)
+        else:
+            if attention_mask.shape[-1] < q:
+                raise ValueError("attention_mask is shorter than the input")
+            new_valid = attention_mask[:, -q:].to(device=device, dtype=torch.bool)
+        new_index = self.seen[:, None] + new_valid.long().cumsum(-1) - 1
+        if position_ids is None:
+            position_ids = torch.arange(self.length, self.length + q, device=device)[None].expand(batch, q)
+        self.step = Step(new_valid, new_index, position_ids.expand(batch, q), self.seen + new_valid.sum(-1))
+
+    def end_step(self, q: int) -> None:
+        if self.step is not None:
+            self.seen = self.step.seen
+            self.length += q
+        self.step = None
+
+    # --- what transformers asks of a cache ---
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        if not isinstance(query_length, int):  # older transformers pass cache_position
+            query_length = query_length.shape[-1]
+        return self.layers[layer_idx].used + query_length, 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.length, self.seen, self.step = 0, None, None
+
+    # --- what users ask ---
+    def held_tokens(self) -> list[int]:
+        """Slots in use per layer now (the largest held count of any sequence)."""
+        return [layer.used for layer in self.layers]
+
+    def stats(self) -> dict:
+        per_token = [
+            (layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+             * layer.keys.shape[0]) if layer.is_initialized else 0
+            for layer in self.layers
+        ]
+        return {
+            **self.policy.describe(),
+            "positions": self.positions,
+            "kv_tokens": max(self.held_tokens(), default=0),
+            "kv_tokens_peak": max((layer.peak_tokens for layer in self.layers), default=0),
+            "kv_bytes_peak": sum(layer.peak_tokens * b for layer, b in zip(self.layers, per_token)),
+            "kv_bytes_allocated": sum(
+                layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized
+            ),
+            "tokens_seen": self.length,
+        }

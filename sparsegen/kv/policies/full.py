@@ -1,0 +1,10 @@
+from sparsegen.kv.policy import Policy
+
+
+class Full(Policy):
+    """Keep everything: the model's own behaviour, the reference for exactness."""
+
+    name = "full"
+
+    def __init__(self):
+        super().__init__(None)

@@ -1,0 +1,8 @@
+from sparsegen.kv.policies.h2o import H2O
+
+
+class StreamingH2O(H2O):
+    """H2O with StreamingLLM's rolling positions, so it streams past the trained length."""
+
+    name = "streaming-h2o"
+    default_positions = "rolling"

@@ -1,0 +1,10 @@
+from sparsegen.kv.policy import Policy, TokenView
+
+
+class Window(Policy):
+    """Keep the last ``budget`` tokens."""
+
+    name = "window"
+
+    def priority(self, view: TokenView):
+        return view.index.float()

@@ -1,0 +1,48 @@
+"""The contract between the cache and an eviction policy.
+
+A policy only says how much to keep and which tokens matter most: ``priority`` returns a number per
+cached token (higher = keep). The cache keeps the ``budget`` highest-priority tokens of every layer and
+KV head after each forward step (ties go to the more recent token) and does all the moving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenView:
+    """What a policy may look at, per ``[batch, kv_head, slot]`` of one layer's cache."""
+
+    index: torch.Tensor  # int64: the token's ordinal among its sequence's real (non-pad) tokens
+    valid: torch.Tensor  # bool: the slot holds a real token
+    seen: torch.Tensor  # int64 [batch]: real tokens seen so far, the current step's included
+    attention: torch.Tensor | None  # fp32: attention each token has received, summed over all queries so far
+
+    def is_recent(self, recent: int) -> torch.Tensor:
+        return self.index >= (self.seen - recent)[:, None, None]
+
+    def is_sink(self, sinks: int) -> torch.Tensor:
+        return self.index < sinks
+
+
+class Policy:
+    """Base class. ``budget`` None means unbounded (nothing is evicted)."""
+
+    name: ClassVar[str]
+    needs_attention: ClassVar[bool] = False
+    default_positions: ClassVar[str] = "original"
+
+    def __init__(self, budget: int | None):
+        if budget is not None and budget <= 0:
+            raise ValueError(f"budget must be a positive number of tokens, got {budget}")
+        self.budget = budget
+
+    def priority(self, view: TokenView) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "budget": self.budget}
