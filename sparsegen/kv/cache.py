@@ -129,12 +129,13 @@ class EvictionLayer(CacheLayerMixin):
         movers = ~front & kept
         moves = int(holes.sum(-1).max())
         if moves:
-            # pair the i-th hole with the i-th mover of each row; rows with fewer pairs copy a slot onto itself
+            # pair the i-th hole with the i-th mover of each row; rows with fewer pairs copy the last slot onto
+            # itself (never a destination: holes exist only in front of keep_count < t)
             dst = torch.sort(torch.where(holes, slot, t), dim=-1).values[..., :moves]
             src = torch.sort(torch.where(movers, slot, t), dim=-1).values[..., :moves]
             real = dst < t
-            dst = torch.where(real, dst, 0)
-            src = torch.where(real, src, dst)
+            dst = torch.where(real, dst, t - 1)
+            src = torch.where(real, src, t - 1)
             for name in ("keys", "values", "index", "valid", "attention"):
                 buf = getattr(self, name)
                 if buf is None:

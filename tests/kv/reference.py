@@ -1,0 +1,111 @@
+"""A slow, obviously-correct reference for every eviction policy.
+
+It never evicts: keys and values stay in transformers' own DynamicCache, and eviction is simulated with
+per-(sequence, KV head) Python sets of kept token ordinals, chosen by the policy rules written out in
+plain Python. Attention is computed per head with an explicit mask over the dense keys; rolling positions
+re-rotate each visible key by (rank in the kept set - original position) with RoPE written out here.
+No padding: batch rows are independent sequences of equal length.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+_STATE = {}
+
+
+def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], seen: int) -> set[int]:
+    """The tokens a policy keeps out of ``candidates`` (ordinals) after ``seen`` tokens."""
+    budget = policy["budget"]
+    if budget is None or len(candidates) <= budget:
+        return set(candidates)
+    name = policy["policy"]
+    if name == "window":
+        return set(sorted(candidates)[-budget:])
+    sinks = policy.get("sinks", 0)
+    if name == "streaming":
+        kept = {t for t in candidates if t < sinks}
+        rest = sorted(t for t in candidates if t >= sinks)
+        return kept | set(rest[len(rest) - (budget - len(kept)):])
+    # h2o / streaming-h2o: protected sinks and recent tokens, then the largest scores (ties: the newer one)
+    protected = {t for t in candidates if t < sinks or t >= seen - policy["recent"]}
+    others = sorted((t for t in candidates if t not in protected), key=lambda t: (scores[t], t))
+    return protected | set(others[len(others) - (budget - len(protected)):])
+
+
+def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x[..., n, D]`` by ``delta[n]`` positions (half-split RoPE on the first 2*len(inv_freq) dims)."""
+    dim = 2 * inv_freq.numel()
+    angle = delta.double()[:, None] * inv_freq.double()[None, :]
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(x.dtype)
+    sin = torch.cat([angle.sin(), angle.sin()], -1).to(x.dtype)
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = torch.cat([-rot[..., dim // 2:], rot[..., :dim // 2]], -1)
+    return torch.cat([rot * cos + half * sin, rest], -1)
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    state = _STATE["current"]
+    layer = module.layer_idx
+    batch, q_heads, q, head_dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    scaling = scaling if scaling is not None else head_dim ** -0.5
+    start = total - q
+    out = torch.zeros(batch, q_heads, q, value.shape[-1], dtype=query.dtype)
+    for b in range(batch):
+        for h in range(kv_heads):
+            kept = state["kept"][layer][b][h]
+            scores = state["scores"][layer][b][h]
+            for i in range(q):
+                t = start + i
+                visible = sorted(kept | set(range(start, t + 1)))
+                k = key[b, h, visible]
+                qh = query[b, h * group:(h + 1) * group, i]
+                if state["rolling"]:
+                    rank = torch.arange(len(visible))
+                    k = _rotate(k, rank - torch.tensor(visible), state["inv_freq"])
+                    qh = _rotate(qh[:, None], torch.tensor([len(visible) - 1 - t]), state["inv_freq"])[:, 0]
+                probs = torch.softmax((qh.float() @ k.float().T) * scaling, dim=-1)
+                for tok, p in zip(visible, probs.sum(0).tolist()):
+                    scores[tok] = scores.get(tok, 0.0) + p
+                out[b, h * group:(h + 1) * group, i] = (probs.to(value.dtype) @ value[b, h, visible])
+            state["kept"][layer][b][h] = keep_rule(state["policy"], sorted(kept | set(range(start, total))), scores,
+                                                   seen=total)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("reference_masked", _reference_attention)
+AttentionMaskInterface.register("reference_masked", sdpa_mask)
+
+
+class ReferenceRun:
+    """Feed chunks through ``model`` with the reference eviction; returns logits like the model would."""
+
+    def __init__(self, model, policy: dict, rolling: bool, batch: int):
+        self.model = model
+        config = model.config.get_text_config()
+        layers, kv_heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        rotary = getattr(model.get_decoder(), "rotary_emb", None)
+        self.state = {
+            "policy": policy, "rolling": rolling,
+            "inv_freq": rotary.inv_freq if rotary is not None else None,
+            "kept": [[[set() for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
+            "scores": [[[{} for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
+        }
+        self.cache = DynamicCache(config=model.config)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation("reference_masked")
+        _STATE["current"] = self.state
+        try:
+            return self.model(input_ids=input_ids, past_key_values=self.cache).logits
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    def kept(self, layer: int, b: int, h: int) -> set[int]:
+        return self.state["kept"][layer][b][h]

@@ -1,0 +1,186 @@
+"""Eviction is exact: against transformers' DynamicCache at full budget, and against the slow reference below it."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from sparsegen.kv import EvictionCache, make_policy
+from tests.kv.families import FAMILIES, ROPE_FAMILIES, VOCAB, tiny_model
+from tests.kv.reference import ReferenceRun
+
+TOL = 1e-5
+POLICY_NAMES = ["full", "window", "streaming", "h2o", "streaming-h2o"]
+
+
+def _policy(name, budget, **options):
+    return make_policy(name, None if name == "full" else budget, **options)
+
+
+def _positions(family, name):
+    return "original" if family == "opt" else None
+
+
+def _padded_batch(lengths, total, seed=0):
+    """Left-padded random token rows and their 2D mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (len(lengths), total), generator=g)
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, total - n:] = 1
+        ids[row, : total - n] = 0
+    return ids, mask
+
+
+def _run_chunks(model, cache, ids, mask, chunks):
+    """Feed ``ids`` in the given chunk lengths, with the growing mask and cumsum positions, as generate does."""
+    logits, start = [], 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        for n in chunks:
+            end = start + n
+            out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                        position_ids=positions[:, start:end], past_key_values=cache)
+            logits.append(out.logits)
+            start = end
+    return torch.cat(logits, dim=1)
+
+
+CHUNKS = [8, 8, 5] + [1] * 7  # 21 prompt tokens in three chunks, then 7 decode steps
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_budget_equals_dynamic_cache(family, name, attn):
+    model = tiny_model(family, attn)
+    ids, mask = _padded_batch([28, 20, 13], 28)
+    expected = _run_chunks(model, DynamicCache(config=model.config), ids, mask, CHUNKS)
+    cache = EvictionCache(model, _policy(name, 64), positions=_positions(family, name), chunk_size=8)
+    got = _run_chunks(model, cache, ids, mask, CHUNKS)
+    real = mask.bool()
+    assert (got - expected)[real].abs().max() <= TOL
+    assert cache.stats()["kv_tokens_peak"] <= 28
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "opt"])
+@pytest.mark.parametrize("name", ["window", "h2o", "streaming-h2o"])
+def test_generate_with_full_budget_equals_plain_generate(family, name):
+    model = tiny_model(family)
+    ids, mask = _padded_batch([12, 9, 5], 12, seed=1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    plain = model.generate(**kwargs)
+    cache = EvictionCache(model, _policy(name, 64), positions=_positions(family, name))
+    ours = model.generate(**kwargs, past_key_values=cache)
+    assert torch.equal(plain.sequences, ours.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(plain.logits, ours.logits)) <= TOL
+
+
+SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streaming-h2o": {"recent": 4, "sinks": 1}}
+
+
+def _kept_by_engine(cache, layer, row, head):
+    lay = cache.layers[layer]
+    t = lay.used
+    return set(lay.index[row, head, :t][lay.valid[row, head, :t]].tolist())
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_below_budget_matches_reference(family, name):
+    if family == "opt" and name.startswith("streaming"):
+        positions = "original"
+    else:
+        positions = None
+    model = tiny_model(family)
+    budget = 10
+    policy = _policy(name, budget, **SMALL[name])
+    ids, mask = _padded_batch([28, 28], 28, seed=2)
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=8)
+    got = _run_chunks(model, cache, ids, mask, CHUNKS)
+    reference = ReferenceRun(model, policy.describe(), rolling=cache.rolling, batch=2)
+    expected, start = [], 0
+    for n in CHUNKS:
+        expected.append(reference(ids[:, start:start + n]))
+        start += n
+    expected = torch.cat(expected, dim=1)
+    assert (got - expected).abs().max() <= TOL
+    kv_heads = cache.layers[0].keys.shape[1]
+    for layer in range(len(cache.layers)):
+        for row in range(2):
+            for head in range(kv_heads):
+                assert _kept_by_engine(cache, layer, row, head) == reference.kept(layer, row, head)
+    assert cache.held_tokens() == [budget] * len(cache.layers)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_padded_rows_evict_on_their_own(name):
+    """A left-padded batch gives each row exactly what that sequence gives alone, fed the same real tokens."""
+    model = tiny_model("llama")
+    policy = lambda: _policy(name, 10, **SMALL[name])  # noqa: E731
+    lengths = [28, 23, 14]
+    ids, mask = _padded_batch(lengths, 28, seed=3)
+    batch_cache = EvictionCache(model, policy(), chunk_size=8)
+    got = _run_chunks(model, batch_cache, ids, mask, CHUNKS)
+    for row, n in enumerate(lengths):
+        pad = 28 - n
+        alone_chunks, start = [], 0
+        for c in CHUNKS:
+            real = max(0, start + c - max(start, pad))
+            if real:
+                alone_chunks.append(real)
+            start += c
+        alone_ids = ids[row:row + 1, pad:]
+        alone = _run_chunks(model, EvictionCache(model, policy(), chunk_size=8), alone_ids,
+                            torch.ones_like(alone_ids), alone_chunks)
+        assert (got[row, pad:] - alone[0]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "streaming-h2o"])
+def test_memory_is_bounded_over_a_long_stream(name):
+    model = tiny_model("llama")
+    budget, chunk = 16, 8
+    cache = EvictionCache(model, _policy(name, budget), chunk_size=chunk)
+    ids = torch.randint(3, VOCAB, (2, 600))
+    shapes = set()
+    with torch.no_grad():
+        for start in range(0, 64, chunk):  # chunked prefill
+            model(input_ids=ids[:, start:start + chunk], past_key_values=cache)
+            assert max(cache.held_tokens()) <= budget
+        for t in range(64, 600):  # decode, one token at a time
+            model(input_ids=ids[:, t:t + 1], past_key_values=cache)
+            assert cache.held_tokens() == [budget] * 2
+            shapes.add(tuple(cache.layers[0].keys.shape))
+    assert shapes == {(2, 2, budget + chunk, 8)}
+    stats = cache.stats()
+    assert stats["kv_tokens_peak"] == budget + chunk
+    assert stats["tokens_seen"] == 600
+
+
+def test_bf16_keeps_fp32_scores():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    cache = EvictionCache(model, _policy("h2o", 8))
+    ids = torch.randint(3, VOCAB, (1, 20))
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert cache.layers[0].attention.dtype == torch.float32
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+def test_rolling_ignores_absolute_positions(family):
+    """Rolling positions are slots in the cache: shifting the positions the model is given changes nothing,
+    even far past its trained length."""
+    model = tiny_model(family)
+    ids = torch.randint(3, VOCAB, (1, 300))
+    runs = []
+    for offset in (0, 5000):
+        cache = EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=8)
+        logits = []
+        with torch.no_grad():
+            for t in range(0, 300, 25):
+                positions = torch.arange(t, t + 25)[None] + offset
+                logits.append(model(input_ids=ids[:, t:t + 25], position_ids=positions, past_key_values=cache).logits)
+        runs.append(torch.cat(logits, dim=1))
+    assert (runs[0] - runs[1]).abs().max() <= 1e-4
