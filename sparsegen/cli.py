@@ -16,6 +16,17 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
     p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
 
 
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="full", help="full, window, streaming, h2o, streaming-h2o (default full)")
+    p.add_argument("--budget", default=None, help="KV tokens kept per layer, or a fraction of the input length (0.2)")
+    p.add_argument("--sinks", type=int, default=None, help="first tokens always kept (streaming: 4)")
+    p.add_argument("--recent", type=int, default=None, help="most recent tokens always kept (h2o: half the budget)")
+    p.add_argument("--heavy", type=int, default=None, help="heavy-hitter tokens kept (h2o: half the budget)")
+    p.add_argument("--positions", choices=["original", "rolling"], default=None,
+                   help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     from sparsegen.models import model_spec
 
@@ -29,12 +40,34 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from sparsegen.generation import generate_text
+    from sparsegen.generation import generate
     from sparsegen.models import load
 
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give exactly one of --prompt and --prompt-file")
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
+            prompt = f.read()
+    else:
+        prompt = args.prompt
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
-    print(args.prompt, end="", flush=True)
-    generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, stream=True)
+    stream = None
+    if not args.json:
+        if args.prompt is not None:
+            print(prompt, end="", flush=True)
+        stream = lambda text: print(text, end="", flush=True)  # noqa: E731
+    result = generate(
+        model, tokenizer, prompt, policy=args.policy, budget=args.budget, sinks=args.sinks, recent=args.recent,
+        heavy=args.heavy, positions=args.positions, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size, on_text=stream,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        stats = result.to_dict()
+        print(f"\n[{args.policy}: {stats['prompt_tokens']} prompt + {stats['new_tokens']} new tokens, "
+              f"KV peak {stats['kv_tokens_peak']} tokens / {stats['kv_bytes_peak'] / 2**20:.2f} MiB, "
+              f"{stats['seconds']:.2f} s]", file=sys.stderr)
 
 
 def cmd_train_reference(args: argparse.Namespace) -> None:
@@ -81,13 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("generate", help="continue a prompt")
+    p = sub.add_parser("generate", help="continue a prompt under a KV-cache policy")
     _model_args(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", default=None, help="prompt text")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from a file (any length: it is prefilled in chunks)")
+    _policy_args(p)
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, new_tokens, kv_tokens_peak, ...)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")

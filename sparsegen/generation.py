@@ -1,34 +1,136 @@
-"""Text generation from a prompt (greedy by default, seeded sampling on request)."""
+"""Generation with an eviction cache: chunked prefill at bounded memory, then a minimal decode loop."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
-from transformers import TextStreamer
+from tqdm.auto import tqdm
+
+from sparsegen.kv import EvictionCache, Policy, make_policy
+from sparsegen.kv.cache import DEFAULT_CHUNK
 
 
-def generate_text(
+@dataclass
+class Generation:
+    texts: list[str]
+    new_tokens: list[int]
+    prompt_tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+    def to_dict(self) -> dict:
+        decoded = sum(self.new_tokens)
+        return {
+            "text": self.text if len(self.texts) == 1 else self.texts,
+            "new_tokens": self.new_tokens[0] if len(self.texts) == 1 else self.new_tokens,
+            "prompt_tokens": self.prompt_tokens[0] if len(self.texts) == 1 else self.prompt_tokens,
+            "kv_tokens_peak": self.cache.get("kv_tokens_peak"),
+            "kv_bytes_peak": self.cache.get("kv_bytes_peak"),
+            "seconds": round(self.prefill_seconds + self.decode_seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_tokens_per_s": round(decoded / self.decode_seconds, 2) if self.decode_seconds else None,
+            "cache": self.cache,
+        }
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
     model: torch.nn.Module,
     tokenizer,
-    prompt: str,
+    prompts: str | list[str],
+    policy: str | Policy = "full",
+    budget: int | float | str | None = None,
+    sinks: int | None = None,
+    recent: int | None = None,
+    heavy: int | None = None,
+    positions: str | None = None,
     max_new_tokens: int = 100,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    stream: bool = False,
-) -> str:
-    """The continuation of ``prompt`` (without the prompt). ``temperature`` 0 is greedy and deterministic."""
+    chunk_size: int = DEFAULT_CHUNK,
+    stop_at_eos: bool = True,
+    on_text: Callable[[str], None] | None = None,
+    progress: bool | None = None,
+) -> Generation:
+    """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
+
+    A prompt of any length is encoded in chunks of ``chunk_size`` tokens with eviction between chunks,
+    so the cache never holds more than the budget plus one chunk. ``on_text`` receives the new text of
+    the first sequence as it is produced.
+    """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    if temperature < 0:
-        raise ValueError("temperature must be >= 0 (0 = greedy)")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
+    single = isinstance(prompts, str)
+    prompts = [prompts] if single else list(prompts)
     device = next(model.parameters()).device
-    inputs = tokenizer(prompt, return_tensors="pt").to(device)
-    torch.manual_seed(seed)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    with torch.inference_mode():
-        out = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, streamer=streamer,
-            top_k=None, **sampling,
-        )
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    batch, length = ids.shape
+    if not isinstance(policy, Policy):
+        policy = make_policy(policy, budget, input_length=length, sinks=sinks, recent=recent, heavy=heavy)
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    padded = not bool(mask.all())
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+
+    t0 = time.perf_counter()
+    starts = range(0, length, chunk_size)
+    show = progress if progress is not None else length > 8 * chunk_size
+    for start in tqdm(starts, desc="prefill", unit="chunk", disable=not show, leave=False):
+        end = min(start + chunk_size, length)
+        logits = model(
+            input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
+            position_ids=position_ids[:, start:end], past_key_values=cache, logits_to_keep=1,
+        ).logits[:, -1]
+    prefill_seconds = time.perf_counter() - t0
+
+    eos = tokenizer.eos_token_id
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    new = torch.empty(batch, 0, dtype=torch.long, device=device)
+    counts = torch.zeros(batch, dtype=torch.long, device=device)
+    next_position = position_ids[:, -1:] + 1
+    shown = ""
+    t0 = time.perf_counter()
+    for step in range(max_new_tokens):
+        token = _next_token(logits, temperature, top_p, generator)
+        token = torch.where(finished, torch.full_like(token, tokenizer.pad_token_id or 0), token)
+        counts += ~finished
+        new = torch.cat([new, token[:, None]], dim=1)
+        if stop_at_eos and eos is not None:
+            finished |= token == eos
+        if on_text is not None:
+            text = tokenizer.decode(new[0, : counts[0]], skip_special_tokens=True)
+            on_text(text[len(shown):])
+            shown = text
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        logits = model(input_ids=token[:, None], position_ids=next_position, past_key_values=cache).logits[:, -1]
+        next_position = next_position + 1
+    decode_seconds = time.perf_counter() - t0
+    texts = [tokenizer.decode(new[row, : counts[row]], skip_special_tokens=True) for row in range(batch)]
+    return Generation(
+        texts=texts, new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),
+        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache.stats(),
+    )

@@ -7,7 +7,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sparsegen
-import sparsegen.generation
 from sparsegen.models.loading import CHECKPOINTS
 
 REFERENCE = CHECKPOINTS / "reference"
@@ -30,8 +29,8 @@ def test_loads_with_plain_transformers():
 def test_greedy_generation_is_deterministic_and_matches_argmax_decoding():
     model, tokenizer = sparsegen.load("reference")
     prompt = "It was a dark night, and the"
-    first = sparsegen.generation.generate_text(model, tokenizer, prompt, max_new_tokens=24)
-    assert first == sparsegen.generation.generate_text(model, tokenizer, prompt, max_new_tokens=24)
+    first = sparsegen.generate(model, tokenizer, prompt, max_new_tokens=24, stop_at_eos=False).text
+    assert first == sparsegen.generate(model, tokenizer, prompt, max_new_tokens=24, stop_at_eos=False).text
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         for _ in range(24):

@@ -1,0 +1,54 @@
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from sparsegen.kv import EvictionCache, make_policy
+from tests.kv.families import tiny_model
+
+
+def test_rolling_needs_rope():
+    model = tiny_model("opt")
+    with pytest.raises(ValueError, match="learned absolute positions.*original"):
+        EvictionCache(model, make_policy("streaming", 16))
+    EvictionCache(model, make_policy("streaming", 16), positions="original")  # the fix the error names
+
+
+def test_unsupported_architecture_lists_supported_ones():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, mistral"):
+        EvictionCache(model, make_policy("window", 16))
+
+
+def test_unsupported_attention_backend():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="unsupported attention backend 'flash_attention_2'.*sdpa"):
+        EvictionCache(model, make_policy("window", 16))
+
+
+def test_bad_positions_and_chunk():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="'original' or 'rolling'"):
+        EvictionCache(model, make_policy("window", 16), positions="absolute")
+    with pytest.raises(ValueError, match="chunk_size"):
+        EvictionCache(model, make_policy("window", 16), chunk_size=0)
+
+
+def test_custom_4d_mask_is_refused():
+    model = tiny_model("llama")
+    cache = EvictionCache(model, make_policy("window", 16))
+    with pytest.raises(ValueError, match="4D"):
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 1, 4, 4),
+              past_key_values=cache)
+
+
+def test_other_caches_keep_transformers_behaviour():
+    """A prepared model gives bit-identical results with its own caches."""
+    plain = tiny_model("llama")
+    prepared = tiny_model("llama")
+    EvictionCache(prepared, make_policy("window", 16))
+    ids = torch.randint(3, 90, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, prepared(ids).logits)
+        assert torch.equal(plain.generate(ids, max_new_tokens=5, do_sample=False),
+                           prepared.generate(ids, max_new_tokens=5, do_sample=False))
