@@ -43,13 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from sparsegen.generation import generate
     from sparsegen.models import load
 
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise ValueError("give exactly one of --prompt and --prompt-file")
-    if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
-            prompt = f.read()
-    else:
-        prompt = args.prompt
+    prompt = _read_prompt(args)
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     stream = None
     if not args.json:
@@ -70,6 +64,41 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"{stats['seconds']:.2f} s]", file=sys.stderr)
 
 
+def _read_prompt(args: argparse.Namespace) -> str:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give exactly one of --prompt and --prompt-file")
+    if args.prompt is not None:
+        return args.prompt
+    with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    import textwrap
+
+    from sparsegen.generation import generate
+    from sparsegen.models import load
+
+    prompt = _read_prompt(args)
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    rows = []
+    for name in args.policies.split(","):
+        budget = None if name == "full" else args.budget
+        result = generate(model, tokenizer, prompt, policy=name, budget=budget, max_new_tokens=args.max_new_tokens,
+                          chunk_size=args.chunk_size, stop_at_eos=False).to_dict()
+        rows.append((name, result))
+    if args.json:
+        print(json.dumps({name: r for name, r in rows}, indent=2))
+        return
+    print(f"prompt: {rows[0][1]['prompt_tokens']} tokens; {args.max_new_tokens} new tokens, greedy; budget {args.budget}")
+    print(f"{'policy':<14}{'KV peak tokens':>15}{'KV peak MiB':>13}{'seconds':>9}")
+    for name, r in rows:
+        print(f"{name:<14}{r['kv_tokens_peak']:>15,}{r['kv_bytes_peak'] / 2**20:>13.3f}{r['seconds']:>9.2f}")
+    for name, r in rows:
+        text = " ".join(r["text"].split())
+        print(f"\n--- {name} ---\n" + textwrap.fill(text, 100))
+
+
 def cmd_train_reference(args: argparse.Namespace) -> None:
     import torch
 
@@ -81,7 +110,9 @@ def cmd_train_reference(args: argparse.Namespace) -> None:
     record = train_reference(
         out, preset=args.preset, work_dir=args.work, device=args.device, compile=not args.no_compile,
         threads=args.threads, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, stop_after=args.stop_after,
+        checkpoint_every=args.checkpoint_every, stop_after=args.stop_after, hidden_size=args.hidden_size,
+        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+        context=args.context,
     )
     if record is None:
         print(f"stopped after {args.stop_after} steps; run the same command again to resume")
@@ -126,13 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, new_tokens, kv_tokens_peak, ...)")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
+    _model_args(p)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--prompt-file", default=None)
+    p.add_argument("--policies", default="full,window,streaming,h2o", help="comma-separated (default full,window,streaming,h2o)")
+    p.add_argument("--budget", default="128", help="KV budget for every policy but full (tokens or a fraction)")
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compare)
+
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])
     p.add_argument("--out", default=None, help="checkpoint folder (default: the package's bundled folder)")
     p.add_argument("--work", default=None, help="training state, log and tokenizer (default runs/PRESET); resumes from it")
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step")
+    for size in ("hidden-size", "layers", "heads", "kv-heads", "intermediate-size", "context"):
+        p.add_argument(f"--{size}", type=int, default=None, help="override the preset's model size")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")

@@ -70,3 +70,19 @@ def test_bad_input(model_and_tokenizer, bad, message):
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ValueError, match=message):
         sparsegen.generate(model, tokenizer, "it was", **bad)
+
+
+def test_transformers_chunked_prefill_stays_within_budget_plus_chunk(model_and_tokenizer):
+    """model.generate(prefill_chunk_size=...) with our cache ingests a long prompt at bounded memory, and gives
+    what sparsegen.generate gives with the same chunks."""
+    model, tokenizer = model_and_tokenizer
+    prompt = " ".join(PROMPTS) * 6
+    cache = EvictionCache(model, make_policy("h2o", 16), chunk_size=32)
+    enc = tokenizer(prompt, return_tensors="pt")
+    theirs = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                            past_key_values=cache, prefill_chunk_size=32)
+    assert enc.input_ids.shape[1] > 100
+    assert cache.stats()["kv_tokens_peak"] <= 16 + 32
+    ours = sparsegen.generate(model, tokenizer, prompt, policy="h2o", budget=16, chunk_size=32, max_new_tokens=8,
+                              stop_at_eos=False)
+    assert ours.text == tokenizer.decode(theirs[0, enc.input_ids.shape[1]:], skip_special_tokens=True)

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from sparsegen.kv.policy import Policy, TokenView
 
 DEFAULT_CHUNK = 512
+BUFFERS = ("keys", "values", "index", "valid", "attention")  # per-slot state, all [batch, kv_heads, slots, ...]
 
 
 @dataclass
@@ -61,12 +62,21 @@ class EvictionLayer(CacheLayerMixin):
     def _grow(self, needed: int) -> None:
         """Only the unbounded ``full`` policy, or a forward call larger than the chunk, gets here."""
         capacity = max(needed, 2 * self.keys.shape[2])
-        for name in ("keys", "values", "index", "valid", "attention"):
-            old = getattr(self, name)
-            if old is not None:
-                new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
-                new[:, :, : old.shape[2]] = old
-                setattr(self, name, new)
+        for name, old in self.buffers():
+            new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def buffers(self):
+        return [(name, getattr(self, name)) for name in BUFFERS if getattr(self, name) is not None]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """K and V bytes of one token slot, over the batch and KV heads."""
+        if not self.is_initialized:
+            return 0
+        batch, heads, _, head_dim = self.keys.shape
+        return batch * heads * (head_dim + self.values.shape[-1]) * self.keys.element_size()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         step = self.cache.step
@@ -106,10 +116,10 @@ class EvictionLayer(CacheLayerMixin):
         """Keep the ``budget`` highest-priority real tokens of each (sequence, head); compact them to the front."""
         self.pending = 0
         budget = self.cache.policy.budget
-        t = self.used
-        valid = self.valid[:, :, :t]
         if budget is None:
             return
+        t = self.used
+        valid = self.valid[:, :, :t]
         view = self.view(seen)
         priority = self.cache.policy.priority(view).masked_fill(~valid, -torch.inf)
         keep_count = valid.sum(-1).clamp(max=budget)  # [batch, heads]
@@ -136,10 +146,7 @@ class EvictionLayer(CacheLayerMixin):
             real = dst < t
             dst = torch.where(real, dst, t - 1)
             src = torch.where(real, src, t - 1)
-            for name in ("keys", "values", "index", "valid", "attention"):
-                buf = getattr(self, name)
-                if buf is None:
-                    continue
+            for _, buf in self.buffers():
                 if buf.dim() == 4:
                     idx_src = src[..., None].expand(-1, -1, -1, buf.shape[-1])
                     idx_dst = dst[..., None].expand(-1, -1, -1, buf.shape[-1])
@@ -160,16 +167,16 @@ class EvictionLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    get_max_cache_shape = get_max_length  # the same question, as transformers < 5.2 names it
+
     def reset(self) -> None:
         self.used = self.pending = self.peak_tokens = 0
         self.is_initialized = False
         self.keys = self.values = self.index = self.valid = self.attention = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for name in ("keys", "values", "index", "valid", "attention"):
-            buf = getattr(self, name)
-            if buf is not None:
-                setattr(self, name, buf.index_select(0, beam_idx.to(buf.device)))
+        for name, buf in self.buffers():
+            setattr(self, name, buf.index_select(0, beam_idx.to(buf.device)))
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("an EvictionCache cannot be cropped: evicted tokens are gone")
@@ -246,19 +253,13 @@ class EvictionCache(Cache):
         return [layer.used for layer in self.layers]
 
     def stats(self) -> dict:
-        per_token = [
-            (layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-             * layer.keys.shape[0]) if layer.is_initialized else 0
-            for layer in self.layers
-        ]
         return {
             **self.policy.describe(),
             "positions": self.positions,
             "kv_tokens": max(self.held_tokens(), default=0),
             "kv_tokens_peak": max((layer.peak_tokens for layer in self.layers), default=0),
-            "kv_bytes_peak": sum(layer.peak_tokens * b for layer, b in zip(self.layers, per_token)),
-            "kv_bytes_allocated": sum(
-                layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized
-            ),
+            "kv_bytes_peak": sum(layer.peak_tokens * layer.bytes_per_slot for layer in self.layers),
+            "kv_bytes_allocated": sum(buf.nbytes for layer in self.layers for name, buf in layer.buffers()
+                                      if name in ("keys", "values")),
             "tokens_seen": self.length,
         }
