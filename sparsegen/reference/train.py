@@ -192,9 +192,10 @@ def train_reference(
     model.eval()
     model.to(torch.float16).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    # The generic class name loads on every transformers release, 4.x included.
+    # The generic class name loads on every transformers release; loading-time keys do not belong in the file.
     tok_cfg = out_dir / "tokenizer_config.json"
-    tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    settings = {k: v for k, v in json.loads(tok_cfg.read_text()).items() if k not in ("is_local", "local_files_only")}
+    tok_cfg.write_text(json.dumps({**settings, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
     record = {
         "preset": preset,
         "config": asdict(cfg),

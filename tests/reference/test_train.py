@@ -40,6 +40,8 @@ def test_trains_exports_and_resumes_exactly(data_env, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "straight-out")
     assert tokenizer("it was").input_ids[0] == tokenizer.bos_token_id
     assert json.loads((tmp_path / "straight-out" / "training.json").read_text())["preset"] == "reference"
+    saved = json.loads((tmp_path / "straight-out" / "tokenizer_config.json").read_text())
+    assert saved["tokenizer_class"] == "PreTrainedTokenizerFast" and "is_local" not in saved
 
 
 def test_loss_falls(data_env, tmp_path):
