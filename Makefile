@@ -20,7 +20,7 @@ demo: setup
 		--prompt "It was late in the evening when the old man came back to the house, and"
 	@echo
 	$(VENV)/bin/sparsegen compare --model reference --prompt-file examples/long_prompt.txt \
-		--policies full,window,streaming,h2o --budget 128 --max-new-tokens 40
+		--policies full,window,streaming,h2o --budget 128 --chunk-size 64 --max-new-tokens 40
 
 test: setup
 	$(VENV)/bin/pytest -q

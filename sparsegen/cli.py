@@ -91,9 +91,11 @@ def cmd_compare(args: argparse.Namespace) -> None:
         print(json.dumps({name: r for name, r in rows}, indent=2))
         return
     print(f"prompt: {rows[0][1]['prompt_tokens']} tokens; {args.max_new_tokens} new tokens, greedy; budget {args.budget}")
-    print(f"{'policy':<14}{'KV peak tokens':>15}{'KV peak MiB':>13}{'seconds':>9}")
+    print(f"{'policy':<14}{'KV held':>9}{'KV peak':>9}{'peak MiB':>10}{'seconds':>9}")
     for name, r in rows:
-        print(f"{name:<14}{r['kv_tokens_peak']:>15,}{r['kv_bytes_peak'] / 2**20:>13.3f}{r['seconds']:>9.2f}")
+        print(f"{name:<14}{r['cache']['kv_tokens']:>9,}{r['kv_tokens_peak']:>9,}{r['kv_bytes_peak'] / 2**20:>10.3f}"
+              f"{r['seconds']:>9.2f}")
+    print("(tokens per layer; the peak includes one prefill chunk)")
     for name, r in rows:
         text = " ".join(r["text"].split())
         print(f"\n--- {name} ---\n" + textwrap.fill(text, 100))

@@ -184,3 +184,21 @@ def test_rolling_ignores_absolute_positions(family):
                 logits.append(model(input_ids=ids[:, t:t + 25], position_ids=positions, past_key_values=cache).logits)
         runs.append(torch.cat(logits, dim=1))
     assert (runs[0] - runs[1]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["full", "window", "h2o"])
+def test_sliding_window_layers_match_dynamic_cache(name):
+    """Models with sliding-window attention (e.g. Mistral v0.1, Phi-3) keep their window under eviction."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.kv.families import _gqa
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM._from_config(MistralConfig(**_gqa(sliding_window=6)), attn_implementation="sdpa").eval()
+    ids, mask = _padded_batch([28, 28], 28, seed=4)
+    expected = _run_chunks(model, DynamicCache(config=model.config), ids, mask, CHUNKS)
+    got = _run_chunks(model, EvictionCache(model, _policy(name, 64), chunk_size=8), ids, mask, CHUNKS)
+    assert (got - expected).abs().max() <= TOL
+    model.config.sliding_window = None
+    unwindowed = _run_chunks(model, DynamicCache(config=model.config), ids, mask, CHUNKS)
+    assert (expected - unwindowed).abs().max() > 1e-3  # the window really restricted attention
