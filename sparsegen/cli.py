@@ -101,6 +101,72 @@ def cmd_compare(args: argparse.Namespace) -> None:
         print(f"\n--- {name} ---\n" + textwrap.fill(text, 100))
 
 
+def cmd_ppl(args: argparse.Namespace) -> None:
+    from sparsegen.data import data_dir
+    from sparsegen.models import load
+
+    if args.stream == args.windows:
+        raise ValueError("give exactly one of --stream and --windows")
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    text = args.text or data_dir() / "books" / "test"
+    bos = tokenizer.bos_token_id if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else None
+    meta = {"model": args.model, "text": str(text), "mode": "stream" if args.stream else "windows"}
+    if args.windows:
+        from sparsegen.data import tokenize_files
+        from sparsegen.eval.perplexity import window_perplexity
+
+        ctx = args.ctx or model.config.max_position_embeddings
+        result = window_perplexity(model, tokenize_files(text, tokenizer), ctx, bos, max_windows=args.max_windows)
+        report = {**meta, **result, "ctx": ctx, "kv_tokens_peak": ctx, "segments": []}
+        print(f"PPL {report['ppl']:.3f} over {report['tokens']:,} tokens ({report['windows']} windows of {ctx})")
+    else:
+        report = _stream_report(args, model, tokenizer, text, bos, meta)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
+    import csv
+
+    from sparsegen.eval.stream import make_streams, recompute_nll, stream_nll
+    from sparsegen.kv import make_policy
+    from sparsegen.kv.policies import OPTIONS
+
+    data = make_streams(text, tokenizer, args.max_tokens, args.streams, bos)
+    results = []
+    for name in args.policy or ["full"]:
+        if name == "recompute":
+            if args.budget is None:
+                raise ValueError("recompute needs --budget (its window, in tokens)")
+            results.append(recompute_nll(model, data, int(args.budget), every=args.every))
+            continue
+        # with several policies, each takes the budget splits that apply to it
+        many = len(args.policy or []) > 1
+        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy") if not many or k in OPTIONS.get(name, ())}
+        policy = make_policy(name, None if name == "full" else args.budget, input_length=data.shape[1], **splits)
+        results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every))
+    summaries = [r.summary(args.segment) for r in results]
+    print(f"{data.shape[0]} streams x {data.shape[1] - 1:,} predicted tokens")
+    print(f"{'policy':<16}{'PPL':>10}{'KV peak':>9}{'tokens/s':>10}")
+    for s in summaries:
+        print(f"{s['label']:<16}{s['ppl']:>10.3f}{s['kv_tokens_peak']:>9,}{s['tokens_per_s']:>10,.0f}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["policy", "start", "end", "ppl"])
+            for s in summaries:
+                writer.writerows([s["label"], seg["start"], seg["end"], seg["ppl"]] for seg in s["segments"])
+    if args.plot:
+        from sparsegen.eval.plots import plot_stream
+
+        plot_stream(summaries, [(r.kv_bytes, r.every) for r in results], args.plot,
+                    title=f"{args.model}: {data.shape[0]} streams from {text}")
+    if len(summaries) == 1:
+        return {**meta, **summaries[0]}
+    return {**meta, "policies": summaries}
+
+
 def cmd_train_reference(args: argparse.Namespace) -> None:
     import torch
 
@@ -169,6 +235,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("ppl", help="perplexity: streaming through a KV policy (--stream) or in windows (--windows)")
+    _model_args(p)
+    p.add_argument("--text", default=None, help="text file or folder (default ../shared/data/books/test)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", action="store_true", help="one token at a time through the policy's cache")
+    mode.add_argument("--windows", action="store_true", help="non-overlapping windows of --ctx tokens, dense")
+    p.add_argument("--policy", action="append", default=None,
+                   help="full, window, streaming, h2o, streaming-h2o or recompute; repeat to compare (default full)")
+    p.add_argument("--budget", default=None, help="KV tokens per layer (recompute: its window)")
+    p.add_argument("--sinks", type=int, default=None)
+    p.add_argument("--recent", type=int, default=None)
+    p.add_argument("--heavy", type=int, default=None)
+    p.add_argument("--positions", choices=["original", "rolling"], default=None)
+    p.add_argument("--max-tokens", type=int, default=20000, help="tokens predicted, over all streams (default 20000)")
+    p.add_argument("--streams", type=int, default=None, help="independent streams in one batch (default: files, up to 4)")
+    p.add_argument("--segment", type=int, default=1024, help="tokens per reported segment (default 1024)")
+    p.add_argument("--every", type=int, default=256, help="steps between KV-memory samples (default 256)")
+    p.add_argument("--ctx", type=int, default=None, help="--windows: window length (default: the model's)")
+    p.add_argument("--max-windows", type=int, default=None, help="--windows: at most this many windows")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--csv", default=None, help="write per-segment PPL as CSV to this file")
+    p.add_argument("--plot", default=None, help="write log-PPL and KV memory vs tokens as a PNG")
+    p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])

@@ -7,6 +7,8 @@ from sparsegen.kv.policies.streaming_h2o import StreamingH2O
 from sparsegen.kv.policies.window import Window
 
 POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O)}
+OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
+           "streaming-h2o": ("sinks", "recent", "heavy")}  # the budget splits each policy takes
 
 
 def resolve_budget(budget: int | float | str, input_length: int | None = None) -> int:
@@ -36,9 +38,7 @@ def make_policy(
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     options = {"sinks": sinks, "recent": recent, "heavy": heavy}
-    allowed = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
-               "streaming-h2o": ("sinks", "recent", "heavy")}[name]
-    extra = [k for k, v in options.items() if v is not None and k not in allowed]
+    extra = [k for k, v in options.items() if v is not None and k not in OPTIONS[name]]
     if extra:
         raise ValueError(f"policy {name!r} takes no --{' --'.join(extra)}")
     if name == "full":
