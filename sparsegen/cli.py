@@ -145,7 +145,7 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
         many = len(args.policy or []) > 1
         splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy") if not many or k in OPTIONS.get(name, ())}
         policy = make_policy(name, None if name == "full" else args.budget, input_length=data.shape[1], **splits)
-        results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every))
+        results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every, chunk=args.chunk))
     summaries = [r.summary(args.segment) for r in results]
     print(f"{data.shape[0]} streams x {data.shape[1] - 1:,} predicted tokens")
     print(f"{'policy':<16}{'PPL':>10}{'KV peak':>9}{'tokens/s':>10}")
@@ -252,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=20000, help="tokens predicted, over all streams (default 20000)")
     p.add_argument("--streams", type=int, default=None, help="independent streams in one batch (default: files, up to 4)")
     p.add_argument("--segment", type=int, default=1024, help="tokens per reported segment (default 1024)")
-    p.add_argument("--every", type=int, default=256, help="steps between KV-memory samples (default 256)")
+    p.add_argument("--every", type=int, default=256, help="tokens between KV-memory samples (default 256)")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="tokens per forward call for full/window/streaming (exactly as one at a time); H2O uses 1")
     p.add_argument("--ctx", type=int, default=None, help="--windows: window length (default: the model's)")
     p.add_argument("--max-windows", type=int, default=None, help="--windows: at most this many windows")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")

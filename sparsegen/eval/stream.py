@@ -96,25 +96,38 @@ class StreamResult:
 
 @torch.inference_mode()
 def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None = None, every: int = 256,
-               label: str | None = None, progress: bool = True) -> StreamResult:
-    """Feed ``data`` ``[streams, length]`` one token per step through a policy's cache; NLL of every next token."""
+               chunk: int = 256, label: str | None = None, progress: bool = True) -> StreamResult:
+    """NLL of every next token of ``data`` ``[streams, length]`` fed through a policy's cache.
+
+    Policies whose kept set is fixed by token order (full, window, streaming) are fed ``chunk`` tokens per
+    call, which computes exactly what one token per call would (each query sees only its own window);
+    the others (H2O) are fed one token per call.
+    """
     device = next(model.parameters()).device
     data = data.to(device)
     streams, length = data.shape
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=1)
+    if policy.budget is not None and policy.query_view() is None:
+        chunk = 1
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk)
     nll = torch.empty(streams, length - 1, dtype=torch.float64)
     result = StreamResult(label or policy.name, nll, every=every)
-    bar = tqdm(range(length - 1), desc=result.label, unit="step", disable=not progress, mininterval=1.0)
+    bar = tqdm(total=length - 1, desc=result.label, unit="tok", disable=not progress, mininterval=1.0)
     t0 = time.perf_counter()
-    for t in bar:
-        position = torch.full((streams, 1), t, device=device)
-        logits = model(input_ids=data[:, t:t + 1], position_ids=position, past_key_values=cache).logits[:, -1]
-        nll[:, t] = F.cross_entropy(logits.float(), data[:, t + 1], reduction="none").double().cpu()
-        if t % every == 0:
+    next_sample = 0
+    for start in range(0, length - 1, chunk):
+        end = min(start + chunk, length - 1)
+        position = torch.arange(start, end, device=device)[None].expand(streams, -1)
+        logits = model(input_ids=data[:, start:end], position_ids=position, past_key_values=cache).logits
+        nll[:, start:end] = F.cross_entropy(logits.float().transpose(1, 2), data[:, start + 1:end + 1],
+                                            reduction="none").double().cpu()
+        while next_sample < end:
             held = max(cache.held_tokens())
             result.kv_tokens.append(held)
             result.kv_bytes.append(sum(layer.used * layer.bytes_per_slot for layer in cache.layers))
-            bar.set_postfix(tok_s=f"{streams * (t + 1) / (time.perf_counter() - t0):,.0f}", kv=held)
+            next_sample += every
+        bar.update(end - start)
+        bar.set_postfix(tok_s=f"{streams * end / (time.perf_counter() - t0):,.0f}", kv=max(cache.held_tokens()))
+    bar.close()
     result.seconds = time.perf_counter() - t0
     result.cache = cache.stats()
     return result

@@ -78,33 +78,64 @@ def slot_ranks(index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
 
 
-def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
-    """Attention of the new queries over the held + new tokens of one layer, then eviction."""
-    step = cache.step
+def _scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """fp32 logits ``[B, Hkv, group, q, T]`` of grouped queries against their KV head's keys."""
     batch, q_heads, q, head_dim = query.shape
-    kv_heads, total = key.shape[1], key.shape[2]
-    group, start = q_heads // kv_heads, total - q
+    grouped = query.float().view(batch, key.shape[1], q_heads // key.shape[1], q, head_dim)
+    return grouped @ key.float()[:, :, None].transpose(-1, -2) * scaling
+
+
+def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
+    """Attention of the new queries over the held + new tokens of one layer, then eviction.
+
+    For policies whose kept set depends only on token order (``Policy.query_view``), every query of a
+    chunk sees exactly the tokens it would see if the chunk were fed one token at a time, positions
+    included; other policies (H2O) let the chunk's queries see the held tokens and the chunk, causally.
+    """
+    step = cache.step
+    batch, q_heads, q, _ = query.shape
+    total = key.shape[2]
+    start = total - q
     device = query.device
     slot = torch.arange(total, device=device)
     row = torch.arange(q, device=device)
     causal = (slot[None, :] < start) | (slot[None, :] - start <= row[:, None])  # [q, T]
-    own = slot[None, :] == (start + row)[:, None]
+    padded_own = (slot[None, :] == (start + row)[:, None]) & ~step.new_valid[:, None, :, None]  # pads see themselves
     valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
-    mask = (valid[:, :1, None, :] & causal) | (own & ~step.new_valid[:, None, :, None])  # [B, 1, q, T]
+    allowed = valid[:, :1, None, :] & causal  # [B, 1, q, T]
+    key_index = layer.index[:, :, None, :total]  # [B, Hkv, 1, T]
+    query_index = step.new_index[:, None, :, None]  # [B, 1, q, 1]
+    view = cache.policy.query_view()
+    if view is not None:
+        sinks, recent = view
+        sink_column = key_index[:, :1] < sinks
+        allowed = allowed & ((key_index[:, :1] >= query_index - recent) | sink_column)
+        query_slot = (allowed.sum(-1) - 1).clamp(min=0)  # [B, 1, q]: the rolling position of each query
     if sliding_window is not None:
-        distance = step.new_index[:, None, :, None] - layer.index[:, :, None, :total]
-        mask = mask & ((distance < sliding_window) | (own & ~step.new_valid[:, None, :, None]))  # [B, Hkv, q, T]
-    if cache.rolling:
+        allowed = allowed & (query_index - key_index < sliding_window)  # [B, Hkv, q, T]
+    mask = allowed | padded_own
+    relative = cache.rolling and view is not None and q > 1
+    scores = None
+    if relative:
+        # each query's own rolling positions: recent keys at their distance in the stream, sinks at slots
+        # 0..sinks-1 and the query at (tokens it sees - 1); positions measured from a base near the chunk
+        rotary = cache.rotary
+        raw_query = rotary.unrotate(query, step.positions)
+        base = step.new_index.min(-1).values - recent - 1
+        near = _scores(rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :]),
+                       rotary.rotate(key, layer.index[:, :, :total] - base[:, None, None]), scaling)
+        far = _scores(rotary.rotate(raw_query, query_slot), rotary.rotate(key, layer.index[:, :, :total]), scaling)
+        scores = torch.where(sink_column[:, :, None], far, near)
+    elif cache.rolling:
         key = cache.rotary.rotate(key, slot_ranks(layer.index[:, :, :total], valid))
         held_before = valid[:, 0, :start].sum(-1)
         query_slots = (held_before[:, None] + step.new_valid.long().cumsum(-1) - 1).clamp(min=0)
         query = cache.rotary.rotate(cache.rotary.unrotate(query, step.positions), query_slots[:, None, :])
 
-    if cache.policy.needs_attention or sliding_window is not None:
-        grouped = query.float().view(batch, kv_heads, group, q, head_dim)
-        scores = grouped @ key.float()[:, :, None].transpose(-1, -2) * scaling  # [B, Hkv, g, q, T]
-        scores = scores.masked_fill(~mask[:, :, None], -torch.inf)
-        probs = torch.softmax(scores, dim=-1)
+    if scores is not None or cache.policy.needs_attention or sliding_window is not None:
+        if scores is None:
+            scores = _scores(query, key, scaling)
+        probs = torch.softmax(scores.masked_fill(~mask[:, :, None], -torch.inf), dim=-1)
         if layer.attention is not None:
             from_real_queries = probs.masked_fill(~step.new_valid[:, None, None, :, None], 0)
             layer.attention[:, :, :total] += from_real_queries.sum(dim=(2, 3))

@@ -44,5 +44,11 @@ class Policy:
     def priority(self, view: TokenView) -> torch.Tensor:
         raise NotImplementedError
 
+    def query_view(self) -> tuple[int, int] | None:
+        """``(sinks, recent)`` if each token sees exactly the first ``sinks`` tokens and the ``recent`` before
+        it (a kept set fixed by token order), which lets a whole chunk be computed as if fed token by token.
+        None when the kept set depends on attention."""
+        return None
+
     def describe(self) -> dict:
         return {"policy": self.name, "budget": self.budget}

@@ -53,7 +53,18 @@ def test_stream_policy_matches_token_by_token_generation_cache(model_and_tokeniz
             logits = model(input_ids=data[:, t:t + 1], past_key_values=cache).logits[:, -1]
             expected = torch.nn.functional.cross_entropy(logits, data[:, t + 1], reduction="none")
             assert torch.allclose(result.nll[:, t].float(), expected, atol=1e-5)
-    assert result.summary(10)["kv_tokens_peak"] == 9  # budget + the one-token step
+    assert result.summary(10)["kv_tokens_peak"] == 39  # the whole stream went in one chunk
+
+
+def test_chunked_streaming_equals_one_token_at_a_time(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    data = torch.randint(2, 200, (3, 90), generator=torch.Generator().manual_seed(2))
+    policy = lambda: make_policy("streaming", 10, sinks=2)  # noqa: E731
+    chunked = stream_nll(model, data, policy(), chunk=32, progress=False)
+    single = stream_nll(model, data, policy(), chunk=1, progress=False)
+    assert (chunked.nll - single.nll).abs().max() <= 1e-5
+    h2o = stream_nll(model, data, make_policy("h2o", 10), chunk=32, progress=False)
+    assert h2o.cache["kv_tokens_peak"] == 11  # H2O always goes one token at a time
 
 
 def test_recompute_reencodes_the_last_window(model_and_tokenizer):
@@ -76,7 +87,7 @@ def test_ppl_cli_json_csv_and_plot(tiny_checkpoint, corpus, tmp_path):
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert {"ppl", "tokens", "kv_tokens_peak", "segments"} <= set(report)
-    assert report["kv_tokens_peak"] <= 17 and len(report["segments"]) == 3
+    assert report["kv_tokens_peak"] <= 16 + 120 and len(report["segments"]) == 3
     args = args[:-2] + ["--policy", "full", "--policy", "recompute", "--json", str(out), "--csv", str(csv),
                         "--plot", str(png)]
     assert main(args) == 0

@@ -2,7 +2,8 @@
 
 It never evicts: keys and values stay in transformers' own DynamicCache, and eviction is simulated with
 per-(sequence, KV head) Python sets of kept token ordinals, chosen by the policy rules written out in
-plain Python. Attention is computed per head with an explicit mask over the dense keys; rolling positions
+plain Python. Window and streaming tokens each see their own window (first sinks + last budget-sinks
+before them), as if fed one at a time; H2O tokens see the kept set plus their chunk so far. Attention is computed per head with an explicit mask over the dense keys; rolling positions
 re-rotate each visible key by (rank in the kept set - original position) with RoPE written out here.
 No padding: batch rows are independent sequences of equal length.
 """
@@ -62,6 +63,10 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
             for i in range(q):
                 t = start + i
                 visible = sorted(kept | set(range(start, t + 1)))
+                if state["policy"]["policy"] in ("window", "streaming"):  # each token sees its own window
+                    sinks = state["policy"].get("sinks", 0)
+                    recent = state["policy"]["budget"] - sinks
+                    visible = [j for j in range(t + 1) if j >= t - recent or j < sinks]
                 k = key[b, h, visible]
                 qh = query[b, h * group:(h + 1) * group, i]
                 if state["rolling"]:

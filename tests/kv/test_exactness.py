@@ -202,3 +202,19 @@ def test_sliding_window_layers_match_dynamic_cache(name):
     model.config.sliding_window = None
     unwindowed = _run_chunks(model, DynamicCache(config=model.config), ids, mask, CHUNKS)
     assert (expected - unwindowed).abs().max() > 1e-3  # the window really restricted attention
+
+
+@pytest.mark.parametrize("positions", ["original", "rolling"])
+@pytest.mark.parametrize("name, options", [("window", {}), ("streaming", {"sinks": 3})])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_order_policies_compute_chunks_as_if_token_by_token(family, name, options, positions):
+    """Window and streaming give each query of a chunk exactly its own window: chunked == one token at a time."""
+    if family == "opt" and positions == "rolling":
+        pytest.skip("OPT has no RoPE")
+    model = tiny_model(family)
+    ids, mask = _padded_batch([60, 47], 60, seed=5)
+    one_by_one = _run_chunks(model, EvictionCache(model, _policy(name, 12, **options), positions=positions),
+                             ids, mask, [1] * 60)
+    chunked = _run_chunks(model, EvictionCache(model, _policy(name, 12, **options), positions=positions,
+                                               chunk_size=16), ids, mask, [16, 16, 16, 5, 7])
+    assert (chunked - one_by_one)[mask.bool()].abs().max() <= TOL

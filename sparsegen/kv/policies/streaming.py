@@ -18,5 +18,8 @@ class Streaming(Policy):
     def priority(self, view: TokenView):
         return view.index.float().masked_fill(view.is_sink(self.sinks), math.inf)
 
+    def query_view(self):
+        return self.sinks, self.budget - self.sinks
+
     def describe(self):
         return {**super().describe(), "sinks": self.sinks, "recent": self.budget - self.sinks}

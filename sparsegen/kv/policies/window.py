@@ -8,3 +8,6 @@ class Window(Policy):
 
     def priority(self, view: TokenView):
         return view.index.float()
+
+    def query_view(self):
+        return 0, self.budget
