@@ -27,6 +27,12 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
 
 
+def load_model(args: argparse.Namespace):
+    from sparsegen.models import load
+
+    return load(args.model, device=args.device, dtype=args.dtype)
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     from sparsegen.models import model_spec
 
@@ -41,10 +47,9 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from sparsegen.generation import generate
-    from sparsegen.models import load
 
     prompt = _read_prompt(args)
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(args)
     stream = None
     if not args.json:
         if args.prompt is not None:
@@ -77,10 +82,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
     import textwrap
 
     from sparsegen.generation import generate
-    from sparsegen.models import load
 
     prompt = _read_prompt(args)
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(args)
     rows = []
     for name in args.policies.split(","):
         budget = None if name == "full" else args.budget
@@ -103,11 +107,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def cmd_ppl(args: argparse.Namespace) -> None:
     from sparsegen.data import data_dir
-    from sparsegen.models import load
 
     if args.stream == args.windows:
         raise ValueError("give exactly one of --stream and --windows")
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test"
     bos = tokenizer.bos_token_id if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else None
     meta = {"model": args.model, "text": str(text), "mode": "stream" if args.stream else "windows"}
@@ -165,6 +168,36 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
     if len(summaries) == 1:
         return {**meta, **summaries[0]}
     return {**meta, "policies": summaries}
+
+
+def cmd_fidelity(args: argparse.Namespace) -> None:
+    from sparsegen.data import data_dir
+    from sparsegen.eval.fidelity import cut_prompts, fidelity
+    from sparsegen.eval.stream import read_tokens
+    from sparsegen.kv import make_policy
+    from sparsegen.kv.policies import OPTIONS
+
+    model, tokenizer = load_model(args)
+    text = args.text or data_dir() / "books" / "test" / "dracula.txt"
+    bos = tokenizer.bos_token_id if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else None
+    tokens = read_tokens(text, tokenizer, max(200_000, args.prompts * args.prompt_tokens))
+    prompts = cut_prompts(tokens, args.prompts, args.prompt_tokens, bos)
+    report = {"model": args.model, "text": str(text), "policies": []}
+    many = len(args.policy) > 1
+    print(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
+    print(f"{'policy':<16}{'budget':>8}{'ROUGE-L':>9}{'tokens to divergence':>22}{'KL(full||policy)':>18}")
+    for name in args.policy:
+        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy") if not many or k in OPTIONS.get(name, ())}
+        make = lambda: make_policy(name, None if name == "full" else args.budget,  # noqa: E731
+                                   input_length=args.prompt_tokens, **splits)
+        result = {**make().describe(), **fidelity(model, tokenizer, prompts, make, args.new_tokens, args.positions,
+                                                  args.chunk_size)}
+        report["policies"].append(result)
+        print(f"{name:<16}{str(result['budget']):>8}{result['rouge_l']:>9.3f}{result['tokens_to_divergence']:>22.1f}"
+              f"{result['kl']:>18.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 def cmd_train_reference(args: argparse.Namespace) -> None:
@@ -261,6 +294,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="write per-segment PPL as CSV to this file")
     p.add_argument("--plot", default=None, help="write log-PPL and KV memory vs tokens as a PNG")
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("fidelity", help="a policy against the full cache: ROUGE-L, tokens to divergence, KL")
+    _model_args(p)
+    p.add_argument("--text", default=None, help="text file to cut prompts from (default books/test/dracula.txt)")
+    p.add_argument("--policy", action="append", required=True, help="policy to compare with full; repeat for several")
+    p.add_argument("--budget", default=None, help="KV tokens, or a fraction of the prompt length (0.2)")
+    p.add_argument("--sinks", type=int, default=None)
+    p.add_argument("--recent", type=int, default=None)
+    p.add_argument("--heavy", type=int, default=None)
+    p.add_argument("--positions", choices=["original", "rolling"], default=None)
+    p.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
+    p.add_argument("--prompt-tokens", type=int, default=400, help="tokens per prompt (default 400)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.set_defaults(func=cmd_fidelity)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])

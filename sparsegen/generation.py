@@ -53,6 +53,68 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 
 @torch.inference_mode()
+def generate_tokens(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    policy: Policy,
+    positions: str | None = None,
+    max_new_tokens: int = 100,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    chunk_size: int = DEFAULT_CHUNK,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    progress: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
+    """The token-level loop: ``(new [B, n], counts [B], cache stats, prefill s, decode s)``.
+
+    ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``.
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
+    device = ids.device
+    batch, length = ids.shape
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    padded = not bool(mask.all())
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+
+    t0 = time.perf_counter()
+    show = progress if progress is not None else length > 8 * chunk_size
+    for start in tqdm(range(0, length, chunk_size), desc="prefill", unit="chunk", disable=not show, leave=False):
+        end = min(start + chunk_size, length)
+        logits = model(
+            input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
+            position_ids=position_ids[:, start:end], past_key_values=cache, logits_to_keep=1,
+        ).logits[:, -1]
+    prefill_seconds = time.perf_counter() - t0
+
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    new = torch.empty(batch, 0, dtype=torch.long, device=device)
+    counts = torch.zeros(batch, dtype=torch.long, device=device)
+    next_position = position_ids[:, -1:] + 1
+    t0 = time.perf_counter()
+    for step in range(max_new_tokens):
+        token = _next_token(logits, temperature, top_p, generator)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        counts += ~finished
+        new = torch.cat([new, token[:, None]], dim=1)
+        if eos_id is not None:
+            finished |= token == eos_id
+        if on_token is not None:
+            on_token(new, counts)
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        logits = model(input_ids=token[:, None], position_ids=next_position, past_key_values=cache).logits[:, -1]
+        next_position = next_position + 1
+    return new, counts, cache.stats(), prefill_seconds, time.perf_counter() - t0
+
+
 def generate(
     model: torch.nn.Module,
     tokenizer,
@@ -78,59 +140,26 @@ def generate(
     so the cache never holds more than the budget plus one chunk. ``on_text`` receives the new text of
     the first sequence as it is produced.
     """
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
-    single = isinstance(prompts, str)
-    prompts = [prompts] if single else list(prompts)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    batch, length = ids.shape
     if not isinstance(policy, Policy):
-        policy = make_policy(policy, budget, input_length=length, sinks=sinks, recent=recent, heavy=heavy)
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    padded = not bool(mask.all())
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy)
+    shown = [""]
 
-    t0 = time.perf_counter()
-    starts = range(0, length, chunk_size)
-    show = progress if progress is not None else length > 8 * chunk_size
-    for start in tqdm(starts, desc="prefill", unit="chunk", disable=not show, leave=False):
-        end = min(start + chunk_size, length)
-        logits = model(
-            input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
-            position_ids=position_ids[:, start:end], past_key_values=cache, logits_to_keep=1,
-        ).logits[:, -1]
-    prefill_seconds = time.perf_counter() - t0
+    def stream_text(new: torch.Tensor, counts: torch.Tensor) -> None:
+        text = tokenizer.decode(new[0, : counts[0]], skip_special_tokens=True)
+        on_text(text[len(shown[0]):])
+        shown[0] = text
 
-    eos = tokenizer.eos_token_id
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    new = torch.empty(batch, 0, dtype=torch.long, device=device)
-    counts = torch.zeros(batch, dtype=torch.long, device=device)
-    next_position = position_ids[:, -1:] + 1
-    shown = ""
-    t0 = time.perf_counter()
-    for step in range(max_new_tokens):
-        token = _next_token(logits, temperature, top_p, generator)
-        token = torch.where(finished, torch.full_like(token, tokenizer.pad_token_id or 0), token)
-        counts += ~finished
-        new = torch.cat([new, token[:, None]], dim=1)
-        if stop_at_eos and eos is not None:
-            finished |= token == eos
-        if on_text is not None:
-            text = tokenizer.decode(new[0, : counts[0]], skip_special_tokens=True)
-            on_text(text[len(shown):])
-            shown = text
-        if bool(finished.all()) or step == max_new_tokens - 1:
-            break
-        logits = model(input_ids=token[:, None], position_ids=next_position, past_key_values=cache).logits[:, -1]
-        next_position = next_position + 1
-    decode_seconds = time.perf_counter() - t0
-    texts = [tokenizer.decode(new[row, : counts[row]], skip_special_tokens=True) for row in range(batch)]
+    new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(
+        model, ids, mask, policy, positions, max_new_tokens, temperature, top_p, seed, chunk_size,
+        eos_id=tokenizer.eos_token_id if stop_at_eos else None, pad_id=tokenizer.pad_token_id or 0,
+        on_token=stream_text if on_text is not None else None, progress=progress,
+    )
     return Generation(
-        texts=texts, new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),
-        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache.stats(),
+        texts=[tokenizer.decode(new[row, : counts[row]], skip_special_tokens=True) for row in range(len(prompts))],
+        new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),
+        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=stats,
     )

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 from urllib.parse import urlparse

@@ -1,0 +1,86 @@
+"""Fidelity of a KV policy to the full cache: do its greedy continuations and next-token distributions agree?"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from rouge_score import rouge_scorer
+from tqdm.auto import tqdm
+
+from sparsegen.generation import generate_tokens
+from sparsegen.kv import EvictionCache, Policy
+from sparsegen.kv.policies import Full
+
+
+def cut_prompts(tokens: np.ndarray, count: int, length: int, bos_id: int | None) -> torch.Tensor:
+    """``count`` prompts of ``length`` tokens, evenly spaced over ``tokens`` (BOS first if given)."""
+    body = length - 1 if bos_id is not None else length
+    if len(tokens) < body + 1:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than one prompt of {length}")
+    starts = np.linspace(0, len(tokens) - body - 1, count).round().astype(int)
+    rows = torch.from_numpy(np.stack([tokens[s:s + body] for s in starts]).astype(np.int64))
+    if bos_id is not None:
+        rows = torch.cat([torch.full((count, 1), bos_id), rows], dim=1)
+    return rows
+
+
+@torch.inference_mode()
+def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, policy: Policy, positions, chunk_size):
+    """Next-token logits under ``policy`` for every continuation token, teacher-forced: [B, n, vocab]."""
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size)
+    length = prompts.shape[1]
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        position = torch.arange(start, end, device=prompts.device)[None].expand(len(prompts), -1)
+        last = model(input_ids=prompts[:, start:end], position_ids=position, past_key_values=cache,
+                     logits_to_keep=1).logits[:, -1]
+    logits = [last]
+    for i in range(continuation.shape[1] - 1):
+        position = torch.full((len(prompts), 1), length + i, device=prompts.device)
+        logits.append(model(input_ids=continuation[:, i:i + 1], position_ids=position,
+                            past_key_values=cache).logits[:, -1])
+    return torch.stack(logits, dim=1).float()
+
+
+@torch.inference_mode()
+def fidelity(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: torch.Tensor,
+    make: Callable[[], Policy],
+    new_tokens: int = 64,
+    positions: str | None = None,
+    chunk_size: int = 512,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict:
+    """ROUGE-L of greedy continuations, tokens until they first differ, and mean KL(full || policy) per token."""
+    device = next(model.parameters()).device
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    rouge, divergence, kl = [], [], []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="fidelity", disable=not progress, leave=False):
+        ids = prompts[start:start + batch_size].to(device)
+        mask = torch.ones_like(ids)
+        full, *_ = generate_tokens(model, ids, mask, Full(), max_new_tokens=new_tokens, chunk_size=chunk_size)
+        ours, *_ = generate_tokens(model, ids, mask, make(), positions, max_new_tokens=new_tokens,
+                                   chunk_size=chunk_size)
+        differs = full != ours
+        divergence += torch.where(differs.any(1), differs.float().argmax(1), new_tokens).tolist()
+        for a, b in zip(tokenizer.batch_decode(full, skip_special_tokens=True),
+                        tokenizer.batch_decode(ours, skip_special_tokens=True)):
+            rouge.append(scorer.score(a, b)["rougeL"].fmeasure if a.strip() or b.strip() else 1.0)
+        dense = model(input_ids=torch.cat([ids, full[:, :-1]], dim=1)).logits[:, ids.shape[1] - 1:].float()
+        sparse = _policy_logits(model, ids, full, make(), positions, chunk_size)
+        log_p, log_q = dense.log_softmax(-1), sparse.log_softmax(-1)
+        kl += (log_p.exp() * (log_p - log_q)).sum(-1).mean(-1).clamp(min=0).tolist()
+    return {
+        "prompts": len(prompts),
+        "prompt_tokens": prompts.shape[1],
+        "new_tokens": new_tokens,
+        "rouge_l": float(np.mean(rouge)),
+        "tokens_to_divergence": float(np.mean(divergence)),
+        "kl": float(np.mean(kl)),
+        "per_prompt": {"rouge_l": rouge, "tokens_to_divergence": divergence, "kl": kl},
+    }
