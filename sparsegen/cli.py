@@ -200,6 +200,39 @@ def cmd_fidelity(args: argparse.Namespace) -> None:
             json.dump(report, f, indent=2)
 
 
+def cmd_passkey(args: argparse.Namespace) -> None:
+    from sparsegen.data import data_dir
+    from sparsegen.eval.passkey import passkey_accuracy
+    from sparsegen.eval.stream import read_tokens
+    from sparsegen.kv import make_policy
+    from sparsegen.kv.policies import OPTIONS
+
+    model, tokenizer = load_model(args)
+    text = args.text or data_dir() / "books" / "test" / "great_expectations.txt"
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    filler = read_tokens(text, tokenizer, 4 * max(lengths))
+    policies = args.policy or ["full"]
+    many = len(policies) > 1
+    results = {}
+    for name in policies:
+        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy") if not many or k in OPTIONS.get(name, ())}
+        make = lambda: make_policy(name, None if name == "full" else args.budget, **splits)  # noqa: E731
+        results[name] = {**make().describe(), **passkey_accuracy(
+            model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions)}
+        print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
+        for length in lengths:
+            row = [c["accuracy"] for c in results[name]["cells"] if c["length"] == length]
+            print(f"  {length:>7} tokens: " + " ".join(f"{a:4.0%}" for a in row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "text": str(text), "policies": results}, f, indent=2)
+    if args.plot:
+        from sparsegen.eval.plots import plot_passkey
+
+        plot_passkey(results, args.plot)
+
+
 def cmd_train_reference(args: argparse.Namespace) -> None:
     import torch
 
@@ -310,6 +343,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.set_defaults(func=cmd_fidelity)
+
+    p = sub.add_parser("passkey", help="pass-key retrieval accuracy per context length and needle depth")
+    _model_args(p)
+    p.add_argument("--text", default=None, help="haystack text (default books/test/great_expectations.txt)")
+    p.add_argument("--policy", action="append", default=None, help="policy; repeat for several (default full)")
+    p.add_argument("--budget", default=None, help="KV tokens per layer (a token count)")
+    p.add_argument("--sinks", type=int, default=None)
+    p.add_argument("--recent", type=int, default=None)
+    p.add_argument("--heavy", type=int, default=None)
+    p.add_argument("--positions", choices=["original", "rolling"], default=None)
+    p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths, tokens (comma-separated)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0-1 (comma-separated)")
+    p.add_argument("--trials", type=int, default=5, help="keys per (length, depth) (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--plot", default=None, help="write accuracy heatmaps as a PNG")
+    p.set_defaults(func=cmd_passkey)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])

@@ -29,3 +29,21 @@ def plot_stream(summaries: list[dict], traces: list[tuple[list[int], int]], path
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_passkey(results: dict[str, dict], path: str | Path) -> None:
+    """One accuracy heatmap (context length x needle depth) per policy."""
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results) + 1, 3.2), squeeze=False)
+    for ax, (label, result) in zip(axes[0], results.items()):
+        grid = np.array([[c["accuracy"] for c in result["cells"] if c["length"] == n] for n in result["lengths"]])
+        image = ax.imshow(grid.T, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(result["lengths"])), [str(n) for n in result["lengths"]], fontsize=7)
+        ax.set_yticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]], fontsize=7)
+        ax.set_xlabel("context tokens")
+        ax.set_title(f"{label} ({result['accuracy']:.0%})", fontsize=9)
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

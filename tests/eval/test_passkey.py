@@ -1,0 +1,60 @@
+import json
+
+import numpy as np
+import pytest
+
+import sparsegen
+from sparsegen.cli import main
+from sparsegen.eval.passkey import INTRO, NEEDLE, QUESTION, build_prompt, passkey_accuracy
+from sparsegen.kv import make_policy
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_checkpoint):
+    return sparsegen.load(tiny_checkpoint)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_needle_sits_at_the_requested_depth(tiny_tokenizer, depth):
+    filler = np.arange(2, 5000) % 250 + 2
+    ids, at = build_prompt(tiny_tokenizer, filler, length=300, depth=depth, key=12345)
+    encode = lambda text: tiny_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    head = [tiny_tokenizer.bos_token_id] + encode(INTRO)
+    needle, tail = encode(NEEDLE.format(key=12345)), encode(QUESTION)
+    room = 300 - len(head) - len(needle) - len(tail)
+    assert len(ids) == 300
+    assert ids[:len(head)] == head and ids[-len(tail):] == tail
+    assert ids[at:at + len(needle)] == needle
+    assert at - len(head) == round(depth * room)  # haystack tokens before the needle
+
+
+def test_depth_is_proportional(tiny_tokenizer):
+    filler = np.arange(2, 5000) % 250 + 2
+    positions = [build_prompt(tiny_tokenizer, filler, 400, d, 11111)[1] for d in (0.0, 0.5, 1.0)]
+    assert positions[0] < positions[1] < positions[2]
+    assert positions[1] - positions[0] == pytest.approx((positions[2] - positions[0]) / 2, abs=1)
+
+
+def test_bad_requests(tiny_tokenizer):
+    with pytest.raises(ValueError, match="depth"):
+        build_prompt(tiny_tokenizer, np.arange(1000), 300, 1.5, 12345)
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_prompt(tiny_tokenizer, np.arange(1000), 10, 0.5, 12345)
+    with pytest.raises(ValueError, match="haystack text has 5 tokens"):
+        build_prompt(tiny_tokenizer, np.arange(5), 300, 0.5, 12345)
+
+
+def test_accuracy_grid_and_cli(model_and_tokenizer, tiny_checkpoint, corpus, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    filler = np.arange(2, 5000) % 250 + 2
+    result = passkey_accuracy(model, tokenizer, filler, [200, 260], [0.0, 1.0], lambda: make_policy("full"),
+                              trials=2, progress=False)
+    assert [(c["length"], c["depth"]) for c in result["cells"]] == [(200, 0.0), (200, 1.0), (260, 0.0), (260, 1.0)]
+    assert all(0 <= c["accuracy"] <= 1 and len(c["answers"]) == 2 for c in result["cells"])
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    assert main(["passkey", "--model", str(tiny_checkpoint), "--text", str(corpus / "books/test/c.txt"),
+                 "--policy", "full", "--policy", "streaming", "--budget", "64", "--lengths", "200", "--chunk-size", "64",
+                 "--depths", "0,0.5", "--trials", "2", "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())["policies"]
+    assert set(report) == {"full", "streaming"} and report["streaming"]["cells"][0]["kv_tokens_peak"] <= 64 + 64
+    assert png.read_bytes()[:4] == b"\x89PNG"
