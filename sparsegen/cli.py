@@ -16,15 +16,35 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
     p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
 
 
-def _policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="full", help="full, window, streaming, h2o, streaming-h2o (default full)")
-    p.add_argument("--budget", default=None, help="KV tokens kept per layer, or a fraction of the input length (0.2)")
+def _budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
+    p.add_argument("--budget", default=None, help=budget_help)
     p.add_argument("--sinks", type=int, default=None, help="first tokens always kept (streaming: 4)")
     p.add_argument("--recent", type=int, default=None, help="most recent tokens always kept (h2o: half the budget)")
     p.add_argument("--heavy", type=int, default=None, help="heavy-hitter tokens kept (h2o: half the budget)")
     p.add_argument("--positions", choices=["original", "rolling"], default=None,
                    help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="full", help="full, window, streaming, h2o, streaming-h2o (default full)")
+    _budget_args(p, "KV tokens kept per layer, or a fraction of the input length (0.2)")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+
+
+def _policies(args: argparse.Namespace, input_length: int | None = None):
+    """``(name, factory)`` for each ``--policy``; with several, each takes only the splits that apply to it."""
+    from sparsegen.kv import make_policy
+    from sparsegen.kv.policies import OPTIONS
+
+    names = args.policy or ["full"]
+    for name in names:
+        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy")
+                  if len(names) == 1 or k in OPTIONS.get(name, ())}
+
+        def make(name=name, splits=splits):
+            return make_policy(name, None if name == "full" else args.budget, input_length=input_length, **splits)
+
+        yield name, make
 
 
 def load_model(args: argparse.Namespace):
@@ -133,21 +153,16 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
     import csv
 
     from sparsegen.eval.stream import make_streams, recompute_nll, stream_nll
-    from sparsegen.kv import make_policy
-    from sparsegen.kv.policies import OPTIONS
 
     data = make_streams(text, tokenizer, args.max_tokens, args.streams, bos)
     results = []
-    for name in args.policy or ["full"]:
+    for name, make in _policies(args, input_length=data.shape[1]):
         if name == "recompute":
             if args.budget is None:
                 raise ValueError("recompute needs --budget (its window, in tokens)")
             results.append(recompute_nll(model, data, int(args.budget), every=args.every))
             continue
-        # with several policies, each takes the budget splits that apply to it
-        many = len(args.policy or []) > 1
-        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy") if not many or k in OPTIONS.get(name, ())}
-        policy = make_policy(name, None if name == "full" else args.budget, input_length=data.shape[1], **splits)
+        policy = make()
         results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every, chunk=args.chunk))
     summaries = [r.summary(args.segment) for r in results]
     print(f"{data.shape[0]} streams x {data.shape[1] - 1:,} predicted tokens")
@@ -174,22 +189,15 @@ def cmd_fidelity(args: argparse.Namespace) -> None:
     from sparsegen.data import data_dir
     from sparsegen.eval.fidelity import cut_prompts, fidelity
     from sparsegen.eval.stream import read_tokens
-    from sparsegen.kv import make_policy
-    from sparsegen.kv.policies import OPTIONS
-
     model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test" / "dracula.txt"
     bos = tokenizer.bos_token_id if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else None
     tokens = read_tokens(text, tokenizer, max(200_000, args.prompts * args.prompt_tokens))
     prompts = cut_prompts(tokens, args.prompts, args.prompt_tokens, bos)
     report = {"model": args.model, "text": str(text), "policies": []}
-    many = len(args.policy) > 1
     print(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(f"{'policy':<16}{'budget':>8}{'ROUGE-L':>9}{'tokens to divergence':>22}{'KL(full||policy)':>18}")
-    for name in args.policy:
-        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy") if not many or k in OPTIONS.get(name, ())}
-        make = lambda: make_policy(name, None if name == "full" else args.budget,  # noqa: E731
-                                   input_length=args.prompt_tokens, **splits)
+    for name, make in _policies(args, input_length=args.prompt_tokens):
         result = {**make().describe(), **fidelity(model, tokenizer, prompts, make, args.new_tokens, args.positions,
                                                   args.chunk_size)}
         report["policies"].append(result)
@@ -204,20 +212,13 @@ def cmd_passkey(args: argparse.Namespace) -> None:
     from sparsegen.data import data_dir
     from sparsegen.eval.passkey import passkey_accuracy
     from sparsegen.eval.stream import read_tokens
-    from sparsegen.kv import make_policy
-    from sparsegen.kv.policies import OPTIONS
-
     model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test" / "great_expectations.txt"
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     filler = read_tokens(text, tokenizer, 4 * max(lengths))
-    policies = args.policy or ["full"]
-    many = len(policies) > 1
     results = {}
-    for name in policies:
-        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy") if not many or k in OPTIONS.get(name, ())}
-        make = lambda: make_policy(name, None if name == "full" else args.budget, **splits)  # noqa: E731
+    for name, make in _policies(args):
         results[name] = {**make().describe(), **passkey_accuracy(
             model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions)}
         print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
@@ -310,11 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--windows", action="store_true", help="non-overlapping windows of --ctx tokens, dense")
     p.add_argument("--policy", action="append", default=None,
                    help="full, window, streaming, h2o, streaming-h2o or recompute; repeat to compare (default full)")
-    p.add_argument("--budget", default=None, help="KV tokens per layer (recompute: its window)")
-    p.add_argument("--sinks", type=int, default=None)
-    p.add_argument("--recent", type=int, default=None)
-    p.add_argument("--heavy", type=int, default=None)
-    p.add_argument("--positions", choices=["original", "rolling"], default=None)
+    _budget_args(p, "KV tokens per layer (recompute: its window)")
     p.add_argument("--max-tokens", type=int, default=20000, help="tokens predicted, over all streams (default 20000)")
     p.add_argument("--streams", type=int, default=None, help="independent streams in one batch (default: files, up to 4)")
     p.add_argument("--segment", type=int, default=1024, help="tokens per reported segment (default 1024)")
@@ -332,11 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--text", default=None, help="text file to cut prompts from (default books/test/dracula.txt)")
     p.add_argument("--policy", action="append", required=True, help="policy to compare with full; repeat for several")
-    p.add_argument("--budget", default=None, help="KV tokens, or a fraction of the prompt length (0.2)")
-    p.add_argument("--sinks", type=int, default=None)
-    p.add_argument("--recent", type=int, default=None)
-    p.add_argument("--heavy", type=int, default=None)
-    p.add_argument("--positions", choices=["original", "rolling"], default=None)
+    _budget_args(p, "KV tokens, or a fraction of the prompt length (0.2)")
     p.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
     p.add_argument("--prompt-tokens", type=int, default=400, help="tokens per prompt (default 400)")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
@@ -348,11 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--text", default=None, help="haystack text (default books/test/great_expectations.txt)")
     p.add_argument("--policy", action="append", default=None, help="policy; repeat for several (default full)")
-    p.add_argument("--budget", default=None, help="KV tokens per layer (a token count)")
-    p.add_argument("--sinks", type=int, default=None)
-    p.add_argument("--recent", type=int, default=None)
-    p.add_argument("--heavy", type=int, default=None)
-    p.add_argument("--positions", choices=["original", "rolling"], default=None)
+    _budget_args(p, "KV tokens per layer (a token count)")
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths, tokens (comma-separated)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0-1 (comma-separated)")
     p.add_argument("--trials", type=int, default=5, help="keys per (length, depth) (default 5)")

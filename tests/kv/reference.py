@@ -112,5 +112,13 @@ class ReferenceRun:
         finally:
             self.model.set_attn_implementation(previous)
 
+    def feed(self, input_ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+        """Logits of ``input_ids`` fed in calls of the given lengths."""
+        logits, start = [], 0
+        for n in chunks:
+            logits.append(self(input_ids[:, start:start + n]))
+            start += n
+        return torch.cat(logits, dim=1)
+
     def kept(self, layer: int, b: int, h: int) -> set[int]:
         return self.state["kept"][layer][b][h]

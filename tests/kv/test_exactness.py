@@ -99,11 +99,7 @@ def test_below_budget_matches_reference(family, name):
     cache = EvictionCache(model, policy, positions=positions, chunk_size=8)
     got = _run_chunks(model, cache, ids, mask, CHUNKS)
     reference = ReferenceRun(model, policy.describe(), rolling=cache.rolling, batch=2)
-    expected, start = [], 0
-    for n in CHUNKS:
-        expected.append(reference(ids[:, start:start + n]))
-        start += n
-    expected = torch.cat(expected, dim=1)
+    expected = reference.feed(ids, CHUNKS)
     assert (got - expected).abs().max() <= TOL
     kv_heads = cache.layers[0].keys.shape[1]
     for layer in range(len(cache.layers)):

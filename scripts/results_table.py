@@ -1,0 +1,39 @@
+"""Markdown tables from the JSON files the repro scripts write to docs/results/."""
+
+import json
+import sys
+from pathlib import Path
+
+root = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results")
+
+
+def policies(path):
+    data = json.loads(path.read_text())
+    return data.get("policies", [data]) if isinstance(data.get("policies", []), list) else data["policies"]
+
+
+sweep = sorted(root.glob("stream_sinks*_b256.json"), key=lambda p: int(p.stem.split("sinks")[1].split("_")[0]))
+if sweep:
+    print("| sinks + recent (budget 256) | PPL | PPL, last segment | tokens | tokens/s |\n|---|---|---|---|---|")
+    for path in sweep:
+        r = policies(path)[0]
+        sinks = r["cache"]["sinks"]
+        print(f"| {sinks} + {256 - sinks} | {r['ppl']:.2f} | {r['segments'][-1]['ppl']:.2f} | {r['tokens']:,} "
+              f"| {r['tokens_per_s']:,.0f} |")
+for name in ("stream_full_16k.json", "stream_recompute_8k.json"):
+    path = root / name
+    if path.exists():
+        print(f"\n{name}:\n\n| policy | PPL | PPL, last segment | KV peak | tokens/s |\n|---|---|---|---|---|")
+        for r in policies(path):
+            print(f"| {r['label']} | {r['ppl']:.2f} | {r['segments'][-1]['ppl']:.2f} | {r['kv_tokens_peak']:,} "
+                  f"| {r['tokens_per_s']:,.0f} |")
+for pct in (20, 10):
+    ppl, fid = root / f"h2o_ppl_{pct}pct.json", root / f"h2o_fidelity_{pct}pct.json"
+    if ppl.exists() and fid.exists():
+        scores = {f["policy"]: f for f in policies(fid)}
+        print(f"\nH2O, {pct}% budget:\n\n| policy | PPL | ROUGE-L | tokens to divergence | KL(full‖policy) |\n"
+              "|---|---|---|---|---|")
+        for r in policies(ppl):
+            f = scores.get(r["label"])
+            extra = f"{f['rouge_l']:.3f} | {f['tokens_to_divergence']:.1f} | {f['kl']:.4f}" if f else "1 | 64 | 0"
+            print(f"| {r['label']} | {r['ppl']:.2f} | {extra} |")
