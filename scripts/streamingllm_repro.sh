@@ -14,3 +14,6 @@ $S ppl --stream --text $TEXT --policy full --policy streaming --sinks 4 --budget
   --segment 500 --json $OUT/stream_full_16k.json --plot $OUT/stream_full_16k.png
 $S ppl --stream --text $TEXT --policy recompute --policy window --policy streaming --sinks 4 --budget 256 \
   --max-tokens 8000 --segment 500 --json $OUT/stream_recompute_8k.json --plot $OUT/stream_recompute_8k.png
+# a million tokens through 4 sinks + 252 recent: the four test books cut into 8 streams of 125k tokens
+$S ppl --stream --text $TEXT --streams 8 --policy streaming --sinks 4 --budget 256 --max-tokens 1000000 \
+  --segment 10000 --every 2048 --json $OUT/stream_1m_streaming.json --plot $OUT/stream_1m_streaming.png
