@@ -126,13 +126,13 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_ppl(args: argparse.Namespace) -> None:
-    from sparsegen.data import data_dir
+    from sparsegen.data import data_dir, leading_bos
 
     if args.stream == args.windows:
         raise ValueError("give exactly one of --stream and --windows")
     model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test"
-    bos = tokenizer.bos_token_id if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else None
+    bos = leading_bos(tokenizer)
     meta = {"model": args.model, "text": str(text), "mode": "stream" if args.stream else "windows"}
     if args.windows:
         from sparsegen.data import tokenize_files
@@ -186,12 +186,12 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> None:
-    from sparsegen.data import data_dir
+    from sparsegen.data import data_dir, leading_bos
     from sparsegen.eval.fidelity import cut_prompts, fidelity
     from sparsegen.eval.stream import read_tokens
     model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test" / "dracula.txt"
-    bos = tokenizer.bos_token_id if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else None
+    bos = leading_bos(tokenizer)
     tokens = read_tokens(text, tokenizer, max(200_000, args.prompts * args.prompt_tokens))
     prompts = cut_prompts(tokens, args.prompts, args.prompt_tokens, bos)
     report = {"model": args.model, "text": str(text), "policies": []}

@@ -51,6 +51,12 @@ def read_texts(path: str | Path) -> list[str]:
     return [p.read_text(encoding="utf-8", errors="replace") for p in text_files(path)]
 
 
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id if the tokenizer puts it in front of every text (as Llama's does), else None."""
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and tokenizer("a")["input_ids"][0] == bos else None
+
+
 def tokenize_files(path: str | Path, tokenizer, cache: bool = True) -> list[np.ndarray]:
     """One token array per text file (no special tokens), cached on disk by content and tokenizer."""
     files = text_files(path)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from sparsegen.data import leading_bos
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import Policy
 
@@ -26,7 +27,7 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    bos = tokenizer("a")["input_ids"][:1] if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else []
+    bos = [] if leading_bos(tokenizer) is None else [tokenizer.bos_token_id]
     head, needle, tail = bos + encode(INTRO), encode(NEEDLE.format(key=key)), encode(QUESTION)
     room = length - len(head) - len(needle) - len(tail)
     if room < 0:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.data import text_files
 from sparsegen.kv import EvictionCache, Policy
+from sparsegen.models.spec import kv_bytes_per_token
 
 
 def read_tokens(path: str | Path, tokenizer, max_tokens: int, block_chars: int = 1 << 18) -> np.ndarray:
@@ -123,7 +124,7 @@ def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None 
         while next_sample < end:
             held = max(cache.held_tokens())
             result.kv_tokens.append(held)
-            result.kv_bytes.append(sum(layer.used * layer.bytes_per_slot for layer in cache.layers))
+            result.kv_bytes.append(cache.held_bytes())
             next_sample += every
         bar.update(end - start)
         bar.set_postfix(tok_s=f"{streams * end / (time.perf_counter() - t0):,.0f}", kv=max(cache.held_tokens()))
@@ -141,10 +142,7 @@ def recompute_nll(model, data: torch.Tensor, window: int, batch_size: int = 16, 
     data = data.to(device)
     streams, length = data.shape
     nll = torch.empty(streams, length - 1, dtype=torch.float64)
-    config = model.config.get_text_config()
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+    bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
     result = StreamResult(f"recompute-{window}", nll, every=every)
     bar = tqdm(total=length - 1, desc=result.label, unit="step", disable=not progress, mininterval=1.0)
     t0 = time.perf_counter()

@@ -252,6 +252,10 @@ class EvictionCache(Cache):
         """Slots in use per layer now (the largest held count of any sequence)."""
         return [layer.used for layer in self.layers]
 
+    def held_bytes(self) -> int:
+        """K and V bytes in the slots in use now, over all layers."""
+        return sum(layer.used * layer.bytes_per_slot for layer in self.layers)
+
     def stats(self) -> dict:
         return {
             **self.policy.describe(),

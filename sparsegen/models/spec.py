@@ -45,11 +45,23 @@ def count_params(config: PretrainedConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a config (MHA models have as many KV heads as query heads)."""
+    text = config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
+    """K and V bytes one token costs over all layers, at ``element_size`` bytes per number."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    return 2 * layers * kv_heads * head_dim * element_size
+
+
 def spec_from_config(config: PretrainedConfig, name: str, dtype: str | None = None) -> ModelSpec:
     text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    _, kv_heads, head_dim = kv_shape(config)
     dtype_name = _dtype_name(text, dtype)
     element = torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None) or getattr(text, "rotary_pct", None)
@@ -59,7 +71,7 @@ def spec_from_config(config: PretrainedConfig, name: str, dtype: str | None = No
         model_type=config.model_type,
         params=count_params(config),
         layers=text.num_hidden_layers,
-        heads=heads,
+        heads=text.num_attention_heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
         hidden_size=text.hidden_size,
@@ -67,7 +79,7 @@ def spec_from_config(config: PretrainedConfig, name: str, dtype: str | None = No
         max_positions=getattr(text, "max_position_embeddings", None),
         positions="rope" if rope else "learned",
         dtype=dtype_name,
-        kv_bytes_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * element,
+        kv_bytes_per_token=kv_bytes_per_token(config, element),
     )
 
 
