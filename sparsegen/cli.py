@@ -271,6 +271,86 @@ def cmd_sinks(args: argparse.Namespace) -> None:
     print(json.dumps(stats, indent=2))
 
 
+def _bytes(text: str) -> int:
+    """``24GiB``, ``80GB``, ``512MiB`` or a plain number of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    lowered = text.strip().lower()
+    for unit, scale in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * scale)
+    if not lowered.rstrip("b").isdigit():
+        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 24GiB, 80GB or 512MiB")
+    return int(lowered.rstrip("b"))
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{what} takes positive whole numbers, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from sparsegen.bench import decode, report
+    from sparsegen.bench.roofline import measure_bandwidth
+    from sparsegen.models.loading import check_device, load_config, resolve_dtype
+    from sparsegen.models.synthetic import is_random, random_model
+
+    contexts, batches = _int_list(args.contexts, "contexts"), _int_list(args.batch, "batch")
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    if args.budget is None and any(n not in ("dense", "full") for n in names):
+        raise ValueError("--budget is needed for every policy but dense and full (recompute: its window)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policies = []
+    args.policy = [n for n in names if n not in decode.BASELINES]
+    factories = dict(_policies(args)) if args.policy else {}
+    for name in names:
+        if name == "dense":
+            policies.append((name, lambda: None))
+        elif name == "recompute":
+            policies.append((name, lambda: int(args.budget)))
+        else:
+            policies.append((name, factories[name]))
+    for _, make in policies:
+        make()  # bad budgets and splits fail here, before any model is built
+    device = check_device(args.device)
+    if is_random(args.model):
+        model = random_model(args.model, device, resolve_dtype(args.dtype, load_config(args.model), device), args.seed)
+    else:
+        model, _ = load_model(args)
+    if args.compile:
+        decode.compile_mlps(model)
+    setup = decode.Setup(
+        model=model, model_name=args.model, random_weights=is_random(args.model), new_tokens=args.new_tokens,
+        warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill, recompute_tokens=args.recompute_tokens,
+        memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
+        bandwidth=measure_bandwidth(device), compiled=args.compile, seed=args.seed,
+    )
+    env = setup.environment()
+    print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on {env['machine']}; "
+          f"copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
+          f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after {args.warmup}")
+    print(report.header())
+    rows = decode.run(setup, policies, contexts, batches, on_row=lambda row: print(report.format_row(row), flush=True))
+    for baseline in ("full", "dense", "recompute"):
+        if baseline in names:
+            ratios = report.speedups(rows, baseline)
+            if ratios:
+                print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
+                    f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": rows}, f, indent=2)
+    if args.plot:
+        report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -350,6 +430,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--plot", default=None, help="write accuracy heatmaps as a PNG")
     p.set_defaults(func=cmd_passkey)
+
+    p = sub.add_parser("bench", help="decode latency, throughput and memory per KV policy vs context, with roofline")
+    _model_args(p)
+    p.set_defaults(model="reference")
+    p.add_argument("--policies", default="full,window,streaming,h2o,streaming-h2o,recompute",
+                   help="comma-separated; besides the KV policies: dense (transformers' DynamicCache) and recompute "
+                        "(re-encode the last --budget tokens for every token)")
+    p.add_argument("--contexts", default="1024,4096,16384,32768", help="context lengths before decoding")
+    _budget_args(p, "KV tokens per layer for every policy but full/dense (recompute: its window)")
+    p.add_argument("--new-tokens", type=int, default=128, help="timed decode steps (default 128)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first (default 4)")
+    p.add_argument("--batch", default="1", help="batch sizes, comma-separated (default 1)")
+    p.add_argument("--prefill", choices=["real", "synthetic"], default="real",
+                   help="real: encode the context (timed); synthetic: fill the cache with random K/V of the same "
+                        "shape, for contexts too long to prefill on this machine (no prefill time)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+    p.add_argument("--recompute-tokens", type=int, default=8, help="timed steps of recompute (slow; default 8)")
+    p.add_argument("--memory-limit", default=None, help="e.g. 80GiB: report the largest batch whose weights + KV fit")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each layer's MLP (the cache and attention stay eager: their shapes change)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
+    p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])

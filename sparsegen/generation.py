@@ -79,7 +79,8 @@ def generate_tokens(
         raise ValueError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
     device = ids.device
     batch, length = ids.shape
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size)
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size,
+                          expected_length=length + max_new_tokens)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     padded = not bool(mask.all())
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None

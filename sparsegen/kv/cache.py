@@ -113,22 +113,34 @@ class EvictionLayer(CacheLayerMixin):
         )
 
     def evict(self, seen: torch.Tensor) -> None:
-        """Keep the ``budget`` highest-priority real tokens of each (sequence, head); compact them to the front."""
+        """Keep the ``budget`` highest-priority real tokens of each (sequence, head); compact them to the front.
+
+        Ties go to the more recent token. A decode step drops at most one token per row, found with two
+        reductions; a longer step sorts by (priority, index).
+        """
         self.pending = 0
         budget = self.cache.policy.budget
         if budget is None:
             return
         t = self.used
         valid = self.valid[:, :, :t]
+        held = valid.sum(-1)  # [batch, heads]
+        keep_count = held.clamp(max=budget)
         view = self.view(seen)
-        priority = self.cache.policy.priority(view).masked_fill(~valid, -torch.inf)
-        keep_count = valid.sum(-1).clamp(max=budget)  # [batch, heads]
-        # ascending (priority, index): the first t - keep_count slots of each row are dropped
-        by_index = torch.argsort(view.index, dim=-1, stable=True)
-        order = by_index.gather(-1, torch.argsort(priority.gather(-1, by_index), dim=-1, stable=True))
-        drop_count = t - keep_count
-        drop_rank = torch.arange(t, device=self.device).expand_as(order) < drop_count[..., None]
-        kept = torch.ones_like(valid).scatter_(-1, order, ~drop_rank)
+        if self.cache.step.new_valid.shape[1] == 1:  # at most one real token over the budget per row
+            priority = self.cache.policy.priority(view).masked_fill(~valid, torch.inf)
+            lowest = priority.min(-1, keepdim=True).values
+            candidates = (priority == lowest) & valid
+            oldest_lowest = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1)
+            kept = valid.clone()
+            kept.scatter_(-1, oldest_lowest[..., None], (held <= budget)[..., None] & kept.gather(-1, oldest_lowest[..., None]))
+        else:
+            priority = self.cache.policy.priority(view).masked_fill(~valid, -torch.inf)
+            # ascending (priority, index): the first t - keep_count slots of each row are dropped
+            by_index = torch.argsort(view.index, dim=-1, stable=True)
+            order = by_index.gather(-1, torch.argsort(priority.gather(-1, by_index), dim=-1, stable=True))
+            drop_rank = torch.arange(t, device=self.device).expand_as(order) < (t - keep_count)[..., None]
+            kept = torch.ones_like(valid).scatter_(-1, order, ~drop_rank)
         self._compact(kept, keep_count)
 
     def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor) -> None:
@@ -141,8 +153,8 @@ class EvictionLayer(CacheLayerMixin):
         if moves:
             # pair the i-th hole with the i-th mover of each row; rows with fewer pairs copy the last slot onto
             # itself (never a destination: holes exist only in front of keep_count < t)
-            dst = torch.sort(torch.where(holes, slot, t), dim=-1).values[..., :moves]
-            src = torch.sort(torch.where(movers, slot, t), dim=-1).values[..., :moves]
+            dst = torch.where(holes, slot, t).topk(moves, dim=-1, largest=False).values
+            src = torch.where(movers, slot, t).topk(moves, dim=-1, largest=False).values
             real = dst < t
             dst = torch.where(real, dst, t - 1)
             src = torch.where(real, src, t - 1)
@@ -154,7 +166,7 @@ class EvictionLayer(CacheLayerMixin):
                     idx_src, idx_dst = src, dst
                 buf.scatter_(2, idx_dst, buf.gather(2, idx_src))
         new_used = int(keep_count.max()) if keep_count.numel() else 0
-        self.valid[:, :, :t] &= slot < keep_count[..., None]
+        self.valid[:, :, :t] &= front
         self.used = new_used
 
     # --- what transformers asks of a cache layer ---
@@ -186,7 +198,9 @@ class EvictionCache(Cache):
     """Pass as ``past_key_values`` to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it)."""
 
     def __init__(self, model: torch.nn.Module, policy: Policy, positions: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK):
+                 chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None):
+        """``expected_length``: tokens per row the caller will feed in all, if known; an unbounded (``full``)
+        cache then allocates once instead of growing (and briefly holding two copies)."""
         from sparsegen.kv.attention import Rotary, prepare
 
         prepare(model)
@@ -198,15 +212,19 @@ class EvictionCache(Cache):
         if chunk_size < 1:
             raise ValueError("chunk_size must be at least 1")
         self.policy, self.positions, self.chunk_size = policy, positions, chunk_size
+        self.expected_length = expected_length or 0
         config = model.config.get_text_config()
         super().__init__(layers=[EvictionLayer(self, i) for i in range(config.num_hidden_layers)])
         self.step: Step | None = None
         self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
         self.seen: torch.Tensor | None = None  # real tokens per sequence
+        self.padded = False  # whether any padding was fed: until then every held slot of every row is real
 
     def capacity(self, first_chunk: int) -> int:
         budget = self.policy.budget
-        return (budget + max(self.chunk_size, first_chunk)) if budget is not None else max(first_chunk, 64)
+        if budget is not None:
+            return budget + max(self.chunk_size, first_chunk)
+        return max(first_chunk, self.expected_length, 64)
 
     # --- driven by the hook around the decoder's forward ---
     def begin_step(self, batch: int, q: int, attention_mask: torch.Tensor | None,
@@ -223,6 +241,7 @@ class EvictionCache(Cache):
             if attention_mask.shape[-1] < q:
                 raise ValueError("attention_mask is shorter than the input")
             new_valid = attention_mask[:, -q:].to(device=device, dtype=torch.bool)
+            self.padded = self.padded or not bool(new_valid.all())
         new_index = self.seen[:, None] + new_valid.long().cumsum(-1) - 1
         if position_ids is None:
             position_ids = torch.arange(self.length, self.length + q, device=device)[None].expand(batch, q)
@@ -245,7 +264,38 @@ class EvictionCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.length, self.seen, self.step = 0, None, None
+        self.length, self.seen, self.step, self.padded = 0, None, None, False
+
+    def fill_random(self, batch: int, context: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device, generator: torch.Generator | None = None) -> None:
+        """Put the cache where a prefill of ``context`` tokens would leave it, with random keys and values: the same
+        number of held tokens per head, chosen by the policy's own rule (over random accumulated attention when it
+        needs attention), so a decode step costs what it would after a real prefill. For benchmarks."""
+        if self.seen is not None:
+            raise RuntimeError("fill_random needs an empty cache")
+        budget = self.policy.budget
+        held = context if budget is None else min(budget, context)
+        shape = (batch, kv_heads, context)
+        attention = (torch.rand(shape, device=device, generator=generator) if self.policy.needs_attention else None)
+        index = torch.arange(context, device=device).expand(shape)
+        seen = torch.full((batch,), context, device=device)
+        if held < context:
+            view = TokenView(index=index, valid=torch.ones(shape, dtype=torch.bool, device=device), seen=seen,
+                             attention=attention)
+            keep = self.policy.priority(view).topk(held, dim=-1).indices
+        else:
+            keep = index
+        for layer in self.layers:
+            sample = torch.empty(batch, kv_heads, held, head_dim, dtype=dtype, device=device)
+            layer.lazy_initialization(sample, sample)
+            layer.keys[:, :, :held].normal_(generator=generator)
+            layer.values[:, :, :held].normal_(generator=generator)
+            layer.index[:, :, :held] = keep
+            layer.valid[:, :, :held] = True
+            if layer.attention is not None:
+                layer.attention[:, :, :held] = attention.gather(-1, keep)
+            layer.used = layer.peak_tokens = held
+        self.seen, self.length = seen, context
 
     # --- what users ask ---
     def held_tokens(self) -> list[int]:

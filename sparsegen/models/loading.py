@@ -53,7 +53,12 @@ def _hub_unreachable_reason() -> str | None:
 
 
 def load_config(name_or_path: str | Path, **kwargs) -> PretrainedConfig:
-    """The model's config from a local folder, the HF cache, or (if reachable) the hub: one clear error otherwise."""
+    """The model's config from a local folder, the HF cache, or (if reachable) the hub: one clear error otherwise.
+    ``random:NAME`` gives a synthetic model's config (``sparsegen.models.synthetic``)."""
+    from sparsegen.models.synthetic import is_random, random_config
+
+    if is_random(name_or_path):
+        return random_config(name_or_path)
     source = resolve(name_or_path)
     if Path(source).exists():
         if not (Path(source) / "config.json").exists():
@@ -76,7 +81,7 @@ def load_config(name_or_path: str | Path, **kwargs) -> PretrainedConfig:
         raise ModelLoadError(f"cannot load {source!r} from the hub: {err}") from None
 
 
-def _dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """None picks float32 on CPU (half precision is slow and inexact there) and the checkpoint's dtype elsewhere."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -94,6 +99,13 @@ def _dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: to
     return DTYPES[dtype]
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
 def load(
     name_or_path: str | Path,
     device: str | torch.device = "cpu",
@@ -105,9 +117,12 @@ def load(
     The model is in eval mode on ``device``. ``dtype`` defaults to float32 on CPU and the checkpoint's
     dtype on accelerators.
     """
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    from sparsegen.models.synthetic import is_random
+
+    if is_random(name_or_path):
+        raise ModelLoadError(f"{name_or_path!r} has random weights and no tokenizer: it is for `sparsegen bench` and "
+                             f"`sparsegen info` only; pass a real checkpoint to run text through a model")
+    device = check_device(device)
     config = load_config(name_or_path)
     source = resolve(name_or_path)
     local = Path(source).exists() or _is_cached(source)
@@ -118,7 +133,7 @@ def load(
         raise ModelLoadError(f"cannot load the tokenizer of {source!r}: {err}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=_dtype(dtype, config, device), attn_implementation=attn_implementation, **kwargs
+            source, config=config, dtype=resolve_dtype(dtype, config, device), attn_implementation=attn_implementation, **kwargs
         )
     except ValueError as err:
         if "Unrecognized configuration class" in str(err):

@@ -1,0 +1,302 @@
+"""Decode latency, throughput and memory of each KV policy against context length and batch.
+
+Two baselines sit beside the policies: ``dense`` is transformers' own ``DynamicCache`` (what a user runs
+without sparsegen) and ``recompute`` re-encodes the last ``budget`` tokens from scratch for every new token
+(the sliding-window-with-recomputation baseline of StreamingLLM). ``full`` is sparsegen's cache keeping
+everything, so ``full`` vs a policy isolates what eviction changes.
+
+The decode loop is our own (one forward per token, greedy), timed per step after ``warmup`` steps;
+on CUDA with events and synchronisation.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from sparsegen.bench.memory import PeakMemory, available_bytes
+from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step
+from sparsegen.kv import EvictionCache, Policy
+from sparsegen.models.spec import kv_bytes_per_token, kv_shape
+
+BASELINES = ("dense", "recompute")
+
+
+@dataclass
+class Setup:
+    """What every measurement of one run shares."""
+
+    model: torch.nn.Module
+    model_name: str
+    random_weights: bool
+    new_tokens: int = 128
+    warmup: int = 4
+    chunk_size: int = 512
+    prefill: str = "real"  # or "synthetic": the cache is filled with random K/V of the same shape (no prefill cost)
+    recompute_tokens: int = 8
+    memory_limit: int | None = None
+    bandwidth: float | None = None
+    compiled: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.prefill not in ("real", "synthetic"):
+            raise ValueError(f"prefill must be 'real' or 'synthetic', got {self.prefill!r}")
+        if self.new_tokens < 1 or self.warmup < 0 or self.recompute_tokens < 1:
+            raise ValueError("new_tokens and recompute_tokens must be >= 1 and warmup >= 0")
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_per_token = kv_bytes_per_token(self.model.config, param.element_size())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.step_weight_bytes = weight_bytes_per_step(self.model)
+        self.vocab = self.model.config.get_text_config().vocab_size
+
+    def environment(self) -> dict:
+        device = self.device
+        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+        return {
+            "model": self.model_name, "random_weights": self.random_weights, "device": str(device),
+            "machine": machine, "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
+            "prefill": self.prefill, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
+        }
+
+
+def compile_mlps(model: torch.nn.Module) -> int:
+    """``torch.compile`` every decoder layer's MLP. The whole forward does not compile usefully: the eviction cache
+    changes shapes and branches on data every step, so dynamo recompiles until it gives up."""
+    mlps = [layer.mlp for layer in model.get_decoder().layers if hasattr(layer, "mlp")]
+    if not mlps:
+        raise ValueError(f"{model.config.model_type} layers have no .mlp module to compile; run without --compile")
+    for mlp in mlps:
+        mlp.compile(dynamic=True)
+    return len(mlps)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class StepTimer:
+    """Seconds per step: wall clock on CPU, CUDA events on GPU (read once, after one synchronisation)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((started, event))
+        else:
+            self.marks.append(time.perf_counter() - started)
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in self.marks]
+        return list(self.marks)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, context: int):
+    """A fresh cache for ``name`` holding ``context`` tokens (random K/V when the prefill is synthetic)."""
+    total = context + setup.warmup + setup.new_tokens
+    if name == "dense":
+        cache = DynamicCache(config=setup.model.config)
+    else:
+        cache = EvictionCache(setup.model, policy, chunk_size=setup.chunk_size, expected_length=total)
+    if setup.prefill == "synthetic":
+        _, kv_heads, head_dim = kv_shape(setup.model.config)
+        generator = torch.Generator(device=setup.device).manual_seed(setup.seed)
+        if name == "dense":
+            for layer in range(len(cache.layers) if cache.layers else setup.model.config.num_hidden_layers):
+                kv = torch.randn(batch, kv_heads, context, head_dim, dtype=setup.dtype, device=setup.device,
+                                 generator=generator)
+                cache.update(kv, kv.clone(), layer)
+        else:
+            cache.fill_random(batch, context, kv_heads, head_dim, setup.dtype, setup.device, generator)
+    return cache
+
+
+def _held_tokens(cache) -> int:
+    return max(cache.held_tokens()) if isinstance(cache, EvictionCache) else cache.get_seq_length()
+
+
+def _peak_kv_bytes(cache, setup: Setup, batch: int) -> int:
+    if isinstance(cache, EvictionCache):
+        return cache.stats()["kv_bytes_peak"]
+    return cache.get_seq_length() * setup.kv_per_token * batch
+
+
+def estimate_bytes(setup: Setup, name: str, policy: Policy | None, context: int, batch: int) -> int:
+    """Memory a measurement needs beyond the weights: the KV cache at its peak and the largest attention scores."""
+    heads = setup.model.config.get_text_config().num_attention_heads
+    chunk = min(setup.chunk_size, context) if setup.prefill == "real" else 1
+    if name == "recompute":
+        held, chunk = min(int(policy), context), min(int(policy), context)
+    elif policy is None or policy.budget is None:
+        held = context + setup.warmup + setup.new_tokens
+    else:
+        held = min(policy.budget, context) + chunk
+    return batch * (held * setup.kv_per_token + heads * chunk * held * 4)
+
+
+@torch.inference_mode()
+def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, batch: int) -> dict:
+    """One row: prefill time, decode ms per step (median, p90), tokens/s, KV and process memory, roofline.
+
+    ``policy`` is a ``Policy`` for sparsegen caches, None for ``dense``, and the window (tokens) for ``recompute``.
+    """
+    row = {"policy": name, "context": context, "batch": batch, "budget": None}
+    if isinstance(policy, Policy):
+        row.update(policy.describe())
+    elif name == "recompute":
+        row["budget"] = int(policy)
+    free = available_bytes(setup.device)
+    need = estimate_bytes(setup, name, policy, context, batch)
+    if free is not None and need > 0.9 * free:
+        return {**row, "skipped": f"needs about {need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"}
+    generator = torch.Generator(device=setup.device).manual_seed(setup.seed)
+    ids = torch.randint(setup.vocab, (batch, context), device=setup.device, generator=generator)
+    with PeakMemory(setup.device) as peak:
+        if name == "recompute":
+            row.update(_measure_recompute(setup, ids, int(policy)))
+        else:
+            row.update(_measure_cached(setup, name, policy, ids))
+    row["peak_memory_bytes"] = peak.bytes
+    row["peak_memory_method"] = peak.method
+    if setup.memory_limit is not None:
+        per_sequence = row["peak_kv_bytes"] / batch
+        row["max_batch_at_limit"] = max(0, int((setup.memory_limit - setup.weight_bytes) // per_sequence))
+    return row
+
+
+def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.Tensor) -> dict:
+    model, device = setup.model, setup.device
+    batch, context = ids.shape
+    cache = _cache_for(setup, name, policy, batch, context)
+    prefill_seconds = None
+    if setup.prefill == "real":
+        synchronize(device)
+        t0 = time.perf_counter()
+        starts = range(0, context, setup.chunk_size)
+        for start in tqdm(starts, desc=f"prefill {name}", unit="chunk", disable=len(starts) < 8, leave=False):
+            end = min(start + setup.chunk_size, context)
+            position = torch.arange(start, end, device=device)[None].expand(batch, -1)
+            logits = model(input_ids=ids[:, start:end], position_ids=position, past_key_values=cache,
+                           logits_to_keep=1).logits[:, -1]
+        synchronize(device)
+        prefill_seconds = time.perf_counter() - t0
+        token = logits.argmax(-1, keepdim=True)
+    else:
+        token = ids[:, -1:]
+    position = torch.full((batch, 1), context, device=device)
+    timer = StepTimer(device)
+    steps = setup.warmup + setup.new_tokens
+    attended = []  # held tokens plus the new one, at the first and the last timed step
+    for step in range(steps):
+        if step in (setup.warmup, steps - 1):
+            attended.append(_held_tokens(cache) + 1)
+        started = timer.start()
+        logits = model(input_ids=token, position_ids=position, past_key_values=cache).logits[:, -1]
+        token = logits.argmax(-1, keepdim=True)
+        if step >= setup.warmup:
+            timer.stop(started)
+        position = position + 1
+    kv_tokens = sum(attended) / len(attended)
+    return {
+        "prefill_seconds": prefill_seconds,
+        "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
+        **_decode_stats(setup, timer.seconds(), batch, kv_tokens),
+        "peak_kv_bytes": _peak_kv_bytes(cache, setup, batch),
+    }
+
+
+def _measure_recompute(setup: Setup, ids: torch.Tensor, window: int) -> dict:
+    """Each new token re-encodes the last ``window`` tokens (positions 0..window-1) with no cache."""
+    model = setup.model
+    batch, context = ids.shape
+    window = min(window, context)
+    recent = ids[:, -window:]
+    timer = StepTimer(setup.device)
+    for step in range(min(setup.warmup, 1) + setup.recompute_tokens):
+        started = timer.start()
+        logits = model(input_ids=recent, use_cache=False, logits_to_keep=1).logits[:, -1]
+        recent = torch.cat([recent[:, 1:], logits.argmax(-1, keepdim=True)], dim=1)
+        if step >= min(setup.warmup, 1):
+            timer.stop(started)
+    stats = _decode_stats(setup, timer.seconds(), batch, kv_tokens=window)
+    stats["roofline_fraction"] = None  # compute-bound: every step encodes `window` tokens
+    return {"prefill_seconds": None, "prefill_tokens_per_s": None, **stats,
+            "peak_kv_bytes": window * setup.kv_per_token * batch}
+
+
+def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: float) -> dict:
+    median = statistics.median(seconds)
+    stats = {
+        "ms_per_token": median * 1000,
+        "ms_per_token_p90": _percentile(seconds, 0.9) * 1000,
+        "tokens_per_s": batch / median,
+        "timed_tokens": len(seconds),
+        "kv_tokens": kv_tokens,
+        "bytes_per_step": decode_bytes(setup.step_weight_bytes, kv_tokens, setup.kv_per_token, batch),
+    }
+    if setup.bandwidth:
+        bound = roofline_tokens_per_s(setup.bandwidth, stats["bytes_per_step"], batch)
+        stats["roofline_tokens_per_s"] = bound
+        stats["roofline_fraction"] = stats["tokens_per_s"] / bound
+    return stats
+
+
+@torch.inference_mode()
+def _warm_up(setup: Setup) -> None:
+    """One short untimed prefill and decode, so one-time costs (allocator, kernels, compilation) stay out of rows."""
+    cache = DynamicCache(config=setup.model.config)
+    ids = torch.zeros(1, min(setup.chunk_size, 64), dtype=torch.long, device=setup.device)
+    setup.model(input_ids=ids, past_key_values=cache)
+    setup.model(input_ids=ids[:, :1], past_key_values=cache)
+    synchronize(setup.device)
+
+
+def run(setup: Setup, policies: list[tuple[str, Callable[[], Policy | int | None]]], contexts: list[int],
+        batches: list[int], on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every (policy, context, batch); each row carries the run's environment."""
+    env = setup.environment()
+    _warm_up(setup)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            for name, make in policies:
+                row = {**env, **measure(setup, name, make(), context, batch)}
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    return rows

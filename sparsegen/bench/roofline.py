@@ -1,0 +1,50 @@
+"""The memory-bandwidth roofline of decode: each step reads every weight once plus the KV it attends to.
+
+At batch ``b`` a step makes ``b`` tokens, so the fastest possible decode is
+``b * bandwidth / (weight_bytes + b * kv_tokens * kv_bytes_per_token)`` tokens per second.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: str | torch.device = "cpu", megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a large copy (read + write counted), best of ``repeats``."""
+    device = torch.device(device)
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Parameter bytes one decode step reads: all of them except embedding tables, of which a step reads one row
+    per token (an input embedding tied to the output layer is read whole, once)."""
+    output = model.get_output_embeddings()
+    tied = output.weight.data_ptr() if output is not None else None
+    lookups = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)} - {tied}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.data_ptr() not in lookups)
+
+
+def decode_bytes(weight_bytes: int, kv_tokens: float, kv_bytes_per_token: int, batch: int) -> float:
+    """Bytes one decode step must read: the weights once, and each sequence's attended KV."""
+    return weight_bytes + batch * kv_tokens * kv_bytes_per_token
+
+
+def roofline_tokens_per_s(bandwidth: float, bytes_per_step: float, batch: int) -> float:
+    return batch * bandwidth / bytes_per_step

@@ -1,0 +1,94 @@
+import json
+
+import matplotlib.image
+import pytest
+import torch
+
+from sparsegen.bench import decode
+from sparsegen.cli import main
+from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models import load
+from sparsegen.models.spec import kv_bytes_per_token
+
+REQUIRED = {"policy", "context", "batch", "ms_per_token", "tokens_per_s", "peak_kv_bytes", "prefill_seconds",
+            "ms_per_token_p90", "peak_memory_bytes", "roofline_fraction", "torch", "transformers", "dtype", "threads"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    return load(tiny_checkpoint)[0]
+
+
+def test_bench_cli_writes_rows_json_and_plot(tiny_checkpoint, tmp_path, capsys):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "dense,full,window,streaming,h2o,recompute",
+                 "--contexts", "48,96", "--budget", "32", "--new-tokens", "4", "--warmup", "1", "--chunk-size", "16",
+                 "--batch", "1,2", "--recompute-tokens", "2", "--memory-limit", "1GiB", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "speed-up over full" in printed and "speed-up over recompute" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 * 2 * 2
+    per_token = kv_bytes_per_token(load(tiny_checkpoint)[0].config, 4)
+    for row in rows:
+        assert REQUIRED <= set(row), row
+        assert row["ms_per_token"] > 0 and row["tokens_per_s"] > 0 and row["timed_tokens"] >= 2
+        if row["policy"] in ("full", "dense"):  # everything fed: context, warm-up and timed steps
+            assert row["peak_kv_bytes"] == (row["context"] + 1 + 4) * per_token * row["batch"]
+        elif row["policy"] == "recompute":
+            assert row["peak_kv_bytes"] == 32 * per_token * row["batch"] and row["prefill_seconds"] is None
+        else:  # the budget plus one prefill chunk, whatever the context
+            assert row["peak_kv_bytes"] == (32 + 16) * per_token * row["batch"]
+            assert row["kv_tokens"] == 32 + 1
+        assert row["max_batch_at_limit"] == int((2**30 - sum(
+            p.numel() * 4 for p in load(tiny_checkpoint)[0].parameters())) // (row["peak_kv_bytes"] / row["batch"]))
+    assert matplotlib.image.imread(png).shape[2] in (3, 4)
+
+
+def test_synthetic_prefill_holds_what_the_policy_would(tiny_model):
+    for name, budget, expected in (("streaming", 8, {0, 1, 2, 3, 16, 17, 18, 19}), ("window", 8, set(range(12, 20))),
+                                   ("full", None, set(range(20)))):
+        cache = EvictionCache(tiny_model, make_policy(name, budget))
+        cache.fill_random(2, 20, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+        for layer in cache.layers:
+            for row in layer.index[:, :, : layer.used].reshape(-1, layer.used):
+                assert set(row.tolist()) == expected
+    h2o = EvictionCache(tiny_model, make_policy("h2o", 8))
+    h2o.fill_random(1, 20, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+    layer = h2o.layers[0]
+    held = layer.index[0, :, : layer.used]
+    assert layer.used == 8 and all({16, 17, 18, 19} <= set(head.tolist()) for head in held)
+    # the heavy half is each head's top accumulated attention among the older tokens
+    older = layer.attention[0, :, : layer.used].masked_fill(held >= 16, float("inf"))
+    assert older.isfinite().sum().item() == 2 * 4
+
+
+def test_synthetic_and_real_prefill_leave_the_same_state(tiny_model):
+    policy = make_policy("streaming", 16, sinks=2)
+    rows = {prefill: decode.measure(decode.Setup(model=tiny_model, model_name="tiny", random_weights=False,
+                                                 new_tokens=3, warmup=1, chunk_size=8, prefill=prefill),
+                                    "streaming", policy, 40, 1)
+            for prefill in ("real", "synthetic")}
+    assert rows["real"]["kv_tokens"] == rows["synthetic"]["kv_tokens"] == 17
+    assert rows["synthetic"]["prefill_seconds"] is None and rows["real"]["prefill_seconds"] > 0
+
+
+def test_a_measurement_that_cannot_fit_is_skipped_not_run(tiny_model, monkeypatch):
+    monkeypatch.setattr(decode, "available_bytes", lambda device: 1000)
+    setup = decode.Setup(model=tiny_model, model_name="tiny", random_weights=False, new_tokens=2)
+    row = decode.measure(setup, "full", make_policy("full"), 4096, 8)
+    assert "GiB free" in row["skipped"] and "ms_per_token" not in row
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "streaming"], "--budget is needed"),
+    (["--policies", "full", "--contexts", "1k"], "comma-separated whole numbers"),
+    (["--policies", "full", "--batch", "0"], "positive whole numbers"),
+    (["--policies", "streaming", "--budget", "0"], "budget must be a positive"),
+    (["--policies", "streaming", "--budget", "8", "--sinks", "8"], "smaller than the budget"),
+    (["--policies", "nope", "--budget", "8"], "unknown policy"),
+    (["--policies", "full", "--memory-limit", "lots"], "memory size"),
+])
+def test_bench_bad_input(tiny_checkpoint, capsys, argv, message):
+    assert main(["bench", "--model", str(tiny_checkpoint), "--contexts", "16", *argv]) == 2
+    assert message in capsys.readouterr().err
