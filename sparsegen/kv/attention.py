@@ -62,14 +62,23 @@ class Rotary:
             table = self._table = (cos[0], sin[0])
         return F.embedding(positions, table[0]), F.embedding(positions, table[1])
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
-               bound: int | None = None) -> torch.Tensor:
-        """Rotate ``x[..., L, D]`` to ``positions[..., L]`` (broadcast over x's leading dims), or undo that."""
-        cos, sin = self.cos_sin(x, positions, bound)
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None, inverse: bool = False,
+               bound: int | None = None, angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x[..., L, D]`` to ``positions[..., L]`` (broadcast over x's leading dims), or undo that.
+        ``angles``: the ``cos_sin`` of those positions, when already computed; ``out``: where to write."""
+        cos, sin = angles if angles is not None else self.cos_sin(x, positions, bound)
         while cos.dim() < x.dim():
             cos, sin = cos.unsqueeze(-4), sin.unsqueeze(-4)
         dim = cos.shape[-1]
         rot, rest = x[..., :dim], x[..., dim:]
+        if out is not None and not inverse:  # the same sums, written in place (no temporaries the size of x)
+            half = dim // 2
+            x1, x2 = rot[..., :half], rot[..., half:]
+            torch.mul(x1, cos[..., :half], out=out[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
+            torch.mul(x2, cos[..., half:], out=out[..., half:dim]).addcmul_(x1, sin[..., half:])
+            out[..., dim:] = rest
+            return out
         half = torch.cat((-rot[..., dim // 2 :], rot[..., : dim // 2]), dim=-1)
         if inverse:
             out = (rot * cos - half * sin) / (self.scale * self.scale)
@@ -77,9 +86,15 @@ class Rotary:
             out = rot * cos + half * sin
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Undo the model's rotation of new tokens: ``x[B, H, q, D]`` at ``positions[B, q]``."""
-        return self.rotate(x, positions[:, None, :], inverse=True)
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
+        """Undo the model's rotation of new tokens: ``x[B, H, q, D]`` at ``positions[B, q]`` (``memo``: a dict
+        shared by the layers of one step, so the angles are computed once)."""
+        if memo is None:
+            return self.rotate(x, positions[:, None, :], inverse=True)
+        angles = memo.get("model positions")
+        if angles is None:
+            angles = memo["model positions"] = self.cos_sin(x, positions[:, None, :])
+        return self.rotate(x, None, inverse=True, angles=angles)
 
 
 def slot_ranks(index: torch.Tensor, valid: torch.Tensor, sinks: int | None = None) -> torch.Tensor:
@@ -156,15 +171,26 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         far = _scores(rotary.rotate(raw_query, query_slot), rotary.rotate(key, layer.index[:, :, :total]), scaling)
         scores = torch.where(sink_column[:, :, None], far, near)
     elif cache.rolling:
-        bound = layer.keys.shape[2]
-        if view is not None:  # every head holds the same tokens
-            ranks = slot_ranks(layer.index[:, :1, :total], valid[:, :1], sinks=view[0])
-        else:
-            ranks = slot_ranks(layer.index[:, :, :total], valid)
-        key = cache.rotary.rotate(key, ranks, bound=bound)
-        held_before = valid[:, 0, :start].sum(-1)
-        query_slots = (held_before[:, None] + step.new_valid.long().cumsum(-1) - 1).clamp(min=0)
-        query = cache.rotary.rotate(cache.rotary.unrotate(query, step.positions), query_slots[:, None, :], bound=bound)
+        rotary, bound = cache.rotary, layer.keys.shape[2]
+
+        def rank_angles():
+            held_before = valid[:, 0, :start].sum(-1)
+            query_slots = (held_before[:, None] + step.new_valid.long().cumsum(-1) - 1).clamp(min=0)
+            if view is not None:  # every head holds the same tokens
+                ranks = slot_ranks(layer.index[:, :1, :total], valid[:, :1], sinks=view[0])
+            else:
+                ranks = slot_ranks(layer.index[:, :, :total], valid)
+            return rotary.cos_sin(key, ranks, bound), rotary.cos_sin(query, query_slots[:, None, :], bound)
+
+        # an order policy lays out every layer's slots alike: one computation per step serves all layers
+        angles = step.memo.get(("ranks", total)) if view is not None else None
+        if angles is None:
+            angles = rank_angles()
+            if view is not None:
+                step.memo[("ranks", total)] = angles
+        key_angles, query_angles = angles
+        key = rotary.rotate(key, None, angles=key_angles, out=cache.workspace(key.shape, key))
+        query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
 
     # one query per sequence on a CPU in fp32: grouped matmuls beat SDPA (2-2.5x at 2K-32K keys, measured)
     cpu_decode = q == 1 and query.device.type == "cpu" and query.dtype == torch.float32
