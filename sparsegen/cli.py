@@ -330,12 +330,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
         model=model, model_name=args.model, random_weights=is_random(args.model), new_tokens=args.new_tokens,
         warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill, recompute_tokens=args.recompute_tokens,
         memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
-        bandwidth=measure_bandwidth(device), compiled=args.compile, seed=args.seed,
+        bandwidth=measure_bandwidth(device), compiled=args.compile, seed=args.seed, repeats=args.repeats,
     )
     env = setup.environment()
     print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on {env['machine']}; "
           f"copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
-          f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after {args.warmup}")
+          f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after {args.warmup}"
+          f"{f', {args.repeats} times over' if args.repeats > 1 else ''}")
     print(report.header())
     rows = decode.run(setup, policies, contexts, batches, on_row=lambda row: print(report.format_row(row), flush=True))
     for baseline in ("full", "dense", "recompute"):
@@ -344,6 +345,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
             if ratios:
                 print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
                     f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
+    for line in report.goals(rows):
+        print("goal: " + line)
+    if args.markdown:
+        print(report.markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "rows": rows}, f, indent=2)
@@ -447,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "shape, for contexts too long to prefill on this machine (no prefill time)")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
     p.add_argument("--recompute-tokens", type=int, default=8, help="timed steps of recompute (slow; default 8)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every policy N times, interleaved, pooling the steps (steadier ratios; default 1)")
     p.add_argument("--memory-limit", default=None, help="e.g. 80GiB: report the largest batch whose weights + KV fit")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--compile", action="store_true",
@@ -454,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
     p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")
+    p.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")

@@ -46,12 +46,13 @@ class Setup:
     bandwidth: float | None = None
     compiled: bool = False
     seed: int = 0
+    repeats: int = 1  # measure every policy this many times, interleaved, and pool the steps
 
     def __post_init__(self):
         if self.prefill not in ("real", "synthetic"):
             raise ValueError(f"prefill must be 'real' or 'synthetic', got {self.prefill!r}")
-        if self.new_tokens < 1 or self.warmup < 0 or self.recompute_tokens < 1:
-            raise ValueError("new_tokens and recompute_tokens must be >= 1 and warmup >= 0")
+        if self.new_tokens < 1 or self.warmup < 0 or self.recompute_tokens < 1 or self.repeats < 1:
+            raise ValueError("new_tokens, recompute_tokens and repeats must be >= 1 and warmup >= 0")
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_per_token = kv_bytes_per_token(self.model.config, param.element_size())
@@ -262,6 +263,7 @@ def _measure_recompute(setup: Setup, ids: torch.Tensor, window: int) -> dict:
 def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: float) -> dict:
     median = statistics.median(seconds)
     stats = {
+        "step_seconds": seconds,
         "ms_per_token": median * 1000,
         "ms_per_token_p90": _percentile(seconds, 0.9) * 1000,
         "tokens_per_s": batch / median,
@@ -294,9 +296,29 @@ def run(setup: Setup, policies: list[tuple[str, Callable[[], Policy | int | None
     rows = []
     for batch in batches:
         for context in contexts:
-            for name, make in policies:
-                row = {**env, **measure(setup, name, make(), context, batch)}
+            # policy after policy, `repeats` times over: slow drifts of the machine hit every policy alike
+            repeats = [[measure(setup, name, make(), context, batch) for name, make in policies]
+                       for _ in range(setup.repeats)]
+            for measured in zip(*repeats):
+                row = {**env, **_merge(setup, list(measured))}
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
     return rows
+
+
+def _merge(setup: Setup, repeats: list[dict]) -> dict:
+    """One row from repeated measurements: statistics over all their steps, the largest peak memory."""
+    first = repeats[0]
+    if len(repeats) == 1 or "skipped" in first:
+        return first
+    seconds = [s for r in repeats for s in r["step_seconds"]]
+    merged = {**first, **_decode_stats(setup, seconds, first["batch"], first["kv_tokens"]), "repeats": len(repeats)}
+    if "roofline_fraction" in first and first["roofline_fraction"] is None:
+        merged["roofline_fraction"] = None
+    if first["prefill_seconds"] is not None:
+        merged["prefill_seconds"] = statistics.median(r["prefill_seconds"] for r in repeats)
+        merged["prefill_tokens_per_s"] = first["batch"] * first["context"] / merged["prefill_seconds"]
+    peaks = [r["peak_memory_bytes"] for r in repeats if r["peak_memory_bytes"] is not None]
+    merged["peak_memory_bytes"] = max(peaks) if peaks else None
+    return merged

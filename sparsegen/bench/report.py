@@ -9,8 +9,8 @@ COLUMNS = (  # header, width, row -> text
     ("context", 8, lambda r: f"{r['context']:,}"),
     ("batch", 6, lambda r: str(r["batch"])),
     ("prefill s", 10, lambda r: _num(r.get("prefill_seconds"), ".2f")),
-    ("ms/tok", 9, lambda r: _num(r.get("ms_per_token"), ".2f")),
-    ("p90", 8, lambda r: _num(r.get("ms_per_token_p90"), ".2f")),
+    ("ms/tok", 11, lambda r: _num(r.get("ms_per_token"), ",.2f")),
+    ("p90", 11, lambda r: _num(r.get("ms_per_token_p90"), ",.2f")),
     ("tok/s", 9, lambda r: _num(r.get("tokens_per_s"), ",.1f")),
     ("KV MiB", 9, lambda r: _num(_mib(r.get("peak_kv_bytes")), ",.1f")),
     ("peak MiB", 9, lambda r: _num(_mib(r.get("peak_memory_bytes")), ",.0f")),
@@ -45,6 +45,55 @@ def speedups(rows: list[dict], baseline: str) -> list[tuple[str, int, int, float
             for r in rows if r["policy"] != baseline and "ms_per_token" in r and (r["context"], r["batch"]) in base]
 
 
+def _ms(rows: list[dict]) -> dict[tuple[str, int, int], float]:
+    return {(r["policy"], r["context"], r["batch"]): r["ms_per_token"] for r in rows if "ms_per_token" in r}
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """The issue's performance goals, as ratios of this run's own rows (only those the run measured)."""
+    ms, lines = _ms(rows), []
+    for (policy, context, batch), value in ms.items():
+        if policy == "streaming" and ("recompute", context, batch) in ms:
+            lines.append(f"streaming vs recompute (window {_budget(rows, 'recompute')}), {context:,} x {batch}: "
+                         f"{ms[('recompute', context, batch)] / value:.1f}x faster per token (goal >= 25x)")
+    longest = max((r["context"] for r in rows if "ms_per_token" in r), default=None)
+    for policy in ("streaming", "h2o"):
+        for batch in sorted({r["batch"] for r in rows}):
+            if (policy, longest, batch) in ms and ("full", longest, batch) in ms:
+                kv = {r["peak_kv_bytes"] for r in rows if r["policy"] == policy and r["batch"] == batch
+                      and "peak_kv_bytes" in r}
+                step_bytes = {r["policy"]: r["bytes_per_step"] for r in rows if r["context"] == longest
+                              and r["batch"] == batch and "bytes_per_step" in r}
+                lines.append(f"{policy} vs full at {longest:,} x {batch}: "
+                             f"{ms[('full', longest, batch)] / ms[(policy, longest, batch)]:.1f}x faster "
+                             f"(goal >= 6x; bytes read per step allow {step_bytes['full'] / step_bytes[policy]:.1f}x)"
+                             + (f"; KV peak {'flat' if len(kv) == 1 else 'NOT flat'} over contexts"
+                                if len({r["context"] for r in rows}) > 1 else ""))
+    for (policy, context, batch), value in ms.items():
+        if policy == "h2o" and ("window", context, batch) in ms:
+            lines.append(f"h2o vs window, {context:,} x {batch}: {value / ms[('window', context, batch)] - 1:+.1%} "
+                         f"per token (goal <= +5%)")
+    return lines
+
+
+def _budget(rows: list[dict], policy: str):
+    return next((r["budget"] for r in rows if r["policy"] == policy), None)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The measured rows as a Markdown table (for docs)."""
+    lines = ["| policy | context | batch | ms/token (median) | p90 | tokens/s | KV peak MiB | peak memory MiB | roofline |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms_per_token" not in r:
+            lines.append(f"| {r['policy']} | {r['context']:,} | {r['batch']} | skipped: {r['skipped']} | | | | | |")
+            continue
+        lines.append(f"| {r['policy']} | {r['context']:,} | {r['batch']} | {r['ms_per_token']:.2f} | "
+                     f"{r['ms_per_token_p90']:.2f} | {r['tokens_per_s']:,.1f} | {_mib(r['peak_kv_bytes']):,.1f} | "
+                     f"{_num(_mib(r.get('peak_memory_bytes')), ',.0f')} | {_num(r.get('roofline_fraction'), '.1%')} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: str | Path, title: str = "") -> None:
     import matplotlib
 
@@ -53,19 +102,25 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> None:
 
     measured = [r for r in rows if "ms_per_token" in r]
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = sorted({(r["policy"], r["batch"]) for r in measured}, key=lambda s: (s[1], s[0]))
-    batches = sorted({b for _, b in series})
-    for policy, batch in series:
-        points = sorted((r["context"], r) for r in measured if r["policy"] == policy and r["batch"] == batch)
-        contexts = [c for c, _ in points]
-        style = "-o" if batch == batches[0] else "--s"
-        label = f"{policy} (batch {batch})"
-        ax_time.plot(contexts, [r["ms_per_token"] for _, r in points], style, label=label)
-        memory = [(c, r["peak_memory_bytes"]) for c, r in points if r.get("peak_memory_bytes")]
-        if memory:
-            ax_mem.plot([c for c, _ in memory], [m / 2**20 for _, m in memory], style, label=label)
-        ax_mem.plot(contexts, [r["peak_kv_bytes"] / 2**20 for _, r in points], ":", color=ax_time.lines[-1].get_color(),
-                    alpha=0.6)
+    policies = list(dict.fromkeys(r["policy"] for r in measured))
+    colors = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+    batches = sorted({r["batch"] for r in measured})
+    styles = {b: ("-o", "--s", "-.^", ":v")[i % 4] for i, b in enumerate(batches)}
+    for batch in batches:
+        for policy in policies:
+            points = sorted((r["context"], r) for r in measured if r["policy"] == policy and r["batch"] == batch)
+            if not points:
+                continue
+            contexts = [c for c, _ in points]
+            label = f"{policy}" + (f" (batch {batch})" if len(batches) > 1 else "")
+            ax_time.plot(contexts, [r["ms_per_token"] for _, r in points], styles[batch], color=colors[policy],
+                         label=label)
+            memory = [(c, r["peak_memory_bytes"]) for c, r in points if r.get("peak_memory_bytes")]
+            if memory:
+                ax_mem.plot([c for c, _ in memory], [m / 2**20 for _, m in memory], styles[batch],
+                            color=colors[policy], label=label)
+            ax_mem.plot(contexts, [r["peak_kv_bytes"] / 2**20 for _, r in points], ":", color=colors[policy],
+                        alpha=0.6)
     for ax, ylabel in ((ax_time, "decode ms per token"), (ax_mem, "peak memory, MiB (dotted: KV cache)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -71,6 +71,11 @@ def test_synthetic_and_real_prefill_leave_the_same_state(tiny_model):
             for prefill in ("real", "synthetic")}
     assert rows["real"]["kv_tokens"] == rows["synthetic"]["kv_tokens"] == 17
     assert rows["synthetic"]["prefill_seconds"] is None and rows["real"]["prefill_seconds"] > 0
+    setup = decode.Setup(model=tiny_model, model_name="tiny", random_weights=False, new_tokens=3, warmup=1,
+                         prefill="synthetic")
+    dense = decode.measure(setup, "dense", None, 40, 2)
+    assert dense["kv_tokens"] == (42 + 44) / 2  # held + the new token, at the first and the last timed step
+    assert dense["peak_kv_bytes"] == 44 * kv_bytes_per_token(tiny_model.config, 4) * 2
 
 
 def test_a_measurement_that_cannot_fit_is_skipped_not_run(tiny_model, monkeypatch):
@@ -92,3 +97,12 @@ def test_a_measurement_that_cannot_fit_is_skipped_not_run(tiny_model, monkeypatc
 def test_bench_bad_input(tiny_checkpoint, capsys, argv, message):
     assert main(["bench", "--model", str(tiny_checkpoint), "--contexts", "16", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_repeats_pool_the_steps_of_interleaved_runs(tiny_model):
+    setup = decode.Setup(model=tiny_model, model_name="tiny", random_weights=False, new_tokens=3, warmup=1,
+                         chunk_size=8, repeats=2)
+    rows = decode.run(setup, [("window", lambda: make_policy("window", 8)), ("recompute", lambda: 8)], [16], [1])
+    assert [r["policy"] for r in rows] == ["window", "recompute"]
+    assert rows[0]["repeats"] == 2 and rows[0]["timed_tokens"] == 6 and len(rows[0]["step_seconds"]) == 6
+    assert rows[1]["timed_tokens"] == 2 * setup.recompute_tokens and rows[1]["roofline_fraction"] is None
