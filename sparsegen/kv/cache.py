@@ -133,8 +133,8 @@ class EvictionLayer(CacheLayerMixin):
             lowest = priority.min(-1, keepdim=True).values
             candidates = (priority == lowest) & valid
             oldest_lowest = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1)
-            kept = valid.clone()
-            kept.scatter_(-1, oldest_lowest[..., None], (held <= budget)[..., None] & kept.gather(-1, oldest_lowest[..., None]))
+            slot = oldest_lowest[..., None]
+            kept = valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & (held <= budget)[..., None])
         else:
             priority = self.cache.policy.priority(view).masked_fill(~valid, -torch.inf)
             # ascending (priority, index): the first t - keep_count slots of each row are dropped
@@ -287,7 +287,7 @@ class EvictionCache(Cache):
         budget = self.policy.budget
         held = context if budget is None else min(budget, context)
         shape = (batch, kv_heads, context)
-        attention = (torch.rand(shape, device=device, generator=generator) if self.policy.needs_attention else None)
+        attention = torch.rand(shape, device=device, generator=generator) if self.policy.needs_attention else None
         index = torch.arange(context, device=device).expand(shape)
         seen = torch.full((batch,), context, device=device)
         if held < context:
