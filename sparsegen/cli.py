@@ -356,6 +356,29 @@ def cmd_bench(args: argparse.Namespace) -> None:
         report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
 
 
+def cmd_prune(args: argparse.Namespace) -> None:
+    from sparsegen.data import data_dir, leading_bos, tokenize_files
+    from sparsegen.pruning import PruneConfig, calibration_ids, prune_model, save_pruned
+    from sparsegen.pruning.prune import check_output_dir
+    from sparsegen.models.loading import resolve
+
+    config = PruneConfig(method=args.method, sparsity=args.sparsity, pattern=args.pattern, per_row=args.per_row,
+                         nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size)
+    out = check_output_dir(args.out, resolve(args.model), args.force)
+    model, tokenizer = load_model(args)
+    ids, calib = None, None
+    if config.method != "magnitude":
+        calib = args.calib or data_dir() / "books" / "train"
+        ids = calibration_ids(tokenize_files(calib, tokenizer), config.nsamples, config.seqlen, config.seed,
+                              leading_bos(tokenizer))
+    report = {"model": args.model, "calibration": str(calib) if calib else None,
+              **prune_model(model, config, ids)}
+    save_pruned(model, tokenizer, out, report)
+    print(f"{config.method}: {report['achieved']:.4f} of {report['pruned_params']:,} weights in "
+          f"{len(report['layers'])} linear layers are zero (requested {report['requested']:.4f}); "
+          f"{report['seconds']:.1f} s; saved to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -463,6 +486,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")
     p.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("prune", help="prune weights (magnitude, Wanda, SparseGPT; unstructured or N:M), save a checkpoint")
+    _model_args(p)
+    p.add_argument("--method", required=True, help="magnitude, wanda or sparsegpt")
+    amount = p.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--sparsity", type=float, help="fraction of each layer's weights removed, e.g. 0.5")
+    amount.add_argument("--pattern", help="N:M, keep N of every M consecutive inputs, e.g. 2:4")
+    p.add_argument("--calib", default=None, help="calibration text file or folder (default ../shared/data/books/train)")
+    p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--per-row", dest="per_row", action="store_true", default=None,
+                      help="compare scores within each output row (Wanda's default)")
+    rows.add_argument("--per-layer", dest="per_row", action="store_false",
+                      help="compare scores over the whole layer (magnitude's default)")
+    p.add_argument("--out", required=True, help="folder for the pruned checkpoint (+ sparsity.json)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])

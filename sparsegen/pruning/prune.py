@@ -1,0 +1,218 @@
+"""Layer-by-layer pruning of a causal LM with calibration data, as the Wanda and SparseGPT papers do it.
+
+Calibration samples go through the model one decoder layer at a time: each layer's statistics come from the
+outputs of the already-pruned layers before it, and only one layer's activations are held at once. Every
+``nn.Linear`` inside a decoder layer is pruned (attention projections and MLP); embeddings and the output
+layer never are.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from sparsegen.pruning.masks import (check_sparsity, magnitude_scores, n_m_mask, parse_pattern, unstructured_mask,
+                                     wanda_scores)
+from sparsegen.pruning.sparsegpt import sparsegpt_prune
+
+METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+@dataclass
+class PruneConfig:
+    method: str
+    sparsity: float | None = None  # unstructured: fraction removed
+    pattern: str | None = None  # N:M: keep N of every M
+    per_row: bool | None = None  # compare scores per output row (default: Wanda yes, magnitude no)
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    batch_size: int = 8
+    nm: tuple[int, int] | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown pruning method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if (self.sparsity is None) == (self.pattern is None):
+            raise ValueError("give exactly one of a sparsity (e.g. 0.5) and an N:M pattern (e.g. 2:4)")
+        if self.pattern is not None:
+            self.nm = parse_pattern(self.pattern)
+        else:
+            check_sparsity(self.sparsity)
+        if self.per_row is None:
+            self.per_row = self.method == "wanda"
+        if self.nsamples < 1 or self.seqlen < 2:
+            raise ValueError("nsamples must be >= 1 and seqlen >= 2")
+
+    @property
+    def target(self) -> float:
+        return self.sparsity if self.nm is None else 1 - self.nm[0] / self.nm[1]
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; sparsegen prunes decoder-only "
+                         f"LMs whose decoder has a .layers list (Llama, Mistral, Qwen, GPT-NeoX, Phi-3, OPT)")
+    return layers
+
+
+def prunable_linears(layer: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {name: module for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def calibration_ids(token_arrays: list[np.ndarray], nsamples: int, seqlen: int, seed: int,
+                    bos_id: int | None) -> torch.Tensor:
+    """``[nsamples, seqlen]`` windows at random offsets of random files (weighted by length), BOS first if given."""
+    body = seqlen - 1 if bos_id is not None else seqlen
+    arrays = [a for a in token_arrays if len(a) > body]
+    if not arrays:
+        raise ValueError(f"no calibration text is longer than {body} tokens; lower --seqlen")
+    rng = np.random.default_rng(seed)
+    lengths = np.array([len(a) - body for a in arrays], dtype=np.float64)
+    rows = []
+    for choice in rng.choice(len(arrays), size=nsamples, p=lengths / lengths.sum()):
+        offset = rng.integers(0, len(arrays[choice]) - body)
+        rows.append(arrays[choice][offset:offset + body].astype(np.int64))
+    ids = torch.from_numpy(np.stack(rows))
+    if bos_id is not None:
+        ids = torch.cat([torch.full((nsamples, 1), bos_id), ids], dim=1)
+    return ids
+
+
+class _Stop(Exception):
+    pass
+
+
+def _first_layer_inputs(model, ids: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
+    """``(hidden states, keyword arguments)`` the first decoder layer receives, per mini-batch."""
+    captured = []
+
+    def grab(module, args, kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append((hidden, kwargs))
+        raise _Stop
+
+    device = next(model.parameters()).device
+    handle = decoder_layers(model)[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for start in range(0, len(ids), batch_size):
+            try:
+                model(input_ids=ids[start:start + batch_size].to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+def _run_layer(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class _Statistics:
+    """What one linear layer's inputs say: per-column sums of squares (Wanda) or ``X^T X`` (SparseGPT)."""
+
+    def __init__(self, linear: torch.nn.Linear, method: str):
+        cols = linear.in_features
+        device = linear.weight.device
+        self.method, self.tokens = method, 0
+        self.sq_sum = torch.zeros(cols, dtype=torch.float64, device=device) if method == "wanda" else None
+        self.xtx = torch.zeros(cols, cols, dtype=torch.float32, device=device) if method == "sparsegpt" else None
+
+    def __call__(self, module, args, output) -> None:
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+        self.tokens += len(x)
+        if self.sq_sum is not None:
+            self.sq_sum += x.pow(2).sum(0).double()
+        if self.xtx is not None:
+            self.xtx += x.T @ x
+
+    def hessian(self) -> torch.Tensor:
+        return 2 * self.xtx / self.tokens
+
+
+def _prune_linear(linear: torch.nn.Linear, config: PruneConfig, stats: _Statistics | None) -> None:
+    weight = linear.weight.data
+    if config.nm is not None and weight.shape[1] % config.nm[1]:
+        raise ValueError(f"pattern {config.pattern} needs every input dimension to be a multiple of {config.nm[1]}; "
+                         f"a layer has {weight.shape[1]}")
+    if config.method == "sparsegpt":
+        pruned, _ = sparsegpt_prune(weight, stats.hessian(), config.sparsity or 0.0, config.nm)
+        weight.copy_(pruned)
+        return
+    scores = magnitude_scores(weight) if config.method == "magnitude" else wanda_scores(weight, stats.sq_sum)
+    if config.nm is not None:
+        mask = n_m_mask(scores, *config.nm)
+    else:
+        mask = unstructured_mask(scores, config.sparsity, config.per_row)
+    weight.masked_fill_(mask, 0)
+
+
+@torch.no_grad()
+def prune_model(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor | None = None,
+                progress: bool = True) -> dict:
+    """Prune ``model`` in place; ``ids`` ``[nsamples, seqlen]`` are the calibration tokens (not needed for magnitude).
+
+    Returns the report saved as ``sparsity.json``: requested and achieved sparsity per linear layer and in total.
+    """
+    layers = decoder_layers(model)
+    needs_data = config.method != "magnitude"
+    if needs_data and ids is None:
+        raise ValueError(f"{config.method} needs calibration data")
+    t0 = time.perf_counter()
+    inputs = _first_layer_inputs(model, ids, config.batch_size) if needs_data else []
+    report_layers = []
+    for index, layer in enumerate(tqdm(layers, desc=f"prune ({config.method})", unit="layer", disable=not progress)):
+        linears = prunable_linears(layer)
+        stats = {}
+        if needs_data:
+            stats = {name: _Statistics(linear, config.method) for name, linear in linears.items()}
+            handles = [linear.register_forward_hook(stats[name]) for name, linear in linears.items()]
+            for hidden, kwargs in inputs:
+                _run_layer(layer, hidden, kwargs)
+            for handle in handles:
+                handle.remove()
+        for name, linear in linears.items():
+            _prune_linear(linear, config, stats.get(name))
+            zeros = int((linear.weight == 0).sum())
+            report_layers.append({"name": f"layers.{index}.{name}", "shape": list(linear.weight.shape),
+                                  "params": linear.weight.numel(), "zeros": zeros,
+                                  "sparsity": zeros / linear.weight.numel()})
+        if needs_data:  # the next layer sees this layer's pruned outputs
+            inputs = [(_run_layer(layer, hidden, kwargs), kwargs) for hidden, kwargs in inputs]
+    params = sum(r["params"] for r in report_layers)
+    zeros = sum(r["zeros"] for r in report_layers)
+    return {
+        "method": config.method, "sparsity": config.sparsity, "pattern": config.pattern,
+        "per_row": config.per_row, "requested": config.target, "achieved": zeros / params,
+        "pruned_params": params, "total_params": sum(p.numel() for p in model.parameters()),
+        "nsamples": config.nsamples if needs_data else 0, "seqlen": config.seqlen if needs_data else None,
+        "seed": config.seed, "seconds": round(time.perf_counter() - t0, 2), "layers": report_layers,
+    }
+
+
+def check_output_dir(out: str | Path, source: str | Path | None, force: bool) -> Path:
+    """Refuse to write over the input model, or into a non-empty folder unless ``force``."""
+    out = Path(out)
+    if source is not None and Path(source).exists() and out.resolve() == Path(source).resolve():
+        raise ValueError(f"--out {out} is the input model's own folder; write the pruned model somewhere else")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out} exists and is not empty; pick a new folder or pass --force to overwrite")
+    return out
+
+
+def save_pruned(model, tokenizer, out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / "sparsity.json").write_text(json.dumps(report, indent=2))
