@@ -1,6 +1,6 @@
 #!/bin/bash
 # Dense vs magnitude / Wanda / SparseGPT at 50%, 4:8 and 2:4 on the reference model: perplexity on
-# wiki.test.raw and books/test (512-token windows; books/test limited to its first 600 windows), pruning time.
+# wiki.test.raw and books/test (512-token windows; first 200 windows of each, about 102K tokens), pruning time.
 # Writes docs/results/pruning/*.json; scripts/results_table.py prints the table.
 set -euo pipefail
 S=${SPARSEGEN:-.venv/bin/sparsegen}
@@ -8,8 +8,8 @@ DATA=${SPARSEGEN_DATA:-../shared/data}
 OUT=docs/results/pruning
 mkdir -p "$OUT" runs/pruned
 eval_model() {  # model name
-  $S ppl --model "$1" --windows --text "$DATA/wikitext-2-raw/wiki.test.raw" --json "$OUT/$2_wiki.json"
-  $S ppl --model "$1" --windows --text "$DATA/books/test" --max-windows 600 --json "$OUT/$2_books.json"
+  $S ppl --model "$1" --windows --text "$DATA/wikitext-2-raw/wiki.test.raw" --max-windows 200 --json "$OUT/$2_wiki.json"
+  $S ppl --model "$1" --windows --text "$DATA/books/test" --max-windows 200 --json "$OUT/$2_books.json"
 }
 eval_model reference dense
 for method in magnitude wanda sparsegpt; do

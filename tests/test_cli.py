@@ -12,7 +12,7 @@ INFO_KEYS = {"params", "layers", "heads", "kv_heads", "head_dim", "max_positions
 def test_console_script_lists_subcommands():
     script = Path(sys.executable).parent / "sparsegen"
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("info", "generate", "train-reference", "sinks"):
+    for command in ("info", "generate", "train-reference", "sinks", "bench", "prune"):
         assert command in out
 
 
