@@ -362,8 +362,9 @@ def cmd_prune(args: argparse.Namespace) -> None:
     from sparsegen.pruning.prune import check_output_dir
     from sparsegen.models.loading import resolve
 
-    config = PruneConfig(method=args.method, sparsity=args.sparsity, pattern=args.pattern, per_row=args.per_row,
-                         nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size)
+    config = PruneConfig(method=args.method, sparsity=args.sparsity, pattern=args.pattern, structured=args.structured,
+                         per_row=args.per_row, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed,
+                         batch_size=args.batch_size)
     out = check_output_dir(args.out, resolve(args.model), args.force)
     model, tokenizer = load_model(args)
     ids, calib = None, None
@@ -374,6 +375,11 @@ def cmd_prune(args: argparse.Namespace) -> None:
     report = {"model": args.model, "calibration": str(calib) if calib else None,
               **prune_model(model, config, ids)}
     save_pruned(model, tokenizer, out, report)
+    if config.amounts is not None:
+        print(f"{config.method}, structured {config.structured}: {report['params_before']:,} -> "
+              f"{report['params_after']:,} parameters ({report['removed']:.1%} removed); {report['seconds']:.1f} s; "
+              f"saved to {out} (load it with sparsegen.load: the layer sizes are in config.json)")
+        return
     print(f"{config.method}: {report['achieved']:.4f} of {report['pruned_params']:,} weights in "
           f"{len(report['layers'])} linear layers are zero (requested {report['requested']:.4f}); "
           f"{report['seconds']:.1f} s; saved to {out}")
@@ -487,12 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("prune", help="prune weights (magnitude, Wanda, SparseGPT; unstructured or N:M), save a checkpoint")
+    p = sub.add_parser("prune", help="prune weights (magnitude, Wanda, SparseGPT; unstructured, N:M or structured)")
     _model_args(p)
     p.add_argument("--method", required=True, help="magnitude, wanda or sparsegpt")
     amount = p.add_mutually_exclusive_group(required=True)
     amount.add_argument("--sparsity", type=float, help="fraction of each layer's weights removed, e.g. 0.5")
     amount.add_argument("--pattern", help="N:M, keep N of every M consecutive inputs, e.g. 2:4")
+    amount.add_argument("--structured", help="remove whole MLP neurons / KV head groups: neurons=0.5[,heads=0.25]")
     p.add_argument("--calib", default=None, help="calibration text file or folder (default ../shared/data/books/train)")
     p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
     p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")

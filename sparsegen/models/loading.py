@@ -132,9 +132,15 @@ def load(
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer of {source!r}: {err}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=resolve_dtype(dtype, config, device), attn_implementation=attn_implementation, **kwargs
-        )
+        if getattr(config, "sparsegen_structure", None):  # structurally pruned: per-layer sizes differ from the config
+            from sparsegen.pruning.structured import load_structured
+
+            model = load_structured(source, config, resolve_dtype(dtype, config, device), attn_implementation)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, config=config, dtype=resolve_dtype(dtype, config, device),
+                attn_implementation=attn_implementation, **kwargs
+            )
     except ValueError as err:
         if "Unrecognized configuration class" in str(err):
             raise ModelLoadError(

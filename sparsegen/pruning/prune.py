@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.pruning.masks import (check_sparsity, magnitude_scores, n_m_mask, parse_pattern, unstructured_mask,
                                      wanda_scores)
+from sparsegen.pruning import structured
 from sparsegen.pruning.sparsegpt import sparsegpt_prune
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -29,20 +30,28 @@ class PruneConfig:
     method: str
     sparsity: float | None = None  # unstructured: fraction removed
     pattern: str | None = None  # N:M: keep N of every M
+    structured: str | None = None  # "neurons=0.5,heads=0.25": whole MLP neurons / KV groups removed
     per_row: bool | None = None  # compare scores per output row (default: Wanda yes, magnitude no)
     nsamples: int = 128
     seqlen: int = 512
     seed: int = 0
     batch_size: int = 8
     nm: tuple[int, int] | None = field(init=False, default=None)
+    amounts: dict[str, float] | None = field(init=False, default=None)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown pruning method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if (self.sparsity is None) == (self.pattern is None):
-            raise ValueError("give exactly one of a sparsity (e.g. 0.5) and an N:M pattern (e.g. 2:4)")
+        if sum(x is not None for x in (self.sparsity, self.pattern, self.structured)) != 1:
+            raise ValueError("give exactly one of a sparsity (e.g. 0.5), an N:M pattern (e.g. 2:4) and a structured "
+                             "amount (e.g. neurons=0.5)")
         if self.pattern is not None:
             self.nm = parse_pattern(self.pattern)
+        elif self.structured is not None:
+            self.amounts = structured.parse_structured(self.structured)
+            if self.method == "sparsegpt":
+                raise ValueError("structured pruning scores whole neurons and heads with wanda or magnitude; "
+                                 "sparsegpt prunes single weights")
         else:
             check_sparsity(self.sparsity)
         if self.per_row is None:
@@ -51,7 +60,9 @@ class PruneConfig:
             raise ValueError("nsamples must be >= 1 and seqlen >= 2")
 
     @property
-    def target(self) -> float:
+    def target(self) -> float | None:
+        if self.amounts is not None:
+            return None
         return self.sparsity if self.nm is None else 1 - self.nm[0] / self.nm[1]
 
 
@@ -164,6 +175,8 @@ def prune_model(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor |
 
     Returns the report saved as ``sparsity.json``: requested and achieved sparsity per linear layer and in total.
     """
+    if config.amounts is not None:
+        return _prune_structured(model, config, ids, progress)
     layers = decoder_layers(model)
     needs_data = config.method != "magnitude"
     if needs_data and ids is None:
@@ -197,6 +210,58 @@ def prune_model(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor |
         "pruned_params": params, "total_params": sum(p.numel() for p in model.parameters()),
         "nsamples": config.nsamples if needs_data else 0, "seqlen": config.seqlen if needs_data else None,
         "seed": config.seed, "seconds": round(time.perf_counter() - t0, 2), "layers": report_layers,
+    }
+
+
+def _prune_structured(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor | None, progress: bool) -> dict:
+    """Remove the lowest-scoring MLP neurons and KV groups of every layer, shrinking the matrices in place."""
+    model_type = model.config.model_type
+    structured.check_supported(model_type, config.amounts)
+    layers = decoder_layers(model)
+    needs_data = config.method == "wanda"
+    if needs_data and ids is None:
+        raise ValueError("wanda needs calibration data")
+    t0 = time.perf_counter()
+    before = sum(p.numel() for p in model.parameters())
+    inputs = _first_layer_inputs(model, ids, config.batch_size) if needs_data else []
+    report_layers = []
+    consumer_path = structured.mlp_layout(model_type)[1]
+    for index, layer in enumerate(tqdm(layers, desc=f"prune ({config.method}, structured)", unit="layer",
+                                       disable=not progress)):
+        watched = {"mlp": layer.get_submodule(consumer_path)}
+        if config.amounts.get("heads"):
+            watched["attention"] = layer.self_attn.o_proj
+        stats = {name: _Statistics(linear, "wanda") for name, linear in watched.items()}
+        if needs_data:
+            handles = [linear.register_forward_hook(stats[name]) for name, linear in watched.items()]
+            for hidden, kwargs in inputs:
+                _run_layer(layer, hidden, kwargs)
+            for handle in handles:
+                handle.remove()
+        else:  # magnitude: every input counts the same
+            for stat in stats.values():
+                stat.sq_sum.fill_(1)
+        entry = {"layer": index, "neurons_before": structured.neuron_count(layer, model_type)}
+        keep = structured.lowest_kept(structured.neuron_scores(layer, model_type, stats["mlp"].sq_sum),
+                                      config.amounts.get("neurons", 0.0), "MLP neurons")
+        structured.keep_neurons(layer, model_type, keep)
+        entry["neurons"] = len(keep)
+        if "attention" in stats:
+            entry["kv_groups_before"] = structured.group_count(layer)
+            keep = structured.lowest_kept(structured.group_scores(layer, stats["attention"].sq_sum),
+                                          config.amounts["heads"], "KV groups")
+            structured.keep_groups(layer, keep)
+            entry["kv_groups"] = len(keep)
+        report_layers.append(entry)
+        if needs_data:
+            inputs = [(_run_layer(layer, hidden, kwargs), kwargs) for hidden, kwargs in inputs]
+    structured.record(model.config, layers)
+    after = sum(p.numel() for p in model.parameters())
+    return {
+        "method": config.method, "structured": config.amounts, "params_before": before, "params_after": after,
+        "removed": 1 - after / before, "nsamples": config.nsamples if needs_data else 0,
+        "seqlen": config.seqlen if needs_data else None, "seed": config.seed,
+        "seconds": round(time.perf_counter() - t0, 2), "layers": report_layers,
     }
 
 

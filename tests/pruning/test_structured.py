@@ -1,0 +1,89 @@
+import copy
+import json
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen.cli import main
+from sparsegen.pruning import PruneConfig, prune_model
+from sparsegen.pruning import structured
+from sparsegen.pruning.prune import decoder_layers
+from tests.kv.families import FAMILIES, VOCAB, tiny_model
+
+IDS = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def _mask_like_pruning(model, amounts):
+    """Zero, in the dense model, exactly what magnitude structured pruning removes."""
+    model_type = model.config.model_type
+    producers, consumer = structured.mlp_layout(model_type)
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            down = layer.get_submodule(consumer)
+            ones = torch.ones(down.in_features)
+            keep = structured.lowest_kept(structured.neuron_scores(layer, model_type, ones), amounts["neurons"], "")
+            gone = torch.ones(down.in_features, dtype=torch.bool)
+            gone[keep] = False
+            down.weight[:, gone] = 0
+            if "heads" in amounts:
+                attention = layer.self_attn
+                q_heads, kv_heads, head_dim = structured._heads(attention)
+                scores = structured.group_scores(layer, torch.ones(attention.o_proj.in_features))
+                kept = structured.lowest_kept(scores, amounts["heads"], "")
+                removed = [g for g in range(kv_heads) if g not in kept.tolist()]
+                group = q_heads // kv_heads
+                for g in removed:
+                    columns = slice(g * group * head_dim, (g + 1) * group * head_dim)
+                    attention.o_proj.weight[:, columns] = 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_shrunk_model_equals_the_masked_dense_model(family):
+    amounts = {"neurons": 0.5, "heads": 0.5} if family in structured.HEAD_FAMILIES else {"neurons": 0.5}
+    spec = ",".join(f"{k}={v}" for k, v in amounts.items())
+    model = tiny_model(family)
+    masked = copy.deepcopy(model)
+    report = prune_model(model, PruneConfig(method="magnitude", structured=spec), progress=False)
+    _mask_like_pruning(masked, amounts)
+    assert report["params_after"] < report["params_before"]
+    for entry in report["layers"]:
+        assert entry["neurons"] == entry["neurons_before"] // 2
+    if "heads" in amounts:  # 4 query heads over 2 KV groups: one group, and its 2 query heads, stay
+        assert all(e["kv_groups_before"] == 2 and e["kv_groups"] == 1 for e in report["layers"])
+        attention = decoder_layers(model)[0].self_attn
+        assert attention.q_proj.out_features == 2 * attention.head_dim == attention.o_proj.in_features
+    torch.testing.assert_close(model(IDS).logits, masked(IDS).logits, rtol=0, atol=1e-5)
+
+
+def test_structured_checkpoint_round_trip(tiny_checkpoint, corpus, tmp_path):
+    out = tmp_path / "shrunk"
+    assert main(["prune", "--model", str(tiny_checkpoint), "--method", "wanda", "--structured",
+                 "neurons=0.25,heads=0.5", "--calib", str(corpus / "books/train"), "--nsamples", "4",
+                 "--seqlen", "32", "--out", str(out)]) == 0
+    report = json.loads((out / "sparsity.json").read_text())
+    assert report["structured"] == {"neurons": 0.25, "heads": 0.5} and report["removed"] > 0.1
+    model, tokenizer = sparsegen.load(out)
+    assert model.config.sparsegen_structure == {"neurons": [48, 48], "kv_groups": [1, 1]}
+    assert model.model.layers[1].mlp.down_proj.weight.shape == (32, 48)
+    again, _ = sparsegen.load(out)
+    ids = torch.tensor([[0, 5, 6, 7, 8]])
+    torch.testing.assert_close(model(ids).logits, again(ids).logits, rtol=0, atol=0)
+    streamed = sparsegen.generate(model, tokenizer, "it was the", policy="streaming", budget=8, max_new_tokens=5,
+                                  stop_at_eos=False)
+    assert streamed.new_tokens == [5]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="wanda", structured="neurons=1.0"), "in \\[0, 1\\)"),
+    (dict(method="wanda", structured="rows=0.5"), "neurons=F and/or heads=F"),
+    (dict(method="sparsegpt", structured="neurons=0.5"), "wanda or magnitude"),
+])
+def test_bad_structured_configs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PruneConfig(**kwargs)
+
+
+def test_heads_on_a_fused_attention_family_is_refused():
+    with pytest.raises(ValueError, match="neurons=F"):
+        prune_model(tiny_model("gpt_neox"), PruneConfig(method="magnitude", structured="heads=0.5"), progress=False)
