@@ -21,3 +21,17 @@ for method in magnitude wanda sparsegpt; do
     eval_model "runs/pruned/$tag" "$tag"
   done
 done
+for method in magnitude wanda; do
+  for amount in neurons=0.25 neurons=0.5; do
+    tag="${method}_${amount/=/}"
+    $S prune --model reference --method "$method" --structured "$amount" --calib "$DATA/books/train" \
+      --nsamples 128 --out "runs/pruned/$tag" --force
+    cp "runs/pruned/$tag/sparsity.json" "$OUT/${tag}_sparsity.json"
+    eval_model "runs/pruned/$tag" "$tag"
+  done
+done
+tag=wanda_neurons0.25_heads0.5
+$S prune --model reference --method wanda --structured neurons=0.25,heads=0.5 --calib "$DATA/books/train" \
+  --nsamples 128 --out "runs/pruned/$tag" --force
+cp "runs/pruned/$tag/sparsity.json" "$OUT/${tag}_sparsity.json"
+eval_model "runs/pruned/$tag" "$tag"

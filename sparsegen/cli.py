@@ -7,11 +7,12 @@ import json
 import sys
 
 
-def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str = "") -> None:
     if positional:
         p.add_argument("model", help="hub id, local checkpoint folder, or 'reference'")
     else:
-        p.add_argument("--model", default="reference", help="hub id, local checkpoint folder, or 'reference' (default)")
+        p.add_argument("--model", default="reference",
+                       help=f"hub id, local checkpoint folder, or 'reference' (default){more}")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
 
@@ -298,6 +299,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from sparsegen.bench import decode, report
     from sparsegen.bench.roofline import measure_bandwidth
+    from sparsegen.models import load
     from sparsegen.models.loading import check_device, load_config, resolve_dtype
     from sparsegen.models.synthetic import is_random, random_model
 
@@ -320,33 +322,42 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for _, make in policies:
         make()  # bad budgets and splits fail here, before any model is built
     device = check_device(args.device)
-    if is_random(args.model):
-        model = random_model(args.model, device, resolve_dtype(args.dtype, load_config(args.model), device), args.seed)
-    else:
-        model, _ = load_model(args)
-    if args.compile:
-        decode.compile_mlps(model)
-    setup = decode.Setup(
-        model=model, model_name=args.model, random_weights=is_random(args.model), new_tokens=args.new_tokens,
-        warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill, recompute_tokens=args.recompute_tokens,
-        memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
-        bandwidth=measure_bandwidth(device), compiled=args.compile, seed=args.seed, repeats=args.repeats,
-    )
-    env = setup.environment()
-    print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on {env['machine']}; "
-          f"copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
-          f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after {args.warmup}"
-          f"{f', {args.repeats} times over' if args.repeats > 1 else ''}")
-    print(report.header())
-    rows = decode.run(setup, policies, contexts, batches, on_row=lambda row: print(report.format_row(row), flush=True))
-    for baseline in ("full", "dense", "recompute"):
-        if baseline in names:
-            ratios = report.speedups(rows, baseline)
-            if ratios:
-                print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
-                    f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
-    for line in report.goals(rows):
-        print("goal: " + line)
+    bandwidth = measure_bandwidth(device)
+    rows, env = [], None
+    names_of_models = [m.strip() for m in args.model.split(",") if m.strip()]
+    for name in names_of_models:
+        if is_random(name):
+            model = random_model(name, device, resolve_dtype(args.dtype, load_config(name), device), args.seed)
+        else:
+            model, _ = load(name, device=device, dtype=args.dtype)
+        if args.compile:
+            decode.compile_mlps(model)
+        setup = decode.Setup(
+            model=model, model_name=name, random_weights=is_random(name), new_tokens=args.new_tokens,
+            warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
+            recompute_tokens=args.recompute_tokens, memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
+            bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats,
+        )
+        env = setup.environment()
+        print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
+              f"{env['machine']}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
+              f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after "
+              f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
+        print(report.header())
+        measured = decode.run(setup, policies, contexts, batches,
+                              on_row=lambda row: print(report.format_row(row), flush=True))
+        for baseline in ("full", "dense", "recompute"):
+            if baseline in names:
+                ratios = report.speedups(measured, baseline)
+                if ratios:
+                    print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
+                        f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
+        for line in report.goals(measured):
+            print("goal: " + line)
+        rows += measured
+        del model, setup
+    for line in report.model_speedups(rows):
+        print(line)
     if args.markdown:
         print(report.markdown(rows))
     if args.json:
@@ -466,8 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_passkey)
 
     p = sub.add_parser("bench", help="decode latency, throughput and memory per KV policy vs context, with roofline")
-    _model_args(p)
-    p.set_defaults(model="reference")
+    _model_args(p, more="; or random:PRESET; several, comma-separated, are measured in turn and compared")
     p.add_argument("--policies", default="full,window,streaming,h2o,streaming-h2o,recompute",
                    help="comma-separated; besides the KV policies: dense (transformers' DynamicCache) and recompute "
                         "(re-encode the last --budget tokens for every token)")

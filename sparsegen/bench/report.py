@@ -76,6 +76,22 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
+def model_speedups(rows: list[dict]) -> list[str]:
+    """With several models in one run (e.g. dense and structurally pruned): each one's speed-up over the first."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    if len(models) < 2:
+        return []
+    base = {(r["policy"], r["context"], r["batch"]): r["ms_per_token"] for r in rows
+            if r["model"] == models[0] and "ms_per_token" in r}
+    lines = []
+    for model in models[1:]:
+        ratios = [f"{r['policy']} {r['context']:,}x{r['batch']} {base[key] / r['ms_per_token']:.2f}x"
+                  for r in rows if r["model"] == model and "ms_per_token" in r
+                  and (key := (r["policy"], r["context"], r["batch"])) in base]
+        lines.append(f"speed-up of {model} over {models[0]} (ms/token): " + "; ".join(ratios))
+    return lines
+
+
 def _budget(rows: list[dict], policy: str):
     return next((r["budget"] for r in rows if r["policy"] == policy), None)
 
@@ -102,13 +118,19 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> None:
 
     measured = [r for r in rows if "ms_per_token" in r]
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    policies = list(dict.fromkeys(r["policy"] for r in measured))
+    several = len({r["model"] for r in measured}) > 1
+
+    def series(r: dict) -> str:
+        return f"{r['model']}: {r['policy']}" if several else r["policy"]
+
+    policies = list(dict.fromkeys(series(r) for r in measured))
     colors = {p: f"C{i % 10}" for i, p in enumerate(policies)}
     batches = sorted({r["batch"] for r in measured})
     styles = {b: ("-o", "--s", "-.^", ":v")[i % 4] for i, b in enumerate(batches)}
     for batch in batches:
         for policy in policies:
-            points = sorted((r["context"], r) for r in measured if r["policy"] == policy and r["batch"] == batch)
+            points = sorted(((r["context"], r) for r in measured if series(r) == policy and r["batch"] == batch),
+                            key=lambda point: point[0])
             if not points:
                 continue
             contexts = [c for c, _ in points]

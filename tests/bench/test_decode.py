@@ -106,3 +106,13 @@ def test_repeats_pool_the_steps_of_interleaved_runs(tiny_model):
     assert [r["policy"] for r in rows] == ["window", "recompute"]
     assert rows[0]["repeats"] == 2 and rows[0]["timed_tokens"] == 6 and len(rows[0]["step_seconds"]) == 6
     assert rows[1]["timed_tokens"] == 2 * setup.recompute_tokens and rows[1]["roofline_fraction"] is None
+
+
+def test_bench_compares_several_models(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "two.json"
+    assert main(["bench", "--model", f"{tiny_checkpoint},random:{tiny_checkpoint}", "--policies", "full",
+                 "--contexts", "16", "--new-tokens", "2", "--warmup", "0", "--json", str(out),
+                 "--plot", str(tmp_path / "two.png")]) == 0
+    assert f"speed-up of random:{tiny_checkpoint} over {tiny_checkpoint}" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["random_weights"] for r in rows] == [False, True]
