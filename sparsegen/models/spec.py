@@ -42,6 +42,11 @@ def count_params(config: PretrainedConfig) -> int:
     """Parameters of the model the config describes, built on the meta device (no memory, no weights)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+        structure = getattr(config, "sparsegen_structure", None)
+        if structure:  # structurally pruned: every layer at its recorded size
+            from sparsegen.pruning.structured import rebuild
+
+            rebuild(model, structure)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -56,7 +61,8 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
 def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
     """K and V bytes one token costs over all layers, at ``element_size`` bytes per number."""
     layers, kv_heads, head_dim = kv_shape(config)
-    return 2 * layers * kv_heads * head_dim * element_size
+    groups = (getattr(config, "sparsegen_structure", None) or {}).get("kv_groups")  # heads pruned per layer
+    return 2 * (sum(groups) if groups else layers * kv_heads) * head_dim * element_size
 
 
 def spec_from_config(config: PretrainedConfig, name: str, dtype: str | None = None) -> ModelSpec:

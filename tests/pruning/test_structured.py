@@ -65,6 +65,9 @@ def test_structured_checkpoint_round_trip(tiny_checkpoint, corpus, tmp_path):
     assert report["structured"] == {"neurons": 0.25, "heads": 0.5} and report["removed"] > 0.1
     model, tokenizer = sparsegen.load(out)
     assert model.config.sparsegen_structure == {"neurons": [48, 48], "kv_groups": [1, 1]}
+    spec = sparsegen.model_spec(out)
+    assert spec.params == report["params_after"] == sum(p.numel() for p in model.parameters())
+    assert spec.kv_bytes_per_token == 2 * 2 * 1 * 8 * 4  # K and V, 2 layers, 1 KV group of 8 dims, fp32
     assert model.model.layers[1].mlp.down_proj.weight.shape == (32, 48)
     again, _ = sparsegen.load(out)
     ids = torch.tensor([[0, 5, 6, 7, 8]])
