@@ -41,13 +41,16 @@ for pct in (20, 10):
 pruning = root / "pruning"
 if (pruning / "dense_wiki.json").exists():
     print("\n| model | wiki.test.raw PPL | books/test PPL | zeros in pruned layers | pruning s |\n|---|---|---|---|---|")
-    tags = ["dense"] + [f"{m}_{a}" for m in ("magnitude", "wanda", "sparsegpt") for a in ("0.5", "4of8", "2of4")]
+    tags = (["dense"] + [f"{m}_{a}" for m in ("magnitude", "wanda", "sparsegpt") for a in ("0.5", "4of8", "2of4")]
+            + [f"{m}_neurons{a}" for m in ("magnitude", "wanda") for a in ("0.25", "0.5")]
+            + ["wanda_neurons0.25_heads0.5"])
     for tag in tags:
         if not (pruning / f"{tag}_books.json").exists():
             continue
         wiki, books = (json.loads((pruning / f"{tag}_{t}.json").read_text())["ppl"] for t in ("wiki", "books"))
         sparsity = pruning / f"{tag}_sparsity.json"
         info = json.loads(sparsity.read_text()) if sparsity.exists() else None
-        zeros = f"{info['achieved']:.4f}" if info else "-"
+        zeros = (f"{info['achieved']:.4f}" if "achieved" in info else f"{info['removed']:.1%} of params removed") \
+            if info else "-"
         seconds = f"{info['seconds']:.1f}" if info else "-"
         print(f"| {tag.replace('of', ':')} | {wiki:,.1f} | {books:,.2f} | {zeros} | {seconds} |")
