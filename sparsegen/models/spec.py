@@ -42,6 +42,7 @@ def count_params(config: PretrainedConfig) -> int:
     """Parameters of the model the config describes, built on the meta device (no memory, no weights)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+        model.tie_weights()  # transformers 5.0 does not tie in from_config
         structure = getattr(config, "sparsegen_structure", None)
         if structure:  # structurally pruned: every layer at its recorded size
             from sparsegen.pruning.structured import rebuild

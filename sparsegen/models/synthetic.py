@@ -75,6 +75,7 @@ def random_model(name: str, device: str | torch.device = "cpu", dtype: torch.dty
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # transformers 5.0 does not tie in from_config
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param.dim() >= 2:
