@@ -525,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
-    p.add_argument("--preset", default="reference", choices=["reference", "reference-large"])
+    p.add_argument("--preset", default="reference", choices=["reference", "reference-relu", "reference-large"],
+                   help="reference (SwiGLU), reference-relu (ReLU gate, for contextual sparsity), reference-large")
     p.add_argument("--out", default=None, help="checkpoint folder (default: the package's bundled folder)")
     p.add_argument("--work", default=None, help="training state, log and tokenizer (default runs/PRESET); resumes from it")
     p.add_argument("--device", default="cpu")

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
-BUNDLED = ("reference", "reference-large")
+BUNDLED = ("reference", "reference-relu", "reference-large")
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,

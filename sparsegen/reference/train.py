@@ -40,6 +40,7 @@ class TrainConfig:
     min_lr_fraction: float = 0.1
     grad_clip: float = 1.0
     rope_theta: float = 10000.0
+    act: str = "silu"  # the MLP's gate activation: "relu" gives the natively sparse MLP Deja Vu exploits
     seed: int = 0
 
 
@@ -47,6 +48,9 @@ PRESETS = {
     # ~6.6M parameters; ~4M tokens in about 40 minutes on 2 CPU cores.
     "reference": TrainConfig(hidden_size=256, layers=6, heads=8, kv_heads=2, intermediate_size=768,
                              context=512, batch_size=8, steps=1000, lr=2e-3),
+    # the same model and data with a ReLU gate, for contextual sparsity (Deja Vu's native MLP sparsity)
+    "reference-relu": TrainConfig(hidden_size=256, layers=6, heads=8, kv_heads=2, intermediate_size=768,
+                                  context=512, batch_size=8, steps=1000, lr=2e-3, act="relu"),
     # ~28M parameters, context 1024, ~330M tokens: a GPU run, long enough for attention sinks to form.
     "reference-large": TrainConfig(hidden_size=512, layers=8, heads=8, kv_heads=2, intermediate_size=1536,
                                    context=1024, batch_size=64, steps=5000, lr=1e-3),
@@ -63,6 +67,7 @@ def model_config(cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaC
         num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=cfg.context,
         rope_theta=cfg.rope_theta,
+        hidden_act=cfg.act,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sparsegen.data
-from sparsegen.reference.train import PRESETS, learning_rate, train_reference
+from sparsegen.reference.train import PRESETS, learning_rate, model_config, train_reference
 
 TINY = dict(hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate_size=64, context=32, batch_size=4,
             vocab_size=300, lr=3e-3)
@@ -72,3 +72,10 @@ def test_schedule_and_presets():
     assert learning_rate(cfg, cfg.steps - 1) == pytest.approx(cfg.lr * cfg.min_lr_fraction, rel=1e-3)
     with pytest.raises(ValueError, match="unknown preset"):
         train_reference("x", preset="huge")
+
+
+def test_relu_preset_differs_only_in_the_gate(tiny_tokenizer):
+    relu, swiglu = PRESETS["reference-relu"], PRESETS["reference"]
+    assert relu.act == "relu" and swiglu.act == "silu"
+    assert {k: v for k, v in vars(relu).items() if k != "act"} == {k: v for k, v in vars(swiglu).items() if k != "act"}
+    assert model_config(relu, tiny_tokenizer).hidden_act == "relu"
