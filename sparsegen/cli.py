@@ -396,6 +396,28 @@ def cmd_prune(args: argparse.Namespace) -> None:
           f"{report['seconds']:.1f} s; saved to {out}")
 
 
+def cmd_contextual_stats(args: argparse.Namespace) -> None:
+    from sparsegen.contextual.stats import contextual_statistics
+    from sparsegen.data import data_dir, leading_bos, tokenize_files
+    from sparsegen.pruning import calibration_ids
+
+    model, tokenizer = load_model(args)
+    calib = args.calib or data_dir() / "books" / "test"
+    ids = calibration_ids(tokenize_files(calib, tokenizer), args.nsamples, args.seqlen, args.seed,
+                          leading_bos(tokenizer))
+    stats = {"model": args.model, "text": str(calib), **contextual_statistics(model, ids, args.mass)}
+    print(f"{stats['tokens']:,} tokens from {calib}; sparsity = fraction a token can drop keeping {args.mass:.0%} "
+          f"of the mass")
+    print(f"{'layer':>5}{'MLP zeros':>11}{'MLP sparsity':>14}{'head sparsity':>15}{'cos(h, h_next)':>16}")
+    for layer in stats["layers"]:
+        heads, cosine = layer["head_sparsity"], layer["residual_cosine"]
+        print(f"{layer['layer']:>5}{layer['mlp_zero_fraction']:>11.3f}{layer['mlp_sparsity']:>14.3f}"
+              f"{'-' if heads is None else format(heads, '.3f'):>15}{'-' if cosine is None else format(cosine, '.3f'):>16}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(stats, f, indent=2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -523,6 +545,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for the pruned checkpoint (+ sparsity.json)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("contextual", help="contextual sparsity: statistics (predictors and sparse execution to come)")
+    contextual = p.add_subparsers(dest="contextual_command", required=True, metavar="STEP")
+    p = contextual.add_parser("stats", help="per-layer MLP/head sparsity per input and residual-stream similarity")
+    _model_args(p)
+    p.add_argument("--calib", default=None, help="text file or folder (default ../shared/data/books/test)")
+    p.add_argument("--nsamples", type=int, default=32, help="text windows (default 32)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mass", type=float, default=0.95, help="fraction of activation mass the kept units carry")
+    p.add_argument("--json", default=None, help="write the statistics to this file")
+    p.set_defaults(func=cmd_contextual_stats)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-relu", "reference-large"],
