@@ -49,3 +49,13 @@ def test_cli(tiny_checkpoint, corpus, tmp_path, capsys):
     assert "MLP sparsity" in capsys.readouterr().out
     import json
     assert len(json.loads(out.read_text())["layers"]) == 2
+
+
+def test_bundled_relu_reference_has_exact_zeros_in_its_mlp():
+    import sparsegen
+
+    model, tokenizer = sparsegen.load("reference-relu")
+    assert model.config.hidden_act == "relu"
+    ids = tokenizer(["It was late in the evening when the old man came back to the house"], return_tensors="pt")
+    stats = contextual_statistics(model, ids["input_ids"], progress=False)
+    assert all(layer["mlp_zero_fraction"] > 0.3 for layer in stats["layers"])
