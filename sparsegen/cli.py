@@ -367,9 +367,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
         report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
 
 
-def cmd_prune(args: argparse.Namespace) -> None:
+def _calibration(args: argparse.Namespace, tokenizer, books: str):
+    """``(ids, source)``: ``--nsamples`` windows of ``--seqlen`` tokens from ``--calib`` (default books/BOOKS)."""
     from sparsegen.data import data_dir, leading_bos, tokenize_files
-    from sparsegen.pruning import PruneConfig, calibration_ids, prune_model, save_pruned
+    from sparsegen.pruning import calibration_ids
+
+    source = args.calib or data_dir() / "books" / books
+    ids = calibration_ids(tokenize_files(source, tokenizer), args.nsamples, args.seqlen, args.seed,
+                          leading_bos(tokenizer))
+    return ids, source
+
+
+def cmd_prune(args: argparse.Namespace) -> None:
+    from sparsegen.pruning import PruneConfig, prune_model, save_pruned
     from sparsegen.pruning.prune import check_output_dir
     from sparsegen.models.loading import resolve
 
@@ -380,9 +390,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args)
     ids, calib = None, None
     if config.method != "magnitude":
-        calib = args.calib or data_dir() / "books" / "train"
-        ids = calibration_ids(tokenize_files(calib, tokenizer), config.nsamples, config.seqlen, config.seed,
-                              leading_bos(tokenizer))
+        ids, calib = _calibration(args, tokenizer, "train")
     report = {"model": args.model, "calibration": str(calib) if calib else None,
               **prune_model(model, config, ids)}
     save_pruned(model, tokenizer, out, report)
@@ -398,13 +406,9 @@ def cmd_prune(args: argparse.Namespace) -> None:
 
 def cmd_contextual_stats(args: argparse.Namespace) -> None:
     from sparsegen.contextual.stats import contextual_statistics
-    from sparsegen.data import data_dir, leading_bos, tokenize_files
-    from sparsegen.pruning import calibration_ids
 
     model, tokenizer = load_model(args)
-    calib = args.calib or data_dir() / "books" / "test"
-    ids = calibration_ids(tokenize_files(calib, tokenizer), args.nsamples, args.seqlen, args.seed,
-                          leading_bos(tokenizer))
+    ids, calib = _calibration(args, tokenizer, "test")
     stats = {"model": args.model, "text": str(calib), **contextual_statistics(model, ids, args.mass)}
     print(f"{stats['tokens']:,} tokens from {calib}; sparsity = fraction a token can drop keeping {args.mass:.0%} "
           f"of the mass")
