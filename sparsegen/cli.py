@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
-def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str = "") -> None:
+def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str = "", contextual: bool = False) -> None:
     if positional:
         p.add_argument("model", help="hub id, local checkpoint folder, or 'reference'")
     else:
@@ -15,6 +16,9 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str 
                        help=f"hub id, local checkpoint folder, or 'reference' (default){more}")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
+    if contextual:
+        p.add_argument("--contextual", default=None, metavar="DIR",
+                       help="run with the contextual sparsity fit into DIR by `sparsegen contextual fit`")
 
 
 def _budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
@@ -51,7 +55,12 @@ def _policies(args: argparse.Namespace, input_length: int | None = None):
 def load_model(args: argparse.Namespace):
     from sparsegen.models import load
 
-    return load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    if getattr(args, "contextual", None):
+        from sparsegen.contextual import Contextual, attach
+
+        attach(model, Contextual.load(args.contextual))
+    return model, tokenizer
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -299,6 +308,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from sparsegen.bench import decode, report
     from sparsegen.bench.roofline import measure_bandwidth
+    from sparsegen.contextual import Contextual, attach, detach
     from sparsegen.models import load
     from sparsegen.models.loading import check_device, load_config, resolve_dtype
     from sparsegen.models.synthetic import is_random, random_model
@@ -325,6 +335,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bandwidth = measure_bandwidth(device)
     rows, env = [], None
     names_of_models = [m.strip() for m in args.model.split(",") if m.strip()]
+    variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
+    plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
     for name in names_of_models:
         if is_random(name):
             model = random_model(name, device, resolve_dtype(args.dtype, load_config(name), device), args.seed)
@@ -332,30 +344,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
             model, _ = load(name, device=device, dtype=args.dtype)
         if args.compile:
             decode.compile_mlps(model)
-        setup = decode.Setup(
-            model=model, model_name=name, random_weights=is_random(name), new_tokens=args.new_tokens,
-            warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
-            recompute_tokens=args.recompute_tokens, memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
-            bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats,
-        )
-        env = setup.environment()
-        print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
-              f"{env['machine']}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
-              f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after "
-              f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
-        print(report.header())
-        measured = decode.run(setup, policies, contexts, batches,
-                              on_row=lambda row: print(report.format_row(row), flush=True))
-        for baseline in ("full", "dense", "recompute"):
-            if baseline in names:
-                ratios = report.speedups(measured, baseline)
-                if ratios:
-                    print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
-                        f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
-        for line in report.goals(measured):
-            print("goal: " + line)
-        rows += measured
-        del model, setup
+        for variant in variants:
+            label = name if variant == "none" else f"{name} + {variant}"
+            if variant != "none":
+                attach(model, plans[variant])
+            measured, env = _bench_model(args, model, label, is_random(name), bandwidth, policies, contexts, batches)
+            rows += measured
+            detach(model)
+        del model
     for line in report.model_speedups(rows):
         print(line)
     if args.markdown:
@@ -365,6 +361,37 @@ def cmd_bench(args: argparse.Namespace) -> None:
             json.dump({"environment": env, "rows": rows}, f, indent=2)
     if args.plot:
         report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
+
+
+def _bench_model(args, model, label: str, random_weights: bool, bandwidth, policies, contexts,
+                 batches) -> tuple[list[dict], dict]:
+    """Measure one model (or one contextual variant of it): print its table, ratios and goals."""
+    from sparsegen.bench import decode, report
+
+    setup = decode.Setup(
+        model=model, model_name=label, random_weights=random_weights, new_tokens=args.new_tokens,
+        warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
+        recompute_tokens=args.recompute_tokens, memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
+        bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats,
+    )
+    env = setup.environment()
+    print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
+          f"{env['machine']}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
+          f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after "
+          f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
+    print(report.header())
+    measured = decode.run(setup, policies, contexts, batches,
+                          on_row=lambda row: print(report.format_row(row), flush=True))
+    names = [name for name, _ in policies]
+    for baseline in ("full", "dense", "recompute"):
+        if baseline in names:
+            ratios = report.speedups(measured, baseline)
+            if ratios:
+                print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
+                    f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
+    for line in report.goals(measured):
+        print("goal: " + line)
+    return measured, env
 
 
 def _calibration(args: argparse.Namespace, tokenizer, books: str):
@@ -422,6 +449,64 @@ def cmd_contextual_stats(args: argparse.Namespace) -> None:
             json.dump(stats, f, indent=2)
 
 
+def cmd_contextual_fit(args: argparse.Namespace) -> None:
+    from sparsegen.models.loading import resolve
+    from sparsegen.models.synthetic import is_random, random_model
+    from sparsegen.pruning.prune import check_output_dir
+
+    out = check_output_dir(args.out, None if is_random(args.model) else resolve(args.model), args.force)
+    if args.method == "teal":
+        if args.sparsity is None or args.top_k is not None or args.recall is not None or args.heads:
+            raise ValueError("teal takes --sparsity only (the fraction of every linear's inputs dropped)")
+    elif args.method != "dejavu":
+        raise ValueError(f"unknown method {args.method!r}; choose dejavu or teal")
+    else:
+        from sparsegen.contextual.dejavu import DejaVuConfig
+
+        config = DejaVuConfig(sparsity=args.sparsity, top_k=args.top_k, recall=args.recall, heads=args.heads,
+                              rank=args.rank, epochs=args.epochs, seed=args.seed)
+    args.nsamples = args.nsamples or (128 if args.method == "dejavu" else 32)
+    if is_random(args.model):  # no tokenizer: random token ids (for speed measurements on model shapes)
+        import torch
+
+        from sparsegen.models.loading import check_device, load_config, resolve_dtype
+
+        device = check_device(args.device)
+        model = random_model(args.model, device, resolve_dtype(args.dtype, load_config(args.model), device), args.seed)
+        generator = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(model.config.vocab_size, (args.nsamples, args.seqlen), generator=generator)
+        calib = "random token ids"
+    else:
+        model, tokenizer = load_model(args)
+        ids, calib = _calibration(args, tokenizer, "train")
+    started = time.perf_counter()
+    if args.method == "teal":
+        from sparsegen.contextual.teal import fit_teal
+
+        plan = fit_teal(model, ids, args.sparsity, batch_size=args.batch_size, seed=args.seed)
+    else:
+        from sparsegen.contextual.dejavu import fit_dejavu
+
+        plan = fit_dejavu(model, ids, config, batch_size=args.batch_size)
+    plan.info.update(model=args.model, calibration=str(calib), seconds=round(time.perf_counter() - started, 1))
+    plan.save(out)
+    if args.method == "teal":
+        achieved = plan.info["achieved_on_calibration"]
+        print(f"teal: {len(achieved)} linear inputs, target sparsity {args.sparsity}, achieved on calibration "
+              f"{min(achieved.values()):.3f}-{max(achieved.values()):.3f}; {plan.info['seconds']} s; saved to {out}")
+        return
+    print(f"deja vu on {ids.numel():,} tokens ({plan.info['labels']}); per layer on held-out windows:")
+    print(f"{'layer':>5}{'kind':>6}{'units':>7}{'K':>6}{'sparsity':>10}{'rank':>6}{'recall':>8}{'precision':>11}"
+          f"{'mass':>7}")
+    for layer in plan.info["report"]:
+        for kind in ("mlp", "heads"):
+            if kind in layer:
+                r = layer[kind]
+                print(f"{layer['layer']:>5}{kind:>6}{r['units']:>7}{r['k']:>6}{r['sparsity']:>10.3f}{r['rank']:>6}"
+                      f"{r['recall']:>8.3f}{r['precision']:>11.3f}{r['mass_recall']:>7.3f}")
+    print(f"{plan.info['seconds']} s; saved to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -432,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="continue a prompt under a KV-cache policy")
-    _model_args(p)
+    _model_args(p, contextual=True)
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file (any length: it is prefilled in chunks)")
     _policy_args(p)
@@ -444,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
-    _model_args(p)
+    _model_args(p, contextual=True)
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
     p.add_argument("--policies", default="full,window,streaming,h2o", help="comma-separated (default full,window,streaming,h2o)")
@@ -455,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("ppl", help="perplexity: streaming through a KV policy (--stream) or in windows (--windows)")
-    _model_args(p)
+    _model_args(p, contextual=True)
     p.add_argument("--text", default=None, help="text file or folder (default ../shared/data/books/test)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true", help="one token at a time through the policy's cache")
@@ -477,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("fidelity", help="a policy against the full cache: ROUGE-L, tokens to divergence, KL")
-    _model_args(p)
+    _model_args(p, contextual=True)
     p.add_argument("--text", default=None, help="text file to cut prompts from (default books/test/dracula.txt)")
     p.add_argument("--policy", action="append", required=True, help="policy to compare with full; repeat for several")
     _budget_args(p, "KV tokens, or a fraction of the prompt length (0.2)")
@@ -489,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fidelity)
 
     p = sub.add_parser("passkey", help="pass-key retrieval accuracy per context length and needle depth")
-    _model_args(p)
+    _model_args(p, contextual=True)
     p.add_argument("--text", default=None, help="haystack text (default books/test/great_expectations.txt)")
     p.add_argument("--policy", action="append", default=None, help="policy; repeat for several (default full)")
     _budget_args(p, "KV tokens per layer (a token count)")
@@ -521,6 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure every policy N times, interleaved, pooling the steps (steadier ratios; default 1)")
     p.add_argument("--memory-limit", default=None, help="e.g. 80GiB: report the largest batch whose weights + KV fit")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--contextual", default=None, metavar="DIR[,DIR]",
+                   help="also measure with these contextual plans (`sparsegen contextual fit`); 'none' is the model "
+                        "without, e.g. none,ctx/teal50: each variant's speed-up over the first is printed")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each layer's MLP (the cache and attention stay eager: their shapes change)")
     p.add_argument("--seed", type=int, default=0)
@@ -550,7 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.set_defaults(func=cmd_prune)
 
-    p = sub.add_parser("contextual", help="contextual sparsity: statistics (predictors and sparse execution to come)")
+    p = sub.add_parser("contextual", help="contextual sparsity: statistics, and fitting Deja Vu predictors or TEAL "
+                                          "thresholds (run them with --contextual DIR)")
     contextual = p.add_subparsers(dest="contextual_command", required=True, metavar="STEP")
     p = contextual.add_parser("stats", help="per-layer MLP/head sparsity per input and residual-stream similarity")
     _model_args(p)
@@ -561,6 +650,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mass", type=float, default=0.95, help="fraction of activation mass the kept units carry")
     p.add_argument("--json", default=None, help="write the statistics to this file")
     p.set_defaults(func=cmd_contextual_stats)
+    p = contextual.add_parser("fit", help="fit Deja Vu predictors or TEAL thresholds; use with --contextual DIR")
+    _model_args(p)
+    p.add_argument("--method", required=True, help="dejavu (low-rank lookahead predictors) or teal (thresholds)")
+    amount = p.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--sparsity", type=float, help="fraction of MLP neurons (dejavu) / linear inputs (teal) skipped")
+    amount.add_argument("--top-k", type=int, help="dejavu: MLP neurons kept per token")
+    amount.add_argument("--recall", type=float,
+                        help="dejavu: per layer, the smallest K whose recall on validation windows reaches this")
+    p.add_argument("--heads", type=float, default=0.0,
+                   help="dejavu: fraction of attention heads skipped (default 0: heads are not predicted)")
+    p.add_argument("--rank", type=int, default=None, help="dejavu: predictor rank (default: 5%% of the MLP's cost)")
+    p.add_argument("--epochs", type=int, default=20, help="dejavu: training epochs per predictor (default 20)")
+    p.add_argument("--calib", default=None, help="calibration text file or folder (default ../shared/data/books/train)")
+    p.add_argument("--nsamples", type=int, default=None, help="calibration windows (default dejavu 128, teal 32)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="folder for contextual.json (+ predictors.safetensors)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.set_defaults(func=cmd_contextual_fit)
 
     p = sub.add_parser("train-reference", help="train the bundled reference model from ../shared/data/books/train")
     p.add_argument("--preset", default="reference", choices=["reference", "reference-relu", "reference-large"],

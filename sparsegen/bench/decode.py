@@ -122,6 +122,39 @@ class StepTimer:
         return list(self.marks)
 
 
+class MLPTimer:
+    """Wall-clock seconds per step inside the decoder layers' MLPs and the contextual MLP predictors (the
+    predictor's cost belongs to the MLP it prunes). CPU only: on CUDA the launches return before the work ends."""
+
+    def __init__(self, model: torch.nn.Module):
+        from sparsegen.contextual.runtime import LowRankPredictor
+
+        self.steps: list[float] = []
+        self._spent, self._started, self.handles = 0.0, 0.0, []
+        if next(model.parameters()).device.type != "cpu":
+            return
+        for name, module in model.named_modules():
+            if name.endswith(".mlp") or (isinstance(module, LowRankPredictor) and name.rpartition(".")[2].startswith("mlp")):
+                self.handles.append(module.register_forward_pre_hook(self._start))
+                self.handles.append(module.register_forward_hook(self._stop))
+
+    def _start(self, module, args):
+        self._started = time.perf_counter()
+
+    def _stop(self, module, args, output):
+        self._spent += time.perf_counter() - self._started
+
+    def step(self, timed: bool) -> None:
+        if timed and self.handles:
+            self.steps.append(self._spent)
+        self._spent = 0.0
+
+    def close(self) -> float | None:
+        for handle in self.handles:
+            handle.remove()
+        return statistics.median(self.steps) * 1000 if self.steps else None
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -220,7 +253,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     else:
         token = ids[:, -1:]
     position = torch.full((batch, 1), context, device=device)
-    timer = StepTimer(device)
+    timer, mlp_timer = StepTimer(device), MLPTimer(model)
     steps = setup.warmup + setup.new_tokens
     attended = []  # held tokens plus the new one, at the first and the last timed step
     for step in range(steps):
@@ -231,12 +264,14 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         token = logits.argmax(-1, keepdim=True)
         if step >= setup.warmup:
             timer.stop(started)
+        mlp_timer.step(step >= setup.warmup)
         position = position + 1
     kv_tokens = sum(attended) / len(attended)
     return {
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
         **_decode_stats(setup, timer.seconds(), batch, kv_tokens),
+        "mlp_ms_per_token": mlp_timer.close(),
         "peak_kv_bytes": _peak_kv_bytes(cache, setup, batch),
     }
 
@@ -314,6 +349,8 @@ def _merge(setup: Setup, repeats: list[dict]) -> dict:
         return first
     seconds = [s for r in repeats for s in r["step_seconds"]]
     merged = {**first, **_decode_stats(setup, seconds, first["batch"], first["kv_tokens"]), "repeats": len(repeats)}
+    mlp = [r["mlp_ms_per_token"] for r in repeats if r.get("mlp_ms_per_token") is not None]
+    merged["mlp_ms_per_token"] = statistics.median(mlp) if mlp else None
     if "roofline_fraction" in first and first["roofline_fraction"] is None:
         merged["roofline_fraction"] = None
     if first["prefill_seconds"] is not None:

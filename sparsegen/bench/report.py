@@ -11,6 +11,7 @@ COLUMNS = (  # header, width, row -> text
     ("prefill s", 10, lambda r: _num(r.get("prefill_seconds"), ".2f")),
     ("ms/tok", 11, lambda r: _num(r.get("ms_per_token"), ",.2f")),
     ("p90", 11, lambda r: _num(r.get("ms_per_token_p90"), ",.2f")),
+    ("MLP ms", 9, lambda r: _num(r.get("mlp_ms_per_token"), ",.2f")),
     ("tok/s", 9, lambda r: _num(r.get("tokens_per_s"), ",.1f")),
     ("KV MiB", 9, lambda r: _num(_mib(r.get("peak_kv_bytes")), ",.1f")),
     ("peak MiB", 9, lambda r: _num(_mib(r.get("peak_memory_bytes")), ",.0f")),
@@ -89,6 +90,14 @@ def model_speedups(rows: list[dict]) -> list[str]:
                   for r in rows if r["model"] == model and "ms_per_token" in r
                   and (key := (r["policy"], r["context"], r["batch"])) in base]
         lines.append(f"speed-up of {model} over {models[0]} (ms/token): " + "; ".join(ratios))
+        mlp = {key: r["mlp_ms_per_token"] for r in rows if r["model"] == models[0] and r.get("mlp_ms_per_token")
+               for key in [(r["policy"], r["context"], r["batch"])]}
+        mlp_ratios = [f"{r['policy']} {r['context']:,}x{r['batch']} {mlp[key] / r['mlp_ms_per_token']:.2f}x"
+                      for r in rows if r["model"] == model and r.get("mlp_ms_per_token")
+                      and (key := (r["policy"], r["context"], r["batch"])) in mlp]
+        if mlp_ratios:
+            lines.append(f"MLP speed-up of {model} over {models[0]} (MLP + predictor ms per step): "
+                         + "; ".join(mlp_ratios))
     return lines
 
 

@@ -269,7 +269,7 @@ def check_output_dir(out: str | Path, source: str | Path | None, force: bool) ->
     """Refuse to write over the input model, or into a non-empty folder unless ``force``."""
     out = Path(out)
     if source is not None and Path(source).exists() and out.resolve() == Path(source).resolve():
-        raise ValueError(f"--out {out} is the input model's own folder; write the pruned model somewhere else")
+        raise ValueError(f"--out {out} is the input model's own folder; write the output somewhere else")
     if out.exists() and any(out.iterdir()) and not force:
         raise ValueError(f"--out {out} exists and is not empty; pick a new folder or pass --force to overwrite")
     return out

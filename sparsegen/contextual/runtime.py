@@ -1,0 +1,222 @@
+"""Running a model with contextual sparsity: what a fitted folder holds, and how it hooks into a model.
+
+A folder written by ``sparsegen contextual fit`` holds ``contextual.json`` (method, per-layer sizes and the
+measured recall/precision or sparsity) and, for Deja Vu, ``predictors.safetensors``. ``attach`` swaps the
+decoder layers' linears for the sparse ones in ``layers.py`` and adds one forward pre-hook per decoder layer:
+
+- Deja Vu: layer l's hook reads the residual stream entering layer l and predicts which MLP neurons (and
+  heads) layer l+1 will need — the lookahead; layer 0 is predicted from its own input. Each token keeps the
+  top-K units by predictor score.
+- TEAL: no predictor; every linear keeps the inputs whose magnitude is at least its threshold.
+
+Skipped heads still get their K and V computed and cached: a head skipped for this token may be chosen by a
+later one, and it must then see the whole history. The cost is the K/V projections and the cache of every
+head; what is saved is the skipped heads' queries, their share of the output projection, and nothing of the
+attention itself (it runs for all heads, the skipped heads' results are dropped).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparsegen.contextual.layers import ColumnSparseLinear, RowSparseLinear
+from sparsegen.pruning.prune import decoder_layers
+from sparsegen.pruning.structured import HEAD_FAMILIES, mlp_layout, neuron_count
+
+METHODS = ("dejavu", "teal")
+CONFIG = "contextual.json"
+WEIGHTS = "predictors.safetensors"
+
+
+def predictor_name(layer: int, kind: str) -> str:
+    """``mlp3``/``heads3``: the key of layer 3's predictor (module names cannot hold dots)."""
+    return f"{kind}{layer}"
+
+
+class LowRankPredictor(nn.Module):
+    """Deja Vu's classifier: ``hidden -> rank -> units`` with no nonlinearity, on the RMS-normalised residual."""
+
+    def __init__(self, hidden: int, rank: int, units: int):
+        super().__init__()
+        self.down = nn.Linear(hidden, rank, bias=False)
+        self.up = nn.Linear(rank, units)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.up(self.down(x))
+
+
+@dataclass
+class Contextual:
+    """A fitted contextual-sparsity plan for one model."""
+
+    method: str
+    info: dict  # model type and sizes it was fit for, calibration, per-layer measurements
+    top_k: list[dict[str, int]] = field(default_factory=list)  # dejavu: per layer {"mlp": K, "heads": K}
+    predictors: nn.ModuleDict = field(default_factory=nn.ModuleDict)  # dejavu: predictor_name -> LowRankPredictor
+    thresholds: dict[str, float] = field(default_factory=dict)  # teal: "layer.path" -> |x| threshold
+
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        ranks = {name: p.down.out_features for name, p in self.predictors.items()}
+        (folder / CONFIG).write_text(json.dumps({"method": self.method, "top_k": self.top_k, "ranks": ranks,
+                                                 "thresholds": self.thresholds, **self.info}, indent=2))
+        if self.method == "dejavu":
+            state = {k: v.detach().float().contiguous() for k, v in self.predictors.state_dict().items()}
+            save_file(state, folder / WEIGHTS)
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Contextual:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / CONFIG).is_file():
+            raise FileNotFoundError(f"{folder} has no {CONFIG}; make one with `sparsegen contextual fit ... --out "
+                                    f"{folder}`")
+        try:
+            info = json.loads((folder / CONFIG).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{folder / CONFIG} is not valid JSON ({error}); fit it again") from None
+        method = info.pop("method", None)
+        if method not in METHODS:
+            raise ValueError(f"{folder / CONFIG} names method {method!r}; expected one of {', '.join(METHODS)}")
+        top_k, ranks, thresholds = info.pop("top_k", []), info.pop("ranks", {}), info.pop("thresholds", {})
+        predictors = nn.ModuleDict()
+        if method == "dejavu":
+            try:
+                state = load_file(folder / WEIGHTS)
+            except (FileNotFoundError, SafetensorError, OSError) as error:
+                raise ValueError(f"cannot read the predictors in {folder / WEIGHTS} ({error}); fit them again") from None
+            for name, rank in ranks.items():
+                up = state.get(f"{name}.up.weight")
+                if up is None:
+                    raise ValueError(f"{folder / WEIGHTS} lacks the predictor {name!r}; fit it again")
+                predictors[name] = LowRankPredictor(state[f"{name}.down.weight"].shape[1], rank, up.shape[0])
+            predictors.load_state_dict(state)
+        return cls(method, info, top_k, predictors, thresholds)
+
+    def check(self, model: nn.Module) -> None:
+        """Refuse a plan fit for a different model."""
+        for key, value in model_info(model).items():
+            if self.info.get(key) != value:
+                raise ValueError(f"this contextual plan was fit for {key} {self.info.get(key)}, but the model has "
+                                 f"{value}; fit one for this model with `sparsegen contextual fit`")
+
+
+def model_info(model: nn.Module) -> dict:
+    config = model.config.get_text_config()
+    layers = decoder_layers(model)
+    return {"model_type": config.model_type, "hidden_size": config.hidden_size, "layers": len(layers),
+            "neurons": [neuron_count(layer, config.model_type) for layer in layers]}
+
+
+class _Step:
+    """What the layers of one forward share: whether it decodes, and each layer's chosen units."""
+
+    def __init__(self):
+        self.decode = False
+        self.masks: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _hidden(args, kwargs) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    return mask.scatter_(-1, scores.topk(k, dim=-1).indices, True)
+
+
+def attach(model: nn.Module, plan: Contextual) -> nn.Module:
+    """Make ``model`` run with ``plan``'s contextual sparsity (in place; ``detach`` undoes it)."""
+    if getattr(model, "_sparsegen_contextual", None) is not None:
+        raise ValueError("this model already runs with a contextual plan; detach it first")
+    plan.check(model)
+    param = next(model.parameters())
+    plan.predictors.to(device=param.device, dtype=param.dtype)
+    model_type = model.config.model_type
+    producers, consumer = mlp_layout(model_type)
+    layers = decoder_layers(model)
+    step = _Step()
+    decoding = lambda: step.decode  # noqa: E731
+    swapped: list[tuple[nn.Module, str]] = []
+
+    def swap(parent: nn.Module, path: str, module: nn.Module) -> None:
+        owner_path, _, name = path.rpartition(".")
+        owner = parent.get_submodule(owner_path) if owner_path else parent
+        swapped.append((owner, name))
+        setattr(owner, name, module)  # the dense linear goes: no second copy of its weights stays alive
+
+    for index, layer in enumerate(layers):
+        if plan.method == "teal":
+            for path, linear in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
+                threshold = plan.thresholds[f"{index}.{path}"]
+                swap(layer, path, ColumnSparseLinear(linear, lambda x, t=threshold: x.abs() >= t, decoding))
+            continue
+        neurons = lambda x, i=index: step.masks[(i, "mlp")]  # noqa: E731
+        size = neuron_count(layer, model_type)
+        for path in producers:
+            linear = layer.get_submodule(path)
+            swap(layer, path, RowSparseLinear(linear, neurons, decoding, copies=linear.out_features // size))
+        swap(layer, consumer, ColumnSparseLinear(layer.get_submodule(consumer), neurons, decoding))
+        if predictor_name(index, "heads") in plan.predictors:
+            heads = lambda x, i=index: step.masks[(i, "heads")]  # noqa: E731
+            attention = layer.self_attn
+            swap(layer, "self_attn.q_proj", RowSparseLinear(attention.q_proj, heads, decoding, attention.head_dim))
+            swap(layer, "self_attn.o_proj", ColumnSparseLinear(attention.o_proj, heads, decoding, attention.head_dim))
+
+    def predict(index: int, hidden: torch.Tensor) -> None:
+        for kind in ("mlp", "heads"):
+            name = predictor_name(index, kind)
+            if name in plan.predictors:
+                predictor = plan.predictors[name]
+                step.masks[(index, kind)] = _top_k_mask(predictor(hidden), plan.top_k[index][kind])
+
+    def before_layer(index: int):
+        def hook(module, args, kwargs):
+            hidden = _hidden(args, kwargs)
+            if index == 0:
+                step.decode = hidden.shape[-2] == 1 if hidden.dim() == 3 else False
+                step.masks.clear()
+            if plan.method == "dejavu":
+                with torch.no_grad():
+                    if index == 0:
+                        predict(0, hidden)
+                    if index + 1 < len(layers):
+                        predict(index + 1, hidden)  # lookahead: layer l's input chooses layer l+1's units
+        return hook
+
+    handles = [layer.register_forward_pre_hook(before_layer(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    model._sparsegen_contextual = (plan, swapped, handles)
+    return model
+
+
+def detach(model: nn.Module) -> nn.Module:
+    """Undo ``attach``: the model's own dense linears come back (weights re-laid out, values unchanged)."""
+    attached = getattr(model, "_sparsegen_contextual", None)
+    if attached is None:
+        return model
+    _, swapped, handles = attached
+    for handle in handles:
+        handle.remove()
+    for owner, name in swapped:
+        setattr(owner, name, getattr(owner, name).to_linear())
+    model._sparsegen_contextual = None
+    return model
+
+
+def check_heads(model: nn.Module) -> None:
+    model_type = model.config.model_type
+    if model_type not in HEAD_FAMILIES:
+        raise ValueError(f"skipping heads needs separate q/o projections ({', '.join(HEAD_FAMILIES)}); "
+                         f"{model_type} fuses its attention. Fit MLP predictors only (--heads 0)")
