@@ -53,7 +53,7 @@ class RowSparseLinear(nn.Module):
         rows = _expand(union, self.unit_size, self.copies).nonzero().squeeze(-1)
         if self._rows.shape[0] < len(rows) or self._rows.device != x.device or self._rows.dtype != x.dtype:
             self._rows = torch.empty(len(rows), self.in_features, dtype=x.dtype, device=x.device)
-        block = torch.index_select(self.weight, 0, rows, out=self._rows[:len(rows)])
+        block = torch.index_select(self.weight.detach(), 0, rows, out=self._rows[:len(rows)])  # inference only
         out = x.new_zeros(*x.shape[:-1], self.out_features)
         out[..., rows] = F.linear(x, block, None if self.bias is None else self.bias[rows])
         return out

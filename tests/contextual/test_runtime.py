@@ -1,0 +1,200 @@
+"""Sparse execution against reference implementations: the plain model with the same units zeroed by hooks."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from sparsegen.contextual import Contextual, attach, detach
+from sparsegen.contextual.runtime import LowRankPredictor, model_info, predictor_name
+from sparsegen.generation import generate_tokens
+from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.pruning.prune import decoder_layers
+from sparsegen.pruning.structured import HEAD_FAMILIES, mlp_layout
+from tests.kv.families import FAMILIES, VOCAB, tiny_model
+
+IDS = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def dejavu_plan(model, keep: float, heads: float | None = None) -> Contextual:
+    """Random low-rank predictors keeping a fraction ``keep`` of neurons (and of heads)."""
+    info = model_info(model)
+    predictors, top_k = nn.ModuleDict(), []
+    for index, neurons in enumerate(info["neurons"]):
+        torch.manual_seed(index)
+        predictors[predictor_name(index, "mlp")] = LowRankPredictor(info["hidden_size"], 4, neurons)
+        k = {"mlp": max(1, round(keep * neurons))}
+        if heads is not None:
+            count = model.config.num_attention_heads
+            predictors[predictor_name(index, "heads")] = LowRankPredictor(info["hidden_size"], 4, count)
+            k["heads"] = max(1, round(heads * count))
+        top_k.append(k)
+    return Contextual("dejavu", info, top_k, predictors)
+
+
+def teal_plan(model, threshold: float) -> Contextual:
+    thresholds = {f"{index}.{path}": threshold for index, layer in enumerate(decoder_layers(model))
+                  for path, module in layer.named_modules() if isinstance(module, nn.Linear)}
+    return Contextual("teal", model_info(model), thresholds=thresholds)
+
+
+def _top_k(scores, k):
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, -1).indices, True)
+
+
+def zeroing_hooks(model, plan: Contextual) -> list:
+    """The reference: the dense model, with the plan's units zeroed at the inputs of the layers that use them."""
+    layers, handles, masks = decoder_layers(model), [], {}
+    if plan.method == "teal":
+        for index, layer in enumerate(layers):
+            for path, module in layer.named_modules():
+                if isinstance(module, nn.Linear):
+                    t = plan.thresholds[f"{index}.{path}"]
+                    handles.append(module.register_forward_pre_hook(lambda m, a, t=t: (a[0] * (a[0].abs() >= t),)))
+        return handles
+
+    def predict(target, hidden):
+        for kind in ("mlp", "heads"):
+            name = predictor_name(target, kind)
+            if name in plan.predictors:
+                masks[(target, kind)] = _top_k(plan.predictors[name](hidden), plan.top_k[target][kind])
+
+    def before(index):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            for target in ([0] if index == 0 else []) + ([index + 1] if index + 1 < len(layers) else []):
+                predict(target, hidden)
+        return hook
+
+    def zero_neurons(index):
+        return lambda m, a: (a[0] * masks[(index, "mlp")].reshape(*a[0].shape[:-1], -1),)
+
+    def zero_heads(index, head_dim):
+        return lambda m, a: (a[0] * masks[(index, "heads")].repeat_interleave(head_dim, -1),)
+
+    consumer = mlp_layout(model.config.model_type)[1]
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(before(index), with_kwargs=True))
+        handles.append(layer.get_submodule(consumer).register_forward_pre_hook(zero_neurons(index)))
+        if predictor_name(index, "heads") in plan.predictors:
+            attention = layer.self_attn
+            handles.append(attention.o_proj.register_forward_pre_hook(zero_heads(index, attention.head_dim)))
+    return handles
+
+
+def _reference_logits(model, plan, ids):
+    handles = zeroing_hooks(model, plan)
+    try:
+        return model(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _decode_logits(model, ids, cache):
+    """Prefill the first 8 tokens, then one token per step (teacher forced): logits at every position."""
+    logits = [model(ids[:, :8], past_key_values=cache).logits]
+    for position in range(8, ids.shape[1]):
+        logits.append(model(ids[:, position:position + 1], past_key_values=cache).logits)
+    return torch.cat(logits, dim=1)
+
+
+def _plans(family, model):
+    heads = 0.5 if family in HEAD_FAMILIES else None
+    return {"dejavu": dejavu_plan(model, 0.3, heads), "teal": teal_plan(model, 0.5)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_unit_chosen_equals_the_dense_model(family):
+    model = tiny_model(family)
+    with torch.no_grad():
+        dense = model(IDS).logits
+        dense_steps = _decode_logits(model, IDS, DynamicCache(config=model.config))
+        for plan in (dejavu_plan(model, 1.0, 1.0 if family in HEAD_FAMILIES else None), teal_plan(model, 0.0)):
+            attach(model, plan)
+            torch.testing.assert_close(model(IDS).logits, dense, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(_decode_logits(model, IDS, DynamicCache(config=model.config)), dense_steps,
+                                       rtol=1e-5, atol=1e-5)
+            detach(model)
+    torch.testing.assert_close(model(IDS).logits, dense, rtol=0, atol=0)  # detach restores the model exactly
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("method", ["dejavu", "teal"])
+def test_chosen_units_equal_the_dense_model_with_the_rest_zeroed(family, method):
+    model = tiny_model(family)
+    plan = _plans(family, model)[method]
+    with torch.no_grad():
+        reference = _reference_logits(model, plan, IDS)
+        dense = model(IDS).logits
+        attach(model, plan)
+        masked = model(IDS).logits
+        decoded = _decode_logits(model, IDS, DynamicCache(config=model.config))  # gathered weights at decode
+        detach(model)
+    assert (masked - dense).abs().max() > 1e-3  # the plan really drops work
+    torch.testing.assert_close(masked, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decoded, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_composes_with_eviction(policy):
+    model = tiny_model("llama")
+    ids, mask = IDS, torch.ones_like(IDS)
+
+    def run():
+        new, counts, stats, _, _ = generate_tokens(model, ids, mask, make_policy(policy, 12), max_new_tokens=10,
+                                                   chunk_size=8)
+        return new, stats
+
+    plain, plain_stats = run()
+    attach(model, dejavu_plan(model, 1.0, 1.0))
+    full, _ = run()
+    detach(model)
+    assert torch.equal(full, plain)  # every unit chosen: the same tokens under eviction
+    attach(model, dejavu_plan(model, 0.25, 0.5))
+    sparse, stats = run()
+    detach(model)
+    assert sparse.shape == plain.shape and stats["kv_tokens_peak"] == plain_stats["kv_tokens_peak"]
+    # and the decode steps match the masked reference under the same eviction cache
+    plan = dejavu_plan(model, 0.25, 0.5)
+    with torch.no_grad():
+        handles = zeroing_hooks(model, plan)
+        reference = _decode_logits(model, IDS, EvictionCache(model, make_policy(policy, 12), chunk_size=8))
+        for handle in handles:
+            handle.remove()
+        attach(model, plan)
+        decoded = _decode_logits(model, IDS, EvictionCache(model, make_policy(policy, 12), chunk_size=8))
+        detach(model)
+    torch.testing.assert_close(decoded, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_save_load_round_trip(tmp_path):
+    model = tiny_model("llama")
+    for method, plan in _plans("llama", model).items():
+        folder = plan.save(tmp_path / method)
+        loaded = Contextual.load(folder)
+        assert loaded.method == method and loaded.top_k == plan.top_k and loaded.thresholds == plan.thresholds
+        with torch.no_grad():
+            attach(model, plan)
+            expected = model(IDS).logits
+            detach(model)
+            attach(model, loaded)
+            torch.testing.assert_close(model(IDS).logits, expected, rtol=0, atol=0)
+            detach(model)
+
+
+def test_bad_plans_get_clear_errors(tmp_path):
+    model = tiny_model("llama")
+    plan = dejavu_plan(model, 0.5)
+    with pytest.raises(FileNotFoundError, match="contextual fit"):
+        Contextual.load(tmp_path / "missing")
+    folder = plan.save(tmp_path / "plan")
+    (folder / "predictors.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="fit them again"):
+        Contextual.load(folder)
+    other = tiny_model("qwen3")  # a different head_dim and model type
+    with pytest.raises(ValueError, match="was fit for model_type llama"):
+        attach(other, plan)
+    attach(model, plan)
+    with pytest.raises(ValueError, match="already runs"):
+        attach(model, plan)
