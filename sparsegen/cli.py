@@ -458,8 +458,11 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
     if args.method == "teal":
         if args.sparsity is None or args.top_k is not None or args.recall is not None or args.heads:
             raise ValueError("teal takes --sparsity only (the fraction of every linear's inputs dropped)")
+        args.targets = args.targets or "all"
     elif args.method != "dejavu":
         raise ValueError(f"unknown method {args.method!r}; choose dejavu or teal")
+    elif args.targets:
+        raise ValueError("--targets is for teal; dejavu predicts MLP neurons (and heads with --heads)")
     else:
         from sparsegen.contextual.dejavu import DejaVuConfig
 
@@ -483,7 +486,7 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
     if args.method == "teal":
         from sparsegen.contextual.teal import fit_teal
 
-        plan = fit_teal(model, ids, args.sparsity, batch_size=args.batch_size, seed=args.seed)
+        plan = fit_teal(model, ids, args.sparsity, args.targets, batch_size=args.batch_size, seed=args.seed)
     else:
         from sparsegen.contextual.dejavu import fit_dejavu
 
@@ -492,7 +495,7 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
     plan.save(out)
     if args.method == "teal":
         achieved = plan.info["achieved_on_calibration"]
-        print(f"teal: {len(achieved)} linear inputs, target sparsity {args.sparsity}, achieved on calibration "
+        print(f"teal ({args.targets}): {len(achieved)} linear inputs, target sparsity {args.sparsity}, achieved on calibration "
               f"{min(achieved.values()):.3f}-{max(achieved.values()):.3f}; {plan.info['seconds']} s; saved to {out}")
         return
     print(f"deja vu on {ids.numel():,} tokens ({plan.info['labels']}); per layer on held-out windows:")
@@ -660,6 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dejavu: per layer, the smallest K whose recall on validation windows reaches this")
     p.add_argument("--heads", type=float, default=0.0,
                    help="dejavu: fraction of attention heads skipped (default 0: heads are not predicted)")
+    p.add_argument("--targets", default=None, choices=["all", "mlp"],
+                   help="teal: sparsify the inputs of every decoder linear (default) or of the MLP's only")
     p.add_argument("--rank", type=int, default=None, help="dejavu: predictor rank (default: 5%% of the MLP's cost)")
     p.add_argument("--epochs", type=int, default=20, help="dejavu: training epochs per predictor (default 20)")
     p.add_argument("--calib", default=None, help="calibration text file or folder (default ../shared/data/books/train)")

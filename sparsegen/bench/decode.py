@@ -59,6 +59,11 @@ class Setup:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.step_weight_bytes = weight_bytes_per_step(self.model)
         self.vocab = self.model.config.get_text_config().vocab_size
+        from sparsegen.contextual.runtime import attached_plan
+
+        plan = attached_plan(self.model)
+        # with contextual sparsity the bytes a step reads depend on the input: no roofline is claimed
+        self.contextual = None if plan is None else plan.method
 
     def environment(self) -> dict:
         device = self.device
@@ -67,7 +72,7 @@ class Setup:
             "model": self.model_name, "random_weights": self.random_weights, "device": str(device),
             "machine": machine, "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
-            "prefill": self.prefill, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
+            "prefill": self.prefill, "contextual": self.contextual, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
         }
 
 
@@ -123,20 +128,30 @@ class StepTimer:
 
 
 class MLPTimer:
-    """Wall-clock seconds per step inside the decoder layers' MLPs and the contextual MLP predictors (the
-    predictor's cost belongs to the MLP it prunes). CPU only: on CUDA the launches return before the work ends."""
+    """Wall-clock seconds per step inside the decoder layers' MLPs (their ``.mlp``, or for OPT the fc1/fc2 linears)
+    and the contextual MLP predictors (the predictor's cost belongs to the MLP it prunes). CPU only: on CUDA the
+    launches return before the work ends."""
 
     def __init__(self, model: torch.nn.Module):
-        from sparsegen.contextual.runtime import LowRankPredictor
+        from sparsegen.contextual.runtime import attached_plan
+        from sparsegen.pruning.prune import decoder_layers
+        from sparsegen.pruning.structured import mlp_layout
 
         self.steps: list[float] = []
         self._spent, self._started, self.handles = 0.0, 0.0, []
         if next(model.parameters()).device.type != "cpu":
             return
-        for name, module in model.named_modules():
-            if name.endswith(".mlp") or (isinstance(module, LowRankPredictor) and name.rpartition(".")[2].startswith("mlp")):
-                self.handles.append(module.register_forward_pre_hook(self._start))
-                self.handles.append(module.register_forward_hook(self._stop))
+        producers, consumer = mlp_layout(model.config.model_type)
+        timed = []
+        for layer in decoder_layers(model):
+            mlp = getattr(layer, "mlp", None)
+            timed += [mlp] if mlp is not None else [layer.get_submodule(p) for p in (*producers, consumer)]
+        plan = attached_plan(model)
+        if plan is not None:
+            timed += [module for name, module in plan.predictors.items() if name.startswith("mlp")]
+        for module in timed:
+            self.handles.append(module.register_forward_pre_hook(self._start))
+            self.handles.append(module.register_forward_hook(self._stop))
 
     def _start(self, module, args):
         self._started = time.perf_counter()
@@ -306,7 +321,7 @@ def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: flo
         "kv_tokens": kv_tokens,
         "bytes_per_step": decode_bytes(setup.step_weight_bytes, kv_tokens, setup.kv_per_token, batch),
     }
-    if setup.bandwidth:
+    if setup.bandwidth and setup.contextual is None:
         bound = roofline_tokens_per_s(setup.bandwidth, stats["bytes_per_step"], batch)
         stats["roofline_tokens_per_s"] = bound
         stats["roofline_fraction"] = stats["tokens_per_s"] / bound

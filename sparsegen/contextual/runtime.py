@@ -7,7 +7,7 @@ decoder layers' linears for the sparse ones in ``layers.py`` and adds one forwar
 - Deja Vu: layer l's hook reads the residual stream entering layer l and predicts which MLP neurons (and
   heads) layer l+1 will need — the lookahead; layer 0 is predicted from its own input. Each token keeps the
   top-K units by predictor score.
-- TEAL: no predictor; every linear keeps the inputs whose magnitude is at least its threshold.
+- TEAL: no predictor; every linear with a threshold keeps the inputs whose magnitude is at least it.
 
 Skipped heads still get their K and V computed and cached: a head skipped for this token may be chosen by a
 later one, and it must then see the whole history. The cost is the K/V projections and the cache of every
@@ -160,8 +160,9 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
     for index, layer in enumerate(layers):
         if plan.method == "teal":
             for path, linear in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
-                threshold = plan.thresholds[f"{index}.{path}"]
-                swap(layer, path, ColumnSparseLinear(linear, lambda x, t=threshold: x.abs() >= t, decoding))
+                threshold = plan.thresholds.get(f"{index}.{path}")
+                if threshold is not None:  # linears without one stay dense (TEAL fit with targets="mlp")
+                    swap(layer, path, ColumnSparseLinear(linear, lambda x, t=threshold: x.abs() >= t, decoding))
             continue
         neurons = lambda x, i=index: step.masks[(i, "mlp")]  # noqa: E731
         size = neuron_count(layer, model_type)
@@ -199,6 +200,11 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
     handles = [layer.register_forward_pre_hook(before_layer(i), with_kwargs=True) for i, layer in enumerate(layers)]
     model._sparsegen_contextual = (plan, swapped, handles)
     return model
+
+
+def attached_plan(model: nn.Module) -> Contextual | None:
+    attached = getattr(model, "_sparsegen_contextual", None)
+    return None if attached is None else attached[0]
 
 
 def detach(model: nn.Module) -> nn.Module:

@@ -1,5 +1,6 @@
-"""TEAL: training-free activation sparsity. Every linear of a decoder layer drops the inputs whose magnitude is
-below a threshold; the threshold is the calibration quantile of |input| that zeroes the target fraction."""
+"""TEAL: training-free activation sparsity. Every linear of a decoder layer (or only the MLP's) drops the inputs
+whose magnitude is below a threshold; the threshold is the calibration quantile of |input| that zeroes the
+target fraction. A linear whose inputs are already more often exactly zero (after a ReLU) drops just those."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from torch import nn
 
 from sparsegen.contextual.collect import capture
 from sparsegen.contextual.runtime import Contextual, model_info
+from sparsegen.pruning.structured import mlp_layout
+
+TARGETS = ("all", "mlp")
 
 
 def thresholds_for(magnitudes: dict[str, torch.Tensor], sparsity: float) -> dict[str, float]:
@@ -23,14 +27,21 @@ def thresholds_for(magnitudes: dict[str, torch.Tensor], sparsity: float) -> dict
     return result
 
 
-def fit_teal(model: nn.Module, ids: torch.Tensor, sparsity: float, batch_size: int = 8, seed: int = 0,
-             progress: bool = True) -> Contextual:
+def fit_teal(model: nn.Module, ids: torch.Tensor, sparsity: float, targets: str = "all", batch_size: int = 8,
+             seed: int = 0, progress: bool = True) -> Contextual:
+    """Thresholds for the inputs of every decoder linear (``targets="all"``) or of the MLP's only (``"mlp"``)."""
     if not 0 <= sparsity < 1:
         raise ValueError(f"TEAL sparsity must be in [0, 1), got {sparsity}")
+    if targets not in TARGETS:
+        raise ValueError(f"TEAL targets must be one of {', '.join(TARGETS)}, got {targets!r}")
     magnitudes = capture(model, ids, predictors=False, magnitudes=True, batch_size=batch_size, seed=seed,
                          progress=progress).magnitudes
+    if targets == "mlp":
+        producers, consumer = mlp_layout(model.config.model_type)
+        mlp = set(producers) | {consumer}
+        magnitudes = {name: values for name, values in magnitudes.items() if name.partition(".")[2] in mlp}
     thresholds = thresholds_for(magnitudes, sparsity)
     achieved = {name: (values < thresholds[name]).float().mean().item() for name, values in magnitudes.items()}
-    info = {**model_info(model), "sparsity": sparsity, "calibration_tokens": ids.numel(),
+    info = {**model_info(model), "sparsity": sparsity, "targets": targets, "calibration_tokens": ids.numel(),
             "achieved_on_calibration": achieved}
     return Contextual("teal", info, thresholds=thresholds)

@@ -116,3 +116,21 @@ def test_bench_compares_several_models(tiny_checkpoint, tmp_path, capsys):
     assert f"speed-up of random:{tiny_checkpoint} over {tiny_checkpoint}" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [r["random_weights"] for r in rows] == [False, True]
+
+
+@pytest.mark.parametrize("family, modules", [("llama", 2), ("opt", 4)])
+def test_mlp_timer_times_each_layers_mlp_and_the_contextual_predictors(family, modules):
+    from sparsegen.bench.decode import MLPTimer
+    from sparsegen.contextual import attach, detach
+    from tests.contextual.test_runtime import dejavu_plan
+    from tests.kv.families import tiny_model
+
+    model = tiny_model(family)
+    timer = MLPTimer(model)
+    assert len(timer.handles) == 2 * modules  # a pre- and a post-hook on each timed module
+    model(torch.ones(1, 4, dtype=torch.long))
+    timer.step(timed=True)
+    assert timer.close() > 0 and not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    attach(model, dejavu_plan(model, 0.5))
+    assert len(MLPTimer(model).handles) == 2 * (modules + 2)  # + one MLP predictor per layer
+    detach(model)
