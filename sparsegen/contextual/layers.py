@@ -17,13 +17,20 @@ calls (one token per sequence) touch only the weights of the chosen units:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# x [..., in] -> boolean mask [..., units] of the units each token keeps
-UnitMask = Callable[[torch.Tensor], torch.Tensor]
+class Selection(Protocol):
+    """Which units (neurons, or heads of ``unit_size`` features) each token keeps."""
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        """Boolean ``[..., units]``, one row per token of ``x``."""
+
+    def union(self) -> torch.Tensor | None:
+        """At decode, the sorted units kept by any sequence of the batch, when known without the mask."""
 
 
 def _expand(mask: torch.Tensor, unit_size: int, copies: int = 1) -> torch.Tensor:
@@ -33,24 +40,44 @@ def _expand(mask: torch.Tensor, unit_size: int, copies: int = 1) -> torch.Tensor
     return mask.repeat(*([1] * (mask.dim() - 1)), copies) if copies > 1 else mask
 
 
-class RowSparseLinear(nn.Module):
-    """Computes the output units ``mask_of()`` chooses; the others are 0."""
+def _features(units: torch.Tensor, unit_size: int, copies: int, features: int) -> torch.Tensor:
+    """Sorted unit indices -> the sorted feature indices they cover (each copy is ``features // copies`` long)."""
+    if unit_size > 1:
+        units = (units[:, None] * unit_size + torch.arange(unit_size, device=units.device)).flatten()
+    if copies > 1:
+        units = torch.cat([units + copy * (features // copies) for copy in range(copies)])
+    return units
 
-    def __init__(self, linear: nn.Linear, mask_of: UnitMask, decoding: Callable[[], bool], unit_size: int = 1,
+
+def _bag_offsets(counts: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+    """``embedding_bag`` offsets; a single sequence on a CPU is split into one bag per thread."""
+    if len(counts) == 1 and device.type == "cpu":
+        bags = max(1, min(torch.get_num_threads(), total))
+        counts = torch.full((bags,), total // bags, device=device)
+        counts[: total % bags] += 1
+    return torch.cumsum(counts, 0) - counts
+
+
+class RowSparseLinear(nn.Module):
+    """Computes the output units ``select`` chooses; the others are 0."""
+
+    def __init__(self, linear: nn.Linear, select: Selection, decoding: Callable[[], bool], unit_size: int = 1,
                  copies: int = 1):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.mask_of, self.decoding, self.unit_size, self.copies = mask_of, decoding, unit_size, copies
+        self.select, self.decoding, self.unit_size, self.copies = select, decoding, unit_size, copies
         self._rows = torch.empty(0)  # reused gather buffer: a fresh one each step costs page faults
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = self.mask_of(x)
         if not self.decoding():
-            keep = _expand(mask, self.unit_size, self.copies).reshape(*x.shape[:-1], -1)
+            keep = _expand(self.select.mask(x), self.unit_size, self.copies).reshape(*x.shape[:-1], -1)
             return F.linear(x, self.weight, self.bias) * keep
-        union = mask.reshape(-1, mask.shape[-1]).any(0)
-        rows = _expand(union, self.unit_size, self.copies).nonzero().squeeze(-1)
+        units = self.select.union()
+        if units is None:
+            mask = self.select.mask(x)
+            units = mask.reshape(-1, mask.shape[-1]).any(0).nonzero().squeeze(-1)
+        rows = _features(units, self.unit_size, self.copies, self.out_features)
         if self._rows.shape[0] < len(rows) or self._rows.device != x.device or self._rows.dtype != x.dtype:
             self._rows = torch.empty(len(rows), self.in_features, dtype=x.dtype, device=x.device)
         block = torch.index_select(self.weight.detach(), 0, rows, out=self._rows[:len(rows)])  # inference only
@@ -63,35 +90,35 @@ class RowSparseLinear(nn.Module):
 
 
 class ColumnSparseLinear(nn.Module):
-    """Uses only the input units ``mask_of(x)`` chooses for each token (the others count as 0)."""
+    """Uses only the input units ``select`` chooses for each token (the others count as 0)."""
 
-    def __init__(self, linear: nn.Linear, mask_of: UnitMask, decoding: Callable[[], bool], unit_size: int = 1):
+    def __init__(self, linear: nn.Linear, select: Selection, decoding: Callable[[], bool], unit_size: int = 1):
         super().__init__()
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.mask_of, self.decoding, self.unit_size = mask_of, decoding, unit_size
+        self.select, self.decoding, self.unit_size = select, decoding, unit_size
 
     @property
     def weight(self) -> torch.Tensor:  # model code that reads ``.weight`` (dtype, device) keeps working
         return self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        keep = _expand(self.mask_of(x), self.unit_size)
         if not self.decoding():
+            keep = _expand(self.select.mask(x), self.unit_size)
             return F.linear(x * keep.reshape(x.shape), self.weight_t.t(), self.bias)
         flat = x.reshape(-1, self.in_features)  # one row per sequence
         batch = flat.shape[0]
-        keep = keep.reshape(batch, -1)
-        columns = keep.nonzero()  # (sequence, column), grouped by sequence
-        counts = keep.sum(-1)
-        if batch == 1 and x.device.type == "cpu":
-            bags = max(1, min(torch.get_num_threads(), len(columns)))
-            counts = torch.full((bags,), len(columns) // bags, device=x.device)
-            counts[: len(columns) % bags] += 1
-        offsets = torch.cumsum(counts, 0) - counts
-        out = F.embedding_bag(columns[:, 1], self.weight_t, offsets, mode="sum",
-                              per_sample_weights=flat[columns[:, 0], columns[:, 1]])
+        units = self.select.union() if batch == 1 else None  # one sequence: its own units are the union
+        if units is not None:
+            columns = _features(units, self.unit_size, 1, self.in_features)
+            weights, counts = flat[0, columns], torch.tensor([len(columns)], device=x.device)
+        else:
+            keep = _expand(self.select.mask(x), self.unit_size).reshape(batch, -1)
+            chosen = keep.nonzero()  # (sequence, column), grouped by sequence
+            columns, weights, counts = chosen[:, 1], flat[chosen[:, 0], chosen[:, 1]], keep.sum(-1)
+        offsets = _bag_offsets(counts, len(columns), x.device)
+        out = F.embedding_bag(columns, self.weight_t, offsets, mode="sum", per_sample_weights=weights)
         if batch == 1:
             out = out.sum(0, keepdim=True)
         out = out.view(*x.shape[:-1], self.out_features)

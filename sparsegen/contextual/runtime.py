@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparsegen.contextual.layers import ColumnSparseLinear, RowSparseLinear
@@ -47,8 +48,7 @@ class LowRankPredictor(nn.Module):
         self.up = nn.Linear(rank, units)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.up(self.down(x))
+        return self.up(self.down(F.rms_norm(x, (x.shape[-1],), eps=1e-6)))
 
 
 @dataclass
@@ -121,20 +121,53 @@ def model_info(model: nn.Module) -> dict:
 
 
 class _Step:
-    """What the layers of one forward share: whether it decodes, and each layer's chosen units."""
+    """What the layers of one forward share: whether it decodes, and each layer's predicted top-K."""
 
     def __init__(self):
         self.decode = False
-        self.masks: dict[tuple[int, str], torch.Tensor] = {}
+        self.top: dict[tuple[int, str], torch.Tensor] = {}  # [B, T, K] unit indices
+        self.masks: dict[tuple[int, str], torch.Tensor] = {}  # built from ``top`` when a layer asks
+        self.units: dict[tuple[int, str], torch.Tensor] = {}  # decode: sorted union over the batch
+        self.sizes: dict[tuple[int, str], int] = {}  # units per layer and kind
+
+    def clear(self, decode: bool) -> None:
+        self.decode = decode
+        self.top.clear(), self.masks.clear(), self.units.clear()
+
+
+class _Predicted:
+    """The units a Deja Vu predictor chose for one layer (a ``layers.Selection``)."""
+
+    def __init__(self, step: _Step, key: tuple[int, str]):
+        self.step, self.key = step, key
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.step.masks.get(self.key)
+        if mask is None:
+            top = self.step.top[self.key]
+            mask = torch.zeros(*top.shape[:-1], self.step.sizes[self.key], dtype=torch.bool, device=top.device)
+            mask = self.step.masks[self.key] = mask.scatter_(-1, top, True)
+        return mask
+
+    def union(self) -> torch.Tensor | None:
+        return self.step.units.get(self.key)
+
+
+class _Threshold:
+    """TEAL: the inputs whose magnitude reaches the threshold (a ``layers.Selection``)."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs() >= self.threshold
+
+    def union(self) -> None:
+        return None
 
 
 def _hidden(args, kwargs) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
-
-
-def _top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    mask = torch.zeros_like(scores, dtype=torch.bool)
-    return mask.scatter_(-1, scores.topk(k, dim=-1).indices, True)
 
 
 def attach(model: nn.Module, plan: Contextual) -> nn.Module:
@@ -162,17 +195,17 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
             for path, linear in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
                 threshold = plan.thresholds.get(f"{index}.{path}")
                 if threshold is not None:  # linears without one stay dense (TEAL fit with targets="mlp")
-                    swap(layer, path, ColumnSparseLinear(linear, lambda x, t=threshold: x.abs() >= t, decoding))
+                    swap(layer, path, ColumnSparseLinear(linear, _Threshold(threshold), decoding))
             continue
-        neurons = lambda x, i=index: step.masks[(i, "mlp")]  # noqa: E731
-        size = neuron_count(layer, model_type)
+        neurons, size = _Predicted(step, (index, "mlp")), neuron_count(layer, model_type)
+        step.sizes[(index, "mlp")] = size
         for path in producers:
             linear = layer.get_submodule(path)
             swap(layer, path, RowSparseLinear(linear, neurons, decoding, copies=linear.out_features // size))
         swap(layer, consumer, ColumnSparseLinear(layer.get_submodule(consumer), neurons, decoding))
         if predictor_name(index, "heads") in plan.predictors:
-            heads = lambda x, i=index: step.masks[(i, "heads")]  # noqa: E731
-            attention = layer.self_attn
+            heads, attention = _Predicted(step, (index, "heads")), layer.self_attn
+            step.sizes[(index, "heads")] = attention.q_proj.out_features // attention.head_dim
             swap(layer, "self_attn.q_proj", RowSparseLinear(attention.q_proj, heads, decoding, attention.head_dim))
             swap(layer, "self_attn.o_proj", ColumnSparseLinear(attention.o_proj, heads, decoding, attention.head_dim))
 
@@ -180,15 +213,16 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
         for kind in ("mlp", "heads"):
             name = predictor_name(index, kind)
             if name in plan.predictors:
-                predictor = plan.predictors[name]
-                step.masks[(index, kind)] = _top_k_mask(predictor(hidden), plan.top_k[index][kind])
+                top = plan.predictors[name](hidden).topk(plan.top_k[index][kind], dim=-1).indices
+                step.top[(index, kind)] = top
+                if step.decode:
+                    step.units[(index, kind)] = top.flatten().unique()  # sorted
 
     def before_layer(index: int):
         def hook(module, args, kwargs):
             hidden = _hidden(args, kwargs)
             if index == 0:
-                step.decode = hidden.shape[-2] == 1 if hidden.dim() == 3 else False
-                step.masks.clear()
+                step.clear(decode=hidden.dim() == 3 and hidden.shape[1] == 1)
             if plan.method == "dejavu":
                 with torch.no_grad():
                     if index == 0:
