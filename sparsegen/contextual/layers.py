@@ -26,8 +26,8 @@ from torch import nn
 class Selection(Protocol):
     """Which units (neurons, or heads of ``unit_size`` features) each token keeps."""
 
-    def mask(self, x: torch.Tensor) -> torch.Tensor:
-        """Boolean ``[..., units]``, one row per token of ``x``."""
+    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Boolean ``[..., units]``, one row per token of ``x``; None: every unit (the layer runs dense)."""
 
     def union(self) -> torch.Tensor | None:
         """At decode, the sorted units kept by any sequence of the batch, when known without the mask."""
@@ -71,8 +71,8 @@ class RowSparseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.decoding():
-            keep = _expand(self.select.mask(x), self.unit_size, self.copies).reshape(*x.shape[:-1], -1)
-            return F.linear(x, self.weight, self.bias) * keep
+            out, mask = F.linear(x, self.weight, self.bias), self.select.mask(x)
+            return out if mask is None else out * _expand(mask, self.unit_size, self.copies).reshape(out.shape)
         units = self.select.union()
         if units is None:
             mask = self.select.mask(x)
@@ -105,8 +105,10 @@ class ColumnSparseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.decoding():
-            keep = _expand(self.select.mask(x), self.unit_size)
-            return F.linear(x * keep.reshape(x.shape), self.weight_t.t(), self.bias)
+            mask = self.select.mask(x)
+            if mask is not None:
+                x = x * _expand(mask, self.unit_size).reshape(x.shape)
+            return F.linear(x, self.weight_t.t(), self.bias)
         flat = x.reshape(-1, self.in_features)  # one row per sequence
         batch = flat.shape[0]
         units = self.select.union() if batch == 1 else None  # one sequence: its own units are the union

@@ -18,6 +18,7 @@ attention itself (it runs for all heads, the skipped heads' results are dropped)
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +125,7 @@ class _Step:
     """What the layers of one forward share: whether it decodes, and each layer's predicted top-K."""
 
     def __init__(self):
+        self.enabled = True  # False inside ``suspended``: every layer runs dense
         self.decode = False
         self.top: dict[tuple[int, str], torch.Tensor] = {}  # [B, T, K] unit indices
         self.masks: dict[tuple[int, str], torch.Tensor] = {}  # built from ``top`` when a layer asks
@@ -141,7 +143,9 @@ class _Predicted:
     def __init__(self, step: _Step, key: tuple[int, str]):
         self.step, self.key = step, key
 
-    def mask(self, x: torch.Tensor) -> torch.Tensor:
+    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.step.enabled:
+            return None
         mask = self.step.masks.get(self.key)
         if mask is None:
             top = self.step.top[self.key]
@@ -156,11 +160,11 @@ class _Predicted:
 class _Threshold:
     """TEAL: the inputs whose magnitude reaches the threshold (a ``layers.Selection``)."""
 
-    def __init__(self, threshold: float):
-        self.threshold = threshold
+    def __init__(self, step: _Step, threshold: float):
+        self.step, self.threshold = step, threshold
 
-    def mask(self, x: torch.Tensor) -> torch.Tensor:
-        return x.abs() >= self.threshold
+    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        return x.abs() >= self.threshold if self.step.enabled else None
 
     def union(self) -> None:
         return None
@@ -195,7 +199,7 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
             for path, linear in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
                 threshold = plan.thresholds.get(f"{index}.{path}")
                 if threshold is not None:  # linears without one stay dense (TEAL fit with targets="mlp")
-                    swap(layer, path, ColumnSparseLinear(linear, _Threshold(threshold), decoding))
+                    swap(layer, path, ColumnSparseLinear(linear, _Threshold(step, threshold), decoding))
             continue
         neurons, size = _Predicted(step, (index, "mlp")), neuron_count(layer, model_type)
         step.sizes[(index, "mlp")] = size
@@ -222,8 +226,8 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
         def hook(module, args, kwargs):
             hidden = _hidden(args, kwargs)
             if index == 0:
-                step.clear(decode=hidden.dim() == 3 and hidden.shape[1] == 1)
-            if plan.method == "dejavu":
+                step.clear(decode=step.enabled and hidden.dim() == 3 and hidden.shape[1] == 1)
+            if plan.method == "dejavu" and step.enabled:
                 with torch.no_grad():
                     if index == 0:
                         predict(0, hidden)
@@ -232,7 +236,7 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
         return hook
 
     handles = [layer.register_forward_pre_hook(before_layer(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    model._sparsegen_contextual = (plan, swapped, handles)
+    model._sparsegen_contextual = (plan, step, swapped, handles)
     return model
 
 
@@ -241,12 +245,27 @@ def attached_plan(model: nn.Module) -> Contextual | None:
     return None if attached is None else attached[0]
 
 
+@contextmanager
+def suspended(model: nn.Module):
+    """Run ``model`` dense inside the block although a plan is attached (the reference that fidelity compares with)."""
+    attached = getattr(model, "_sparsegen_contextual", None)
+    if attached is None:
+        yield model
+        return
+    step = attached[1]
+    step.enabled = False
+    try:
+        yield model
+    finally:
+        step.enabled = True
+
+
 def detach(model: nn.Module) -> nn.Module:
     """Undo ``attach``: the model's own dense linears come back (weights re-laid out, values unchanged)."""
     attached = getattr(model, "_sparsegen_contextual", None)
     if attached is None:
         return model
-    _, swapped, handles = attached
+    _, _, swapped, handles = attached
     for handle in handles:
         handle.remove()
     for owner, name in swapped:

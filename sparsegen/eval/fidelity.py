@@ -1,4 +1,8 @@
-"""Fidelity of a KV policy to the full cache: do its greedy continuations and next-token distributions agree?"""
+"""Fidelity of a KV policy to the full cache: do its greedy continuations and next-token distributions agree?
+
+With a contextual-sparsity plan attached to the model, the reference is the dense model (the plan suspended),
+so ``--policy full --contextual DIR`` measures what contextual sparsity alone changes.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from rouge_score import rouge_scorer
 from tqdm.auto import tqdm
 
+from sparsegen.contextual.runtime import suspended
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, Policy
 from sparsegen.kv.policies import Full
@@ -56,14 +61,17 @@ def fidelity(
     batch_size: int = 8,
     progress: bool = True,
 ) -> dict:
-    """ROUGE-L of greedy continuations, tokens until they first differ, and mean KL(full || policy) per token."""
+    """ROUGE-L of greedy continuations, tokens until they first differ, and mean KL(full || policy) per token.
+    The reference (full cache) runs dense even when a contextual plan is attached."""
     device = next(model.parameters()).device
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     rouge, divergence, kl = [], [], []
     for start in tqdm(range(0, len(prompts), batch_size), desc="fidelity", disable=not progress, leave=False):
         ids = prompts[start:start + batch_size].to(device)
         mask = torch.ones_like(ids)
-        full, *_ = generate_tokens(model, ids, mask, Full(), max_new_tokens=new_tokens, chunk_size=chunk_size)
+        with suspended(model):
+            full, *_ = generate_tokens(model, ids, mask, Full(), max_new_tokens=new_tokens, chunk_size=chunk_size)
+            dense = model(input_ids=torch.cat([ids, full[:, :-1]], dim=1)).logits[:, ids.shape[1] - 1:].float()
         ours, *_ = generate_tokens(model, ids, mask, make(), positions, max_new_tokens=new_tokens,
                                    chunk_size=chunk_size)
         differs = full != ours
@@ -71,7 +79,6 @@ def fidelity(
         for a, b in zip(tokenizer.batch_decode(full, skip_special_tokens=True),
                         tokenizer.batch_decode(ours, skip_special_tokens=True)):
             rouge.append(scorer.score(a, b)["rougeL"].fmeasure if a.strip() or b.strip() else 1.0)
-        dense = model(input_ids=torch.cat([ids, full[:, :-1]], dim=1)).logits[:, ids.shape[1] - 1:].float()
         sparse = _policy_logits(model, ids, full, make(), positions, chunk_size)
         log_p, log_q = dense.log_softmax(-1), sparse.log_softmax(-1)
         kl += (log_p.exp() * (log_p - log_q)).sum(-1).mean(-1).clamp(min=0).tolist()

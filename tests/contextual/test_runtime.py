@@ -198,3 +198,31 @@ def test_bad_plans_get_clear_errors(tmp_path):
     attach(model, plan)
     with pytest.raises(ValueError, match="already runs"):
         attach(model, plan)
+
+
+def test_suspended_runs_dense_and_fidelity_compares_with_the_dense_model():
+    from sparsegen.contextual.runtime import suspended
+    from sparsegen.eval.fidelity import fidelity
+    from sparsegen.kv.policies import Full
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        dense = model(IDS).logits
+        attach(model, teal_plan(model, 0.5))
+        with suspended(model):
+            torch.testing.assert_close(model(IDS).logits, dense, rtol=1e-5, atol=1e-5)
+            suspended_steps = _decode_logits(model, IDS, DynamicCache(config=model.config))
+        torch.testing.assert_close(suspended_steps, _decode_logits(detach(model), IDS, DynamicCache(config=model.config)),
+                                   rtol=1e-5, atol=1e-5)
+        attach(model, teal_plan(model, 0.5))
+        assert (model(IDS).logits - dense).abs().max() > 1e-3  # back on after the block
+
+    class Tokens:
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return [" ".join(map(str, row.tolist())) for row in rows]
+
+    sparse = fidelity(model, Tokens(), IDS, Full, new_tokens=6, progress=False)
+    detach(model)
+    same = fidelity(model, Tokens(), IDS, Full, new_tokens=6, progress=False)
+    assert same["kl"] < 1e-6 and same["rouge_l"] == 1.0
+    assert sparse["kl"] > 1e-4  # the plan's model against the dense one
