@@ -8,7 +8,7 @@ import sys
 import time
 
 
-def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str = "", contextual: bool = False) -> None:
+def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str = "", run: bool = False) -> None:
     if positional:
         p.add_argument("model", help="hub id, local checkpoint folder, or 'reference'")
     else:
@@ -16,9 +16,31 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str 
                        help=f"hub id, local checkpoint folder, or 'reference' (default){more}")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
-    if contextual:
+    if run:
         p.add_argument("--contextual", default=None, metavar="DIR",
                        help="run with the contextual sparsity fit into DIR by `sparsegen contextual fit`")
+        _prompt_args(p)
+
+
+def _prompt_args(p: argparse.ArgumentParser) -> None:
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--soft-prompt", default=None, metavar="FILE",
+                        help="put the soft prompt trained by `sparsegen prompt-tune` before every sequence (its tokens "
+                             "are never evicted)")
+    prompt.add_argument("--hard-prompt", default=None, metavar="TEXT",
+                        help="put this text before every sequence, pinned in the cache like a soft prompt")
+
+
+def attach_prompt(args: argparse.Namespace, model, tokenizer) -> None:
+    """``--soft-prompt FILE`` / ``--hard-prompt TEXT``: the model sees the prompt before every sequence."""
+    from sparsegen.prompt import PromptPrefix, attach
+
+    if getattr(args, "soft_prompt", None):
+        attach(model, PromptPrefix.load(args.soft_prompt))
+    elif getattr(args, "hard_prompt", None):
+        if tokenizer is None:
+            raise ValueError("--hard-prompt needs a model with a tokenizer (random: models have none)")
+        attach(model, PromptPrefix.from_text(model, tokenizer, args.hard_prompt))
 
 
 def _budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
@@ -60,6 +82,7 @@ def load_model(args: argparse.Namespace):
         from sparsegen.contextual import Contextual, attach
 
         attach(model, Contextual.load(args.contextual))
+    attach_prompt(args, model, tokenizer)
     return model, tokenizer
 
 
@@ -148,7 +171,9 @@ def cmd_ppl(args: argparse.Namespace) -> None:
         from sparsegen.data import tokenize_files
         from sparsegen.eval.perplexity import window_perplexity
 
-        ctx = args.ctx or model.config.max_position_embeddings
+        from sparsegen.prompt import prefix_length
+
+        ctx = args.ctx or model.config.max_position_embeddings - prefix_length(model)  # the prompt's positions too
         result = window_perplexity(model, tokenize_files(text, tokenizer), ctx, bos, max_windows=args.max_windows)
         report = {**meta, **result, "ctx": ctx, "kv_tokens_peak": ctx, "segments": []}
         print(f"PPL {report['ppl']:.3f} over {report['tokens']:,} tokens ({report['windows']} windows of {ctx})")
@@ -341,7 +366,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if is_random(name):
             model = random_model(name, device, resolve_dtype(args.dtype, load_config(name), device), args.seed)
         else:
-            model, _ = load(name, device=device, dtype=args.dtype)
+            model, tokenizer = load(name, device=device, dtype=args.dtype)
+        attach_prompt(args, model, None if is_random(name) else tokenizer)
         if args.compile:
             decode.compile_mlps(model)
         for variant in variants:
@@ -405,6 +431,13 @@ def _calibration(args: argparse.Namespace, tokenizer, books: str):
     return ids, source
 
 
+def _saved_dtype(name: str, model):
+    """The dtype the source checkpoint was saved in (what a compressed copy of it is saved in)."""
+    from sparsegen.models.loading import load_config, resolve_dtype
+
+    return resolve_dtype("auto", load_config(name), model.device)
+
+
 def cmd_prune(args: argparse.Namespace) -> None:
     from sparsegen.pruning import PruneConfig, prune_model, save_pruned
     from sparsegen.pruning.prune import check_output_dir
@@ -420,7 +453,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
         ids, calib = _calibration(args, tokenizer, "train")
     report = {"model": args.model, "calibration": str(calib) if calib else None,
               **prune_model(model, config, ids)}
-    save_pruned(model, tokenizer, out, report)
+    save_pruned(model, tokenizer, out, report, dtype=_saved_dtype(args.model, model))
     if config.amounts is not None:
         print(f"{config.method}, structured {config.structured}: {report['params_before']:,} -> "
               f"{report['params_after']:,} parameters ({report['removed']:.1%} removed); {report['seconds']:.1f} s; "
@@ -429,6 +462,63 @@ def cmd_prune(args: argparse.Namespace) -> None:
     print(f"{config.method}: {report['achieved']:.4f} of {report['pruned_params']:,} weights in "
           f"{len(report['layers'])} linear layers are zero (requested {report['requested']:.4f}); "
           f"{report['seconds']:.1f} s; saved to {out}")
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    import shutil
+    from pathlib import Path
+
+    from sparsegen.models.loading import resolve
+    from sparsegen.pruning import save_pruned
+    from sparsegen.pruning.prune import check_output_dir
+    from sparsegen.quant import QuantizeConfig, quantize_model
+
+    config = QuantizeConfig(bits=args.bits, group_size=args.group_size, method=args.method, nsamples=args.nsamples,
+                            seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size)
+    source = Path(resolve(args.model))
+    out = check_output_dir(args.out, source, args.force)
+    model, tokenizer = load_model(args)
+    ids, calib = _calibration(args, tokenizer, "train") if config.method == "gptq" else (None, None)
+    loaded = model.dtype
+    report = {"model": args.model, "calibration": str(calib) if calib else None, **quantize_model(model, config, ids)}
+    save_pruned(model, tokenizer, out, report, "quantization.json", _saved_dtype(args.model, model))
+    if (source / "sparsity.json").exists():  # a pruned checkpoint: its pruning report travels with it
+        shutil.copy(source / "sparsity.json", out / "sparsity.json")
+    before = sum(f.stat().st_size for f in source.glob("*.safetensors")) if source.exists() else None
+    after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    linear = report["linear_bytes_before"] / report["linear_bytes_after"]
+    print(f"{config.method} int{config.bits}, group {config.group_size or 'row'}: {len(report['layers'])} linear layers "
+          f"{linear:.2f}x smaller than in {str(loaded).removeprefix('torch.')}; weights on disk "
+          + (f"{before / 2**20:.2f} -> " if before else "") + f"{after / 2**20:.2f} MiB; {report['seconds']:.1f} s; "
+          f"saved to {out}")
+
+
+def cmd_prompt_tune(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from sparsegen.models import load
+    from sparsegen.prompt import TuneConfig, tune_prompt
+
+    config = TuneConfig(tokens=args.tokens, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ValueError(f"--out {out} exists; pick a new file or pass --force to overwrite")
+    model, tokenizer = load_model(args)
+    teacher = None
+    if args.teacher:
+        teacher, teacher_tokenizer = load(args.teacher, device=args.device, dtype=args.dtype)
+        if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"the teacher {args.teacher} has another tokenizer than {args.model}; distillation "
+                             f"compares next-token distributions, so both must share one vocabulary")
+    args.seqlen = args.seqlen or model.config.max_position_embeddings - args.tokens
+    ids, calib = _calibration(args, tokenizer, "train")
+    prefix = tune_prompt(model, ids, config, teacher)
+    prefix.info.update(model=args.model, teacher=args.teacher, calibration=str(calib))
+    prefix.save(out)
+    info = prefix.info
+    print(f"{args.tokens}-token soft prompt, {args.steps} steps on {len(ids) - config.eval_windows} windows of "
+          f"{args.seqlen} tokens ({info['loss']}); held-out loss {info['held_out_loss_without_prompt']:.4f} without "
+          f"the prompt -> {info['held_out_loss_with_prompt']:.4f} with it; {info['seconds']} s; saved to {out}")
 
 
 def cmd_contextual_stats(args: argparse.Namespace) -> None:
@@ -520,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="continue a prompt under a KV-cache policy")
-    _model_args(p, contextual=True)
+    _model_args(p, run=True)
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file (any length: it is prefilled in chunks)")
     _policy_args(p)
@@ -532,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
-    _model_args(p, contextual=True)
+    _model_args(p, run=True)
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
     p.add_argument("--policies", default="full,window,streaming,h2o", help="comma-separated (default full,window,streaming,h2o)")
@@ -543,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("ppl", help="perplexity: streaming through a KV policy (--stream) or in windows (--windows)")
-    _model_args(p, contextual=True)
+    _model_args(p, run=True)
     p.add_argument("--text", default=None, help="text file or folder (default ../shared/data/books/test)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true", help="one token at a time through the policy's cache")
@@ -565,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("fidelity", help="a policy against the full cache: ROUGE-L, tokens to divergence, KL")
-    _model_args(p, contextual=True)
+    _model_args(p, run=True)
     p.add_argument("--text", default=None, help="text file to cut prompts from (default books/test/dracula.txt)")
     p.add_argument("--policy", action="append", required=True, help="policy to compare with full; repeat for several")
     _budget_args(p, "KV tokens, or a fraction of the prompt length (0.2)")
@@ -577,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fidelity)
 
     p = sub.add_parser("passkey", help="pass-key retrieval accuracy per context length and needle depth")
-    _model_args(p, contextual=True)
+    _model_args(p, run=True)
     p.add_argument("--text", default=None, help="haystack text (default books/test/great_expectations.txt)")
     p.add_argument("--policy", action="append", default=None, help="policy; repeat for several (default full)")
     _budget_args(p, "KV tokens per layer (a token count)")
@@ -612,6 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contextual", default=None, metavar="DIR[,DIR]",
                    help="also measure with these contextual plans (`sparsegen contextual fit`); 'none' is the model "
                         "without, e.g. none,ctx/teal50: each variant's speed-up over the first is printed")
+    _prompt_args(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each layer's MLP (the cache and attention stay eager: their shapes change)")
     p.add_argument("--seed", type=int, default=0)
@@ -640,6 +731,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for the pruned checkpoint (+ sparsity.json)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("quantize", help="weight-only quantization (GPTQ or round-to-nearest, 4/8 bits), also of "
+                                        "pruned checkpoints (their zeros stay zero)")
+    _model_args(p)
+    p.add_argument("--bits", type=int, default=4, help="4 or 8 (default 4)")
+    p.add_argument("--group-size", type=int, default=128, help="input columns per scale; 0 = one per row (default 128)")
+    p.add_argument("--method", default="gptq", help="gptq (calibrated, default) or rtn (round to nearest)")
+    p.add_argument("--calib", default=None, help="gptq calibration text (default ../shared/data/books/train)")
+    p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+    p.add_argument("--out", required=True, help="folder for the quantized checkpoint (+ quantization.json)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("prompt-tune", help="learn a soft prompt that restores a compressed model's quality "
+                                           "(Compress, Then Prompt); use it with --soft-prompt FILE")
+    _model_args(p)
+    p.add_argument("--teacher", default=None,
+                   help="the dense model: learn to match its next-token distributions (KL) instead of the text")
+    p.add_argument("--tokens", type=int, default=32, help="soft-prompt length, tokens (default 32)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate, cosine-decayed (default 3e-3)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per step (default 8)")
+    p.add_argument("--calib", default=None, help="training text file or folder (default ../shared/data/books/train)")
+    p.add_argument("--nsamples", type=int, default=1024, help="calibration windows to draw from (default 1024)")
+    p.add_argument("--seqlen", type=int, default=None,
+                   help="tokens per window (default: the model's context minus the prompt)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="the prompt file to write (.safetensors)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.set_defaults(func=cmd_prompt_tune)
 
     p = sub.add_parser("contextual", help="contextual sparsity: statistics, and fitting Deja Vu predictors or TEAL "
                                           "thresholds (run them with --contextual DIR)")

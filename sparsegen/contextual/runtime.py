@@ -178,6 +178,11 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
     """Make ``model`` run with ``plan``'s contextual sparsity (in place; ``detach`` undoes it)."""
     if getattr(model, "_sparsegen_contextual", None) is not None:
         raise ValueError("this model already runs with a contextual plan; detach it first")
+    from sparsegen.quant import QuantLinear
+
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise ValueError("contextual sparsity gathers rows and columns of float weights, and this checkpoint is "
+                         "quantized; run the plan on the float (optionally pruned) checkpoint")
     plan.check(model)
     param = next(model.parameters())
     plan.predictors.to(device=param.device, dtype=param.dtype)

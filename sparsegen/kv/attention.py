@@ -139,7 +139,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
     key_index = layer.index[:, :, None, :total]  # [B, Hkv, 1, T]
     query_index = step.new_index[:, None, :, None]  # [B, 1, q, 1]
-    view = cache.policy.query_view()
+    view = cache.query_view()
     # a decode step of rows never padded: every held slot is real and visible (an order policy kept its window)
     unmasked = q == 1 and not cache.padded
     if unmasked:

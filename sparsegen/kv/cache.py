@@ -128,10 +128,12 @@ class EvictionLayer(CacheLayerMixin):
         held = valid.sum(-1)  # [batch, heads]
         keep_count = held.clamp(max=budget)
         view = self.view(seen)
+        pinned = (view.index < self.cache.pinned) & valid if self.cache.pinned else None  # a prompt prefix: never evicted
         if self.cache.step.new_valid.shape[1] == 1:  # at most one real token over the budget per row
-            priority = self.cache.policy.priority(view).masked_fill(~valid, torch.inf)
+            evictable = valid if pinned is None else valid & ~pinned
+            priority = self.cache.policy.priority(view).masked_fill(~evictable, torch.inf)
             lowest = priority.min(-1, keepdim=True).values
-            candidates = (priority == lowest) & valid
+            candidates = (priority == lowest) & evictable
             oldest_lowest = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1)
             slot = oldest_lowest[..., None]
             kept = valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & (held <= budget)[..., None])
@@ -140,6 +142,8 @@ class EvictionLayer(CacheLayerMixin):
             # ascending (priority, index): the first t - keep_count slots of each row are dropped
             by_index = torch.argsort(view.index, dim=-1, stable=True)
             order = by_index.gather(-1, torch.argsort(priority.gather(-1, by_index), dim=-1, stable=True))
+            if pinned is not None:  # pinned tokens last, above even the policy's protected (infinite) ones
+                order = order.gather(-1, torch.argsort(pinned.gather(-1, order).byte(), dim=-1, stable=True))
             drop_rank = torch.arange(t, device=self.device).expand_as(order) < (t - keep_count)[..., None]
             kept = torch.ones_like(valid).scatter_(-1, order, ~drop_rank)
         self._compact(kept, keep_count)
@@ -213,6 +217,12 @@ class EvictionCache(Cache):
         if chunk_size < 1:
             raise ValueError("chunk_size must be at least 1")
         self.policy, self.positions, self.chunk_size = policy, positions, chunk_size
+        from sparsegen.prompt.prefix import prefix_length
+
+        self.pinned = prefix_length(model)  # the first tokens of every sequence are a prompt prefix: never evicted
+        if policy.budget is not None and policy.budget <= self.pinned:
+            raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
+                             f"prefix (never evicted) and any text; raise the budget above {self.pinned}")
         self.expected_length = expected_length or 0
         config = model.config.get_text_config()
         super().__init__(layers=[EvictionLayer(self, i) for i in range(config.num_hidden_layers)])
@@ -221,6 +231,13 @@ class EvictionCache(Cache):
         self.seen: torch.Tensor | None = None  # real tokens per sequence
         self.padded = False  # whether any padding was fed: until then every held slot of every row is real
         self._workspace: torch.Tensor | None = None
+
+    def query_view(self) -> tuple[int, int] | None:
+        """The policy's ``(sinks, recent)`` with the pinned prefix counted among the sinks."""
+        view = self.policy.query_view()
+        if view is None or not self.pinned or view[0] >= self.pinned:
+            return view
+        return self.pinned, self.policy.budget - self.pinned
 
     def capacity(self, first_chunk: int) -> int:
         budget = self.policy.budget
@@ -293,7 +310,7 @@ class EvictionCache(Cache):
         if held < context:
             view = TokenView(index=index, valid=torch.ones(shape, dtype=torch.bool, device=device), seen=seen,
                              attention=attention)
-            keep = self.policy.priority(view).topk(held, dim=-1).indices
+            keep = self.policy.priority(view).masked_fill(index < self.pinned, torch.inf).topk(held, dim=-1).indices
         else:
             keep = index
         for layer in self.layers:

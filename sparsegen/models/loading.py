@@ -132,10 +132,8 @@ def load(
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer of {source!r}: {err}") from None
     try:
-        if getattr(config, "sparsegen_structure", None):  # structurally pruned: per-layer sizes differ from the config
-            from sparsegen.pruning.structured import load_structured
-
-            model = load_structured(source, config, resolve_dtype(dtype, config, device), attn_implementation)
+        if any(getattr(config, key, None) for key in REBUILT):  # layers differ from what the config alone builds
+            model = _load_rebuilt(source, config, resolve_dtype(dtype, config, device), attn_implementation)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 source, config=config, dtype=resolve_dtype(dtype, config, device),
@@ -158,6 +156,41 @@ def load(
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+REBUILT = ("sparsegen_structure", "sparsegen_quantization")  # config keys of checkpoints sparsegen reshaped
+
+
+def _load_rebuilt(folder: str, config: PretrainedConfig, dtype: torch.dtype,
+                  attn_implementation: str | None) -> torch.nn.Module:
+    """A checkpoint sparsegen reshaped (structurally pruned and/or quantized): the architecture rebuilt as recorded
+    in its config, then its weights loaded, every tensor accounted for."""
+    from safetensors.torch import load_file
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    if getattr(config, "sparsegen_structure", None):
+        from sparsegen.pruning.structured import rebuild
+
+        rebuild(model, config.sparsegen_structure)
+    if getattr(config, "sparsegen_quantization", None):
+        from sparsegen.quant.quantize import rebuild
+
+        rebuild(model, config.sparsegen_quantization)
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no .safetensors weights")
+    state = {}
+    for file in files:
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"the weights in {folder} do not match the layers its config.json records (missing "
+                         f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    model.tie_weights()
+    return model
 
 
 def _is_cached(repo_id: str) -> bool:

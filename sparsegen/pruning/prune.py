@@ -129,15 +129,19 @@ def _run_layer(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-class _Statistics:
-    """What one linear layer's inputs say: per-column sums of squares (Wanda) or ``X^T X`` (SparseGPT)."""
+STATISTIC = {"magnitude": None, "wanda": "norms", "sparsegpt": "hessian"}  # what each method needs of the inputs
 
-    def __init__(self, linear: torch.nn.Linear, method: str):
+
+class _Statistics:
+    """What one linear layer's inputs say: per-column sums of squares (``norms``, Wanda) or ``X^T X``
+    (``hessian``, SparseGPT and GPTQ)."""
+
+    def __init__(self, linear: torch.nn.Linear, kind: str):
         cols = linear.in_features
         device = linear.weight.device
-        self.method, self.tokens = method, 0
-        self.sq_sum = torch.zeros(cols, dtype=torch.float64, device=device) if method == "wanda" else None
-        self.xtx = torch.zeros(cols, cols, dtype=torch.float32, device=device) if method == "sparsegpt" else None
+        self.tokens = 0
+        self.sq_sum = torch.zeros(cols, dtype=torch.float64, device=device) if kind == "norms" else None
+        self.xtx = torch.zeros(cols, cols, dtype=torch.float32, device=device) if kind == "hessian" else None
 
     def __call__(self, module, args, output) -> None:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
@@ -149,6 +153,31 @@ class _Statistics:
 
     def hessian(self) -> torch.Tensor:
         return 2 * self.xtx / self.tokens
+
+
+def calibrated_layers(model: torch.nn.Module, ids: torch.Tensor | None, statistic: str | None, batch_size: int,
+                      desc: str, progress: bool = True):
+    """Walk the decoder layers in order, yielding ``(index, layer, linears, stats)``.
+
+    With a ``statistic`` ("norms" or "hessian") ``stats`` holds, per linear, what its inputs said when the
+    calibration tokens ran through the layers before it *as the caller left them*: once the caller has
+    compressed a layer (in place, or by swapping its linears), that layer's outputs feed the next.
+    """
+    layers = decoder_layers(model)
+    inputs = _first_layer_inputs(model, ids, batch_size) if statistic else []
+    for index, layer in enumerate(tqdm(layers, desc=desc, unit="layer", disable=not progress)):
+        linears = prunable_linears(layer)
+        stats = {}
+        if statistic:
+            stats = {name: _Statistics(linear, statistic) for name, linear in linears.items()}
+            handles = [linear.register_forward_hook(stats[name]) for name, linear in linears.items()]
+            for hidden, kwargs in inputs:
+                _run_layer(layer, hidden, kwargs)
+            for handle in handles:
+                handle.remove()
+        yield index, layer, linears, stats
+        if statistic:
+            inputs = [(_run_layer(layer, hidden, kwargs), kwargs) for hidden, kwargs in inputs]
 
 
 def _prune_linear(linear: torch.nn.Linear, config: PruneConfig, stats: _Statistics | None) -> None:
@@ -177,31 +206,19 @@ def prune_model(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor |
     """
     if config.amounts is not None:
         return _prune_structured(model, config, ids, progress)
-    layers = decoder_layers(model)
     needs_data = config.method != "magnitude"
     if needs_data and ids is None:
         raise ValueError(f"{config.method} needs calibration data")
     t0 = time.perf_counter()
-    inputs = _first_layer_inputs(model, ids, config.batch_size) if needs_data else []
     report_layers = []
-    for index, layer in enumerate(tqdm(layers, desc=f"prune ({config.method})", unit="layer", disable=not progress)):
-        linears = prunable_linears(layer)
-        stats = {}
-        if needs_data:
-            stats = {name: _Statistics(linear, config.method) for name, linear in linears.items()}
-            handles = [linear.register_forward_hook(stats[name]) for name, linear in linears.items()]
-            for hidden, kwargs in inputs:
-                _run_layer(layer, hidden, kwargs)
-            for handle in handles:
-                handle.remove()
+    for index, _, linears, stats in calibrated_layers(model, ids, STATISTIC[config.method], config.batch_size,
+                                                      f"prune ({config.method})", progress):
         for name, linear in linears.items():
             _prune_linear(linear, config, stats.get(name))
             zeros = int((linear.weight == 0).sum())
             report_layers.append({"name": f"layers.{index}.{name}", "shape": list(linear.weight.shape),
                                   "params": linear.weight.numel(), "zeros": zeros,
                                   "sparsity": zeros / linear.weight.numel()})
-        if needs_data:  # the next layer sees this layer's pruned outputs
-            inputs = [(_run_layer(layer, hidden, kwargs), kwargs) for hidden, kwargs in inputs]
     params = sum(r["params"] for r in report_layers)
     zeros = sum(r["zeros"] for r in report_layers)
     return {
@@ -231,7 +248,7 @@ def _prune_structured(model: torch.nn.Module, config: PruneConfig, ids: torch.Te
         watched = {"mlp": layer.get_submodule(consumer_path)}
         if config.amounts.get("heads"):
             watched["attention"] = layer.self_attn.o_proj
-        stats = {name: _Statistics(linear, "wanda") for name, linear in watched.items()}
+        stats = {name: _Statistics(linear, "norms") for name, linear in watched.items()}
         if needs_data:
             handles = [linear.register_forward_hook(stats[name]) for name, linear in watched.items()]
             for hidden, kwargs in inputs:
@@ -275,9 +292,17 @@ def check_output_dir(out: str | Path, source: str | Path | None, force: bool) ->
     return out
 
 
-def save_pruned(model, tokenizer, out: Path, report: dict) -> None:
+def save_pruned(model, tokenizer, out: Path, report: dict, report_name: str = "sparsity.json",
+                dtype: torch.dtype | None = None) -> None:
+    """A loadable checkpoint (weights, config, tokenizer) plus the report of what was done to it. ``dtype``: cast
+    the float parameters to it first (the source checkpoint's own, so a float16 model is not saved at twice its
+    size because it ran in float32); quantized codes and scales are buffers and keep theirs."""
+    if dtype is not None:
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    (out / "sparsity.json").write_text(json.dumps(report, indent=2))
+    (out / report_name).write_text(json.dumps(report, indent=2))

@@ -140,29 +140,3 @@ def rebuild(model: nn.Module, structure: dict) -> None:
         keep_neurons(layer, model_type, torch.arange(structure["neurons"][index]))
         if structure.get("kv_groups"):
             keep_groups(layer, torch.arange(structure["kv_groups"][index]))
-
-
-def load_structured(folder: str, config, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """A structurally pruned checkpoint: the architecture shrunk to the recorded sizes, then its weights loaded."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    rebuild(model, config.sparsegen_structure)
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no .safetensors weights")
-    state = {}
-    for file in files:
-        state.update(load_file(file))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise ValueError(f"the weights in {folder} do not match its recorded structure (missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]})")
-    model.tie_weights()
-    return model

@@ -1,0 +1,162 @@
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import sparsegen
+from sparsegen.cli import main
+from sparsegen.models import ModelLoadError
+from sparsegen.pruning import PruneConfig, prune_model, save_pruned
+from sparsegen.pruning.sparsegpt import sparsegpt_prune
+from sparsegen.quant import QuantizeConfig, QuantLinear, quantize_model
+from sparsegen.quant.groups import GroupQuantizer, round_to_nearest
+from sparsegen.quant.linear import pack, unpack
+from tests.kv.families import FAMILIES, VOCAB, tiny_model
+
+
+def _ids(n=8, length=24, seed=0):
+    return torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [0, 32, 128])
+def test_round_trip_error_is_at_most_half_the_group_scale_and_zeros_stay_zero(bits, group_size):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 200, generator=generator) * torch.rand(16, 1, generator=generator)
+    weight[torch.rand(16, 200, generator=generator) < 0.5] = 0  # a pruned layer
+    weight[3] = 0  # an all-zero row
+    weight[4] = weight[4].abs()  # a row whose range does not reach below 0
+    quantizer = round_to_nearest(weight, bits, group_size)
+    linear = QuantLinear.from_linear(torch.nn.Linear(200, 16, bias=False), weight, quantizer)
+    restored = linear.dequantized(torch.float32)
+    scale = quantizer.expand(quantizer.scales, 200)
+    assert ((restored - weight).abs() <= scale / 2 * (1 + 1e-5)).all()
+    assert (restored[weight == 0] == 0).all()
+    assert int(linear.qweight.max()) <= (255 if bits == 8 else 255) and linear.qweight.dtype == torch.uint8
+    assert linear.qweight.shape[1] == (200 if bits == 8 else 100)
+
+
+def test_four_bit_packing_round_trips_odd_widths():
+    codes = torch.randint(0, 16, (5, 7), dtype=torch.uint8)
+    assert torch.equal(unpack(pack(codes, 4), 4, 7), codes)
+    assert pack(codes, 4).shape == (5, 4)
+
+
+def test_quant_linear_forward_is_a_linear_with_the_dequantized_weight():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 24)
+    quantized = QuantLinear.from_linear(linear, linear.weight.data, round_to_nearest(linear.weight.data, 4, 16))
+    x = torch.randn(3, 5, 64)
+    assert torch.allclose(quantized(x), F.linear(x, quantized.dequantized(torch.float32), linear.bias), atol=1e-6)
+    assert torch.equal(quantized.bias, linear.bias)
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs_and_keeps_pruned_zeros():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 8, generator=generator) @ torch.randn(8, 128, generator=generator)  # low-rank inputs
+    x += 0.05 * torch.randn(2048, 128, generator=generator)
+    weight = torch.randn(32, 128, generator=generator)
+    weight[torch.rand(32, 128, generator=generator) < 0.5] = 0
+    hessian = 2 * x.T @ x / len(x)
+    quantizer = GroupQuantizer(32, 128, 4, 64, weight.device)
+    gptq, _ = sparsegpt_prune(weight, hessian, quantizer=quantizer, keep_zeros=True)
+    rtn = round_to_nearest(weight, 4, 64)
+    rtn_weight = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), weight, rtn).dequantized(torch.float32)
+    gptq_weight = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), gptq, quantizer).dequantized(torch.float32)
+    assert torch.allclose(gptq_weight, gptq, atol=1e-5)  # GPTQ's output lies on its grids
+    assert (gptq_weight[weight == 0] == 0).all()
+    error = lambda w: (x @ (w - weight).T).pow(2).mean().item()  # noqa: E731
+    assert error(gptq_weight) < 0.5 * error(rtn_weight)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_eight_bit_models_stay_close_to_dense(family, method):
+    model = tiny_model(family)
+    ids = _ids()
+    dense = model(ids).logits
+    report = quantize_model(model, QuantizeConfig(bits=8, group_size=16, method=method, batch_size=4), ids,
+                            progress=False)
+    quantized = model(ids).logits
+    swapped = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(swapped) == len(report["layers"]) >= 8
+    assert not any(isinstance(m, torch.nn.Linear) for layer in model.get_decoder().layers for m in layer.modules())
+    assert (quantized - dense).abs().max() < 0.02 * dense.abs().max()
+    assert report["linear_bytes_after"] < report["linear_bytes_before"] / 3
+
+
+def test_quantizing_twice_and_bad_settings_are_refused():
+    model = tiny_model("llama")
+    quantize_model(model, QuantizeConfig(method="rtn"), progress=False)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(model, QuantizeConfig(method="rtn"), progress=False)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        QuantizeConfig(bits=3)
+    with pytest.raises(ValueError, match="unknown quantization method"):
+        QuantizeConfig(method="awq")
+    with pytest.raises(ValueError, match="calibration data"):
+        quantize_model(tiny_model("llama"), QuantizeConfig(method="gptq"), None, progress=False)
+
+
+def test_pruned_then_quantized_checkpoint_saves_and_loads_exactly(tiny_checkpoint, tmp_path):
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    ids = torch.randint(3, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(0))
+    prune_model(model, PruneConfig(method="wanda", sparsity=0.5, batch_size=4), ids, progress=False)
+    report = quantize_model(model, QuantizeConfig(bits=4, group_size=16, method="gptq", batch_size=4), ids,
+                            progress=False)
+    save_pruned(model, tokenizer, tmp_path / "q", report, "quantization.json")
+    loaded, _ = sparsegen.load(tmp_path / "q")
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert sum(isinstance(m, QuantLinear) for m in loaded.modules()) == len(report["layers"])
+    for layer in loaded.get_decoder().layers:  # the pruned half stays zero after quantization
+        zeros = (layer.mlp.down_proj.dequantized(torch.float32) == 0).float().mean().item()
+        assert zeros >= 0.5
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["sparsegen_quantization"]["bits"] == 4
+
+
+def test_corrupted_or_mismatched_quantized_checkpoints_get_clear_errors(tiny_checkpoint, tmp_path):
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    report = quantize_model(model, QuantizeConfig(method="rtn", group_size=16), progress=False)
+    folder = tmp_path / "q"
+    save_pruned(model, tokenizer, folder, report, "quantization.json")
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    config = json.loads((folder / "config.json").read_text())
+    config["sparsegen_quantization"]["bits"] = 8  # the recorded layout no longer matches the tensors
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="could not be read"):
+        sparsegen.load(folder)
+    config["sparsegen_quantization"]["bits"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v for k, v in state.items() if "scales" not in k}, weights)
+    with pytest.raises(ValueError, match="do not match the layers"):
+        sparsegen.load(folder)
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="corrupted"):
+        sparsegen.load(folder)
+
+
+def test_contextual_plans_refuse_quantized_models(tiny_checkpoint):
+    from sparsegen.contextual import Contextual, attach
+
+    model, _ = sparsegen.load(tiny_checkpoint)
+    quantize_model(model, QuantizeConfig(method="rtn", group_size=16), progress=False)
+    plan = Contextual(method="teal", info={"model_type": "llama"}, thresholds={"0.mlp.down_proj": 0.1})
+    with pytest.raises(ValueError, match="quantized"):
+        attach(model, plan)
+
+
+def test_cli_quantize(tiny_checkpoint, corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPARSEGEN_DATA", str(corpus))
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tiny_checkpoint), "--bits", "4", "--group-size", "16", "--nsamples", "4",
+                 "--seqlen", "16", "--out", str(out)]) == 0
+    assert "gptq int4, group 16" in capsys.readouterr().out
+    report = json.loads((out / "quantization.json").read_text())
+    assert report["method"] == "gptq" and report["nsamples"] == 4
+    assert main(["ppl", "--windows", "--model", str(out), "--ctx", "16", "--text", str(corpus / "books/test")]) == 0
+    assert "PPL" in capsys.readouterr().out
+    assert main(["quantize", "--model", str(tiny_checkpoint), "--bits", "3", "--out", str(tmp_path / "x")]) == 2
+    assert "bits must be one of 4, 8" in capsys.readouterr().err
