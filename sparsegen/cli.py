@@ -58,6 +58,17 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
 
 
+def _conversation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="streaming", help="full, window, streaming, h2o, streaming-h2o (default streaming)")
+    _budget_args(p, "KV tokens kept per conversation (default 1024)")
+    p.set_defaults(budget="1024")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def _policies(args: argparse.Namespace, input_length: int | None = None):
     """``(name, factory)`` for each ``--policy``; with several, each takes only the splits that apply to it."""
     from sparsegen.kv import make_policy
@@ -464,6 +475,71 @@ def cmd_prune(args: argparse.Namespace) -> None:
           f"{report['seconds']:.1f} s; saved to {out}")
 
 
+def _engine(args: argparse.Namespace, model, tokenizer):
+    from sparsegen.kv import make_policy
+    from sparsegen.serve import Engine
+
+    def policy():
+        return make_policy(args.policy, None if args.policy == "full" else args.budget, sinks=args.sinks,
+                           recent=args.recent, heavy=args.heavy)
+
+    return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
+                  max_sessions=getattr(args, "max_sessions", 1))
+
+
+def _sampling(args: argparse.Namespace):
+    from sparsegen.serve import Sampling
+
+    return Sampling(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from sparsegen.serve.chat import chat
+
+    model, tokenizer = load_model(args)
+    engine = _engine(args, model, tokenizer)
+    script = None
+    if args.script:
+        with open(args.script, encoding="utf-8") as f:
+            script = [line for line in f.read().splitlines() if line.strip()]
+    turns = chat(engine, _sampling(args), script, system=args.system)
+    if turns:
+        last = turns[-1]
+        print(f"[{len(turns)} turns, {last['tokens_seen']:,} tokens seen; KV held {last['kv_tokens']:,} tokens "
+              f"({last['kv_bytes'] / 2**20:.2f} MiB); last turn {last['seconds']:.2f} s]", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "policy": engine.make_policy().describe(), "turns": turns}, f, indent=2)
+    if args.plot:
+        from sparsegen.eval.plots import plot_turns
+
+        plot_turns({f"{args.policy}": turns}, args.plot, title=f"{args.model}: {len(turns)} chat turns")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import os
+
+    import uvicorn
+
+    from sparsegen.serve.server import Limits, build_app, kv_bound
+
+    limits = Limits(max_sessions=args.max_sessions, max_batch=args.max_batch, max_queue=args.max_queue,
+                    max_tokens=args.max_tokens_limit, max_messages=args.max_messages,
+                    max_request_bytes=args.max_request_bytes, api_key=args.api_key or os.environ.get("SPARSEGEN_API_KEY"))
+    model, tokenizer = load_model(args)
+    engine = _engine(args, model, tokenizer)
+    app = build_app(engine, limits, args.model)
+    bound = kv_bound(engine, limits)
+    policy = engine.make_policy().describe()
+    print(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; worst-case KV memory "
+          f"{bound / 2**20:.1f} MiB ({limits.max_sessions} sessions + {limits.max_batch} in flight, each at most "
+          f"budget + {args.chunk_size} tokens); http://{args.host}:{args.port}/v1"
+          + ("" if limits.api_key else " (no API key)"), flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not limits.api_key:
+        print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
 def cmd_quantize(args: argparse.Namespace) -> None:
     import shutil
     from pathlib import Path
@@ -731,6 +807,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for the pruned checkpoint (+ sparsity.json)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("chat", help="a terminal conversation in one bounded cache (history never re-encoded)")
+    _model_args(p, run=True)
+    _conversation_args(p)
+    p.add_argument("--system", default=None, help="a system message at the start of the conversation")
+    p.add_argument("--script", default=None, help="read the user's turns from this file, one per line (no terminal)")
+    p.add_argument("--json", default=None, help="write per-turn statistics (latency, KV held, memory) to this file")
+    p.add_argument("--plot", default=None, help="write per-turn latency and memory as a PNG")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server whose sessions live in bounded caches")
+    _model_args(p, run=True)
+    _conversation_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set SPARSEGEN_API_KEY)")
+    p.add_argument("--max-sessions", type=int, default=64, help="conversation caches kept, least recently used "
+                                                                  "dropped beyond (default 64)")
+    p.add_argument("--max-batch", type=int, default=16, help="replies decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those: 429 (default 64)")
+    p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
+    p.add_argument("--max-messages", type=int, default=256, help="most messages in one request")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("quantize", help="weight-only quantization (GPTQ or round-to-nearest, 4/8 bits), also of "
                                         "pruned checkpoints (their zeros stay zero)")

@@ -21,6 +21,11 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
+def current_rss() -> int | None:
+    """The process's resident memory now (Linux), or None where /proc is missing."""
+    return _status_bytes("VmRSS")
+
+
 def available_bytes(device: torch.device) -> int | None:
     """Memory free for new tensors now: CUDA free memory, or the kernel's MemAvailable on CPU."""
     if device.type == "cuda":

@@ -47,3 +47,25 @@ def plot_passkey(results: dict[str, dict], path: str | Path) -> None:
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_turns(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> None:
+    """Per-turn latency (top) and KV memory held and process RSS (bottom) of chat runs, one line per run."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for label, turns in runs.items():
+        xs = [t["turn"] for t in turns]
+        top.plot(xs, [1000 * t["seconds"] / max(1, t["new_tokens"] + t["prompt_tokens"]) for t in turns],
+                 label=label, lw=0.8)
+        bottom.plot(xs, [t["kv_bytes"] / 2**20 for t in turns], label=f"{label}: KV held", lw=1.2)
+        bottom.plot(xs, [(t["rss_bytes"] or 0) / 2**20 for t in turns], label=f"{label}: process RSS", lw=0.8, ls="--")
+    top.set_ylabel("ms per token fed or generated")
+    top.legend()
+    bottom.set_ylabel("MiB")
+    bottom.set_xlabel("turn")
+    bottom.set_yscale("log")
+    bottom.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -325,6 +325,56 @@ class EvictionCache(Cache):
             layer.used = layer.peak_tokens = held
         self.seen, self.length = seen, context
 
+    # --- batching separate sequences (a server's concurrent conversations) ---
+    @classmethod
+    def stacked(cls, model: torch.nn.Module, caches: list[EvictionCache]) -> EvictionCache:
+        """One cache whose rows are copies of ``caches`` (each of batch 1, built alike, already fed), so their
+        decode steps run as one batch; ``unstack_into`` writes the rows back. Rows may hold different numbers
+        of tokens and sit at different positions (pass ``position_ids``)."""
+        first = caches[0]
+        if any(c.seen is None or c.seen.shape[0] != 1 for c in caches):
+            raise ValueError("stacked() takes fed caches of one sequence each")
+        batched = cls(model, first.policy, first.positions, chunk_size=1)
+        for index, layer in enumerate(batched.layers):
+            rows = [c.layers[index] for c in caches]
+            held = max(row.used for row in rows)
+            sample = rows[0]
+            shape = (len(rows), sample.keys.shape[1], batched.capacity(1) if first.policy.budget else held + 64)
+            layer.keys = sample.keys.new_zeros(*shape, sample.keys.shape[-1])
+            layer.values = sample.values.new_zeros(*shape, sample.values.shape[-1])
+            layer.index = sample.index.new_zeros(shape)
+            layer.valid = sample.valid.new_zeros(shape)
+            layer.attention = None if sample.attention is None else sample.attention.new_zeros(shape)
+            layer.dtype, layer.device, layer.is_initialized = sample.dtype, sample.device, True
+            for b, row in enumerate(rows):
+                for (_, dst), (_, src) in zip(layer.buffers(), row.buffers()):
+                    dst[b, :, :row.used] = src[0, :, :row.used]
+            layer.used = layer.peak_tokens = held
+        batched.seen = torch.cat([c.seen for c in caches])
+        batched.length = max(c.length for c in caches)
+        batched.padded = True  # rows hold different numbers of tokens: every attention needs its mask
+        return batched
+
+    def unstack_into(self, caches: list[EvictionCache], steps: int) -> None:
+        """Write each row back into the cache it came from, which ran ``steps`` more tokens as part of this batch."""
+        for index, layer in enumerate(self.layers):
+            for b, cache in enumerate(caches):
+                row = cache.layers[index]
+                valid = layer.valid[b, :, :layer.used]
+                held = int(valid.sum(-1).max())
+                slots = torch.argsort((~valid).byte(), dim=-1, stable=True)[:, :held]  # the valid ones (order is free)
+                if held > row.keys.shape[2]:
+                    row._grow(held)
+                for (_, src), (_, dst) in zip(layer.buffers(), row.buffers()):
+                    take = slots if src.dim() == 3 else slots[..., None].expand(-1, -1, src.shape[-1])
+                    dst[0, :, :held] = src[b].gather(1, take)
+                row.valid[0, :, held:] = False
+                row.used = held
+                row.peak_tokens = max(row.peak_tokens, held)
+        for b, cache in enumerate(caches):
+            cache.seen = self.seen[b:b + 1].clone()
+            cache.length += steps
+
     # --- what users ask ---
     def held_tokens(self) -> list[int]:
         """Slots in use per layer now (the largest held count of any sequence)."""

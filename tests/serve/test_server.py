@@ -1,0 +1,238 @@
+"""The real server on a loopback port, talked to over HTTP."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+import sparsegen
+from sparsegen.generation import generate
+from sparsegen.kv import make_policy
+from sparsegen.serve import Engine
+from sparsegen.serve.server import Limits, build_app
+
+BUDGET = 48
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server in a thread: ``url``, ``app`` and ``stop()``."""
+
+    def __init__(self, model, tokenizer, limits: Limits, policy="streaming"):
+        self.engine = Engine(model, tokenizer, lambda: make_policy(policy, BUDGET), chunk_size=32,
+                             max_sessions=limits.max_sessions)
+        self.app = build_app(self.engine, limits, "reference")
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    def metrics(self) -> dict:
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+
+    headers: dict = {}
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return sparsegen.load("reference")
+
+
+@pytest.fixture(scope="module")
+def server(reference):
+    running = Running(*reference, Limits(max_sessions=8, max_batch=8, max_tokens=64, max_messages=6,
+                                         max_request_bytes=4096))
+    yield running
+    running.stop()
+    assert not running.app.state.worker.is_alive()  # clean shutdown
+
+
+def _chat(server, messages, **extra):
+    return httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 16, **extra},
+                      headers=server.headers, timeout=60)
+
+
+def test_health_and_models(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "reference"
+
+
+def test_answers_equal_sparsegen_generate_streaming_or_not(server, reference):
+    model, tokenizer = reference
+    prompt = "It was late in the evening when the old man came back to the house, and"
+    expected = generate(model, tokenizer, prompt, policy="streaming", budget=BUDGET, max_new_tokens=16, chunk_size=32)
+    body = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 16}, timeout=60).json()
+    assert body["choices"][0]["text"] == expected.text and body["usage"]["completion_tokens"] == 16
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 16, "stream": True},
+                      timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == expected.text
+
+    messages = [{"role": "user", "content": "Where is the ship?"}]
+    rendered = "User: Where is the ship?\nAssistant:"
+    expected = generate(model, tokenizer, rendered, policy="streaming", budget=BUDGET, max_new_tokens=16, chunk_size=32)
+    reply = _chat(server, messages).json()["choices"][0]
+    assert reply["message"]["content"] == expected.text.lstrip().split("\nUser:")[0]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"messages": messages, "max_tokens": 16, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == reply["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == reply["finish_reason"]
+
+
+def test_a_session_second_turn_encodes_only_the_new_message(server, reference):
+    messages = [{"role": "user", "content": "Tell me about the old house by the river."}]
+    first = _chat(server, messages, session_id="s1").json()
+    before = server.metrics()
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "And the garden?"}]
+    second = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 16},
+                        headers={"X-Session-Id": "s1"}, timeout=60).json()
+    after = server.metrics()
+    fed = after["sparsegen_prefill_tokens_total"] - before["sparsegen_prefill_tokens_total"]
+    assert fed == second["usage"]["prompt_tokens"] < first["usage"]["prompt_tokens"]
+    new_text = reference[1]("\nUser: And the garden?\nAssistant:", add_special_tokens=False)["input_ids"]
+    assert fed <= len(new_text) + 1  # the new message in its template, and the reply's last token; not the history
+    assert after["sparsegen_reencoded_sessions_total"] == before["sparsegen_reencoded_sessions_total"]
+    assert second["session_id"] == "s1"
+
+
+def test_bad_requests_get_openai_shaped_errors(server):
+    url = f"{server.url}/v1/chat/completions"
+    cases = [
+        (httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400, "not valid JSON"),
+        (httpx.post(url, json=[1, 2]), 400, "JSON object"),
+        (httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "frequency": 1}), 400, "frequency"),
+        (httpx.post(url, json={"messages": [{"role": "user", "content": 3}]}), 400, "content"),
+        (httpx.post(url, json={"messages": [{"role": "robot", "content": "hi"}]}), 400, "role"),
+        (httpx.post(url, json={"messages": []}), 400, "messages"),
+        (httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 65}), 400, "limit of 64"),
+        (httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "n": 2}), 400, "n"),
+        (httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}] * 7}), 400, "limit of 6"),
+        (httpx.post(url, json={"messages": [{"role": "user", "content": "x" * 5000}]}), 413, "larger than 4096"),
+        (httpx.post(f"{server.url}/v1/completions", json={"prompt": ""}), 400, "prompt"),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert words in error["message"] and error["type"]
+    assert _chat(server, [{"role": "user", "content": "still fine?"}]).status_code == 200
+
+
+def test_a_cancelled_stream_frees_its_session(server):
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers={"X-Session-Id": "cancel"}, timeout=60,
+                      json={"messages": messages, "max_tokens": 64, "stream": True}) as response:
+        next(response.iter_lines())  # the first chunk, then hang up
+    deadline = time.time() + 10
+    while True:  # the session is released once the worker sees the cancellation
+        reply = _chat(server, messages, session_id="cancel")
+        if reply.status_code == 200 or time.time() > deadline:
+            break
+        assert reply.status_code == 409
+        time.sleep(0.1)
+    assert reply.status_code == 200
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    reply = client.chat.completions.create(model="reference", max_tokens=8,
+                                           messages=[{"role": "user", "content": "Good morning."}])
+    assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens <= 8
+    streamed = client.chat.completions.create(model="reference", max_tokens=8, stream=True,
+                                              messages=[{"role": "user", "content": "Good morning."}])
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == reply.choices[0].message.content
+
+
+def test_api_key(reference):
+    running = Running(*reference, Limits(api_key="s3cret", max_sessions=2, max_batch=2))
+    try:
+        url = f"{running.url}/v1/completions"
+        assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}).status_code == 401
+        wrong = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        right = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        assert httpx.get(f"{running.url}/metrics").status_code == 401
+    finally:
+        running.stop()
+
+
+def test_overload_gets_429_and_a_failing_step_only_fails_its_replies(reference, monkeypatch):
+    running = Running(*reference, Limits(max_sessions=4, max_batch=1, max_queue=1, max_tokens=64))
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*[client.post(f"{running.url}/v1/completions",
+                                                          json={"prompt": "The sea", "max_tokens": 64})
+                                              for _ in range(8)])
+
+        statuses = sorted(r.status_code for r in asyncio.run(burst()))
+        assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
+        original = running.engine.step
+
+        def broken(jobs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(running.engine, "step", broken)
+        failed = httpx.post(f"{running.url}/v1/completions", json={"prompt": "The sea", "max_tokens": 8}, timeout=60)
+        assert failed.status_code == 500 and "boom" in failed.json()["error"]["message"]
+        monkeypatch.setattr(running.engine, "step", original)
+        assert httpx.post(f"{running.url}/v1/completions", json={"prompt": "The sea", "max_tokens": 8},
+                          timeout=60).status_code == 200
+    finally:
+        running.stop()
+
+
+def test_bounded_load_32_sessions_by_5_turns(reference):
+    """Every request succeeds, sessions are batched, KV memory stays under the bound printed at start-up."""
+    running = Running(*reference, Limits(max_sessions=32, max_batch=16, max_queue=64, max_tokens=16))
+    bound = running.app.state.kv_bound
+    try:
+        async def session(client, index):
+            messages, statuses = [], []
+            for turn in range(5):
+                messages.append({"role": "user", "content": f"Question {turn} from reader {index}?"})
+                response = await client.post(f"{running.url}/v1/chat/completions", headers={"X-Session-Id": f"r{index}"},
+                                             json={"messages": messages, "max_tokens": 8})
+                statuses.append(response.status_code)
+                messages.append(response.json()["choices"][0]["message"])
+            return statuses
+
+        async def everyone():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*[session(client, i) for i in range(32)])
+
+        statuses = [s for row in asyncio.run(everyone()) for s in row]
+        assert statuses == [200] * 160
+        metrics = running.metrics()
+        assert metrics["sparsegen_errors_total"] == 0 and metrics["sparsegen_sessions"] == 32
+        assert metrics["sparsegen_reencoded_sessions_total"] == 0
+        assert 0 < metrics["sparsegen_kv_bytes"] <= bound
+        assert metrics["sparsegen_decode_tokens_total"] < 160 * 8  # several replies per step: batched
+    finally:
+        running.stop()
