@@ -540,6 +540,33 @@ def cmd_serve(args: argparse.Namespace) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    import asyncio
+    import os
+
+    from sparsegen.bench.serve import run_load
+
+    key = args.api_key or os.environ.get("SPARSEGEN_API_KEY")
+    report = asyncio.run(run_load(args.url.rstrip("/"), args.sessions, args.turns, args.max_tokens,
+                                  {"Authorization": f"Bearer {key}"} if key else None))
+    memory = report["memory"]
+    print(f"{report['sessions']} sessions x {report['turns']} turns: {report['requests']} requests, {report['errors']} "
+          f"errors in {report['seconds']} s; time to first token p50 {report['ttft_p50_s']} s, p99 "
+          f"{report['ttft_p99_s']} s; {report['tokens_per_s']} tokens/s generated; {report['reencoded_sessions']:.0f} "
+          f"sessions re-encoded")
+    if memory:
+        print(f"server RSS after turn 1 {memory[0]['rss_bytes'] / 2**20:.0f} MiB, after turn {memory[-1]['turn']} "
+              f"{memory[-1]['rss_bytes'] / 2**20:.0f} MiB; K/V {memory[0]['kv_bytes'] / 2**20:.1f} -> "
+              f"{memory[-1]['kv_bytes'] / 2**20:.1f} MiB (bound {report['kv_bytes_bound'] / 2**20:.1f} MiB)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        from sparsegen.eval.plots import plot_load
+
+        plot_load(report, args.plot)
+
+
 def cmd_quantize(args: argparse.Namespace) -> None:
     import shutil
     from pathlib import Path
@@ -832,6 +859,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench-serve", help="load a running `sparsegen serve`: concurrent sessions x turns, time to "
+                                           "first token, tokens/s, errors, memory per turn")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--sessions", type=int, default=64, help="concurrent conversations (default 64)")
+    p.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (default 16)")
+    p.add_argument("--api-key", default=None, help="the server's key (or SPARSEGEN_API_KEY)")
+    p.add_argument("--json", default=None, help="write the report (with memory per turn) to this file")
+    p.add_argument("--plot", default=None, help="write server memory per turn as a PNG")
+    p.set_defaults(func=cmd_bench_serve)
 
     p = sub.add_parser("quantize", help="weight-only quantization (GPTQ or round-to-nearest, 4/8 bits), also of "
                                         "pruned checkpoints (their zeros stay zero)")

@@ -69,3 +69,21 @@ def plot_turns(runs: dict[str, list[dict]], path: str | Path, title: str = "") -
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_load(report: dict, path: str | Path, title: str = "") -> None:
+    """Server memory (process RSS and K/V bytes held, with the K/V bound) after each turn of a load run."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    turns = [m["turn"] for m in report["memory"]]
+    ax.plot(turns, [m["rss_bytes"] / 2**20 for m in report["memory"]], label="server RSS")
+    ax.plot(turns, [m["kv_bytes"] / 2**20 for m in report["memory"]], label="K/V allocated")
+    if report.get("kv_bytes_bound"):
+        ax.axhline(report["kv_bytes_bound"] / 2**20, color="gray", ls="--", lw=0.8, label="K/V bound (start-up)")
+    ax.set_xlabel("turns completed by every session")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title(title or f"{report['sessions']} concurrent sessions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

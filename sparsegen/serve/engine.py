@@ -50,7 +50,7 @@ class Job:
     sampling: Sampling
     prompt_tokens: int  # tokens fed for this turn (the new text only, unless the history was re-encoded)
     reencoded: bool  # the session's history had to be encoded again (new, evicted, or the messages changed)
-    strip_leading: bool  # a base model's reply starts with the space after "Assistant:"
+    strip_leading: bool  # a base model's reply starts with the space after "Assistant:": not part of the content
     generator: torch.Generator | None
     on_text: Callable[[Job, str], None] | None = None
     tokens: list[int] = field(default_factory=list)
@@ -216,8 +216,8 @@ class Engine:
         job.tokens.append(token)
         eos = token == self.tokenizer.eos_token_id
         text = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)
-        if job.strip_leading:
-            text = text.lstrip()
+        if job.strip_leading and text.startswith(" "):  # the template's own space after "Assistant:"
+            text = text[1:]
         stops = tuple(sampling.stop) + tuple(self.template.stop if job.strip_leading else ())
         cut = min((text.find(s) for s in stops if s in text), default=-1)
         if cut >= 0:

@@ -94,7 +94,7 @@ def test_answers_equal_sparsegen_generate_streaming_or_not(server, reference):
     rendered = "User: Where is the ship?\nAssistant:"
     expected = generate(model, tokenizer, rendered, policy="streaming", budget=BUDGET, max_new_tokens=16, chunk_size=32)
     reply = _chat(server, messages).json()["choices"][0]
-    assert reply["message"]["content"] == expected.text.lstrip().split("\nUser:")[0]
+    assert reply["message"]["content"] == expected.text.removeprefix(" ").split("\nUser:")[0]
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
                       json={"messages": messages, "max_tokens": 16, "stream": True}) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
@@ -236,3 +236,17 @@ def test_bounded_load_32_sessions_by_5_turns(reference):
         assert metrics["sparsegen_decode_tokens_total"] < 160 * 8  # several replies per step: batched
     finally:
         running.stop()
+
+
+def test_bench_serve_reports_latency_and_memory(server, tmp_path, capsys):
+    from sparsegen.cli import main
+
+    out = tmp_path / "load.json"
+    assert main(["bench-serve", "--url", server.url, "--sessions", "4", "--turns", "3", "--max-tokens", "4",
+                 "--json", str(out), "--plot", str(tmp_path / "load.png")]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 12 and report["errors"] == 0 and report["reencoded_sessions"] == 0
+    assert [m["turn"] for m in report["memory"]] == [1, 2, 3]
+    assert 0 < report["ttft_p50_s"] <= report["ttft_p99_s"] and report["tokens_per_s"] > 0
+    assert "4 sessions x 3 turns: 12 requests, 0 errors" in capsys.readouterr().out
+    assert (tmp_path / "load.png").stat().st_size > 0
