@@ -484,7 +484,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
                            recent=args.recent, heavy=args.heavy)
 
     return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
-                  max_sessions=getattr(args, "max_sessions", 1))
+                  max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1))
 
 
 def _sampling(args: argparse.Namespace):

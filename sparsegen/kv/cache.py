@@ -45,6 +45,7 @@ class EvictionLayer(CacheLayerMixin):
         self.used = 0  # slots in use (the largest held count of any sequence, plus the pending chunk)
         self.pending = 0  # tokens appended by update() and not yet attended
         self.peak_tokens = 0
+        self.storage: dict[str, torch.Tensor] | None = None  # a stacked cache's buffers for all its row capacity
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
@@ -188,6 +189,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.used = self.pending = self.peak_tokens = 0
+        self.storage = None
         self.is_initialized = False
         self.keys = self.values = self.index = self.valid = self.attention = None
 
@@ -327,53 +329,81 @@ class EvictionCache(Cache):
 
     # --- batching separate sequences (a server's concurrent conversations) ---
     @classmethod
-    def stacked(cls, model: torch.nn.Module, caches: list[EvictionCache]) -> EvictionCache:
-        """One cache whose rows are copies of ``caches`` (each of batch 1, built alike, already fed), so their
-        decode steps run as one batch; ``unstack_into`` writes the rows back. Rows may hold different numbers
-        of tokens and sit at different positions (pass ``position_ids``)."""
-        first = caches[0]
-        if any(c.seen is None or c.seen.shape[0] != 1 for c in caches):
-            raise ValueError("stacked() takes fed caches of one sequence each")
-        batched = cls(model, first.policy, first.positions, chunk_size=1)
-        for index, layer in enumerate(batched.layers):
-            rows = [c.layers[index] for c in caches]
-            held = max(row.used for row in rows)
-            sample = rows[0]
-            shape = (len(rows), sample.keys.shape[1], batched.capacity(1) if first.policy.budget else held + 64)
-            layer.keys = sample.keys.new_zeros(*shape, sample.keys.shape[-1])
-            layer.values = sample.values.new_zeros(*shape, sample.values.shape[-1])
-            layer.index = sample.index.new_zeros(shape)
-            layer.valid = sample.valid.new_zeros(shape)
-            layer.attention = None if sample.attention is None else sample.attention.new_zeros(shape)
-            layer.dtype, layer.device, layer.is_initialized = sample.dtype, sample.device, True
-            for b, row in enumerate(rows):
-                for (_, dst), (_, src) in zip(layer.buffers(), row.buffers()):
-                    dst[b, :, :row.used] = src[0, :, :row.used]
-            layer.used = layer.peak_tokens = held
-        batched.seen = torch.cat([c.seen for c in caches])
-        batched.length = max(c.length for c in caches)
+    def stacked(cls, model: torch.nn.Module, caches: list[EvictionCache], capacity: int = 1) -> EvictionCache:
+        """A cache whose rows are copies of ``caches`` (each of one sequence, already fed, built alike), so their
+        decode steps run as one batch. Rows may hold different numbers of tokens and sit at different positions
+        (pass ``position_ids``). ``add_row``/``remove_row`` change the rows one at a time; storage for
+        ``capacity`` rows is kept so that neither moves more than one row."""
+        if not caches:
+            raise ValueError("stacked() needs at least one cache")
+        batched = cls(model, caches[0].policy, caches[0].positions, chunk_size=1)
+        batched.row_capacity = max(capacity, len(caches))
         batched.padded = True  # rows hold different numbers of tokens: every attention needs its mask
+        for cache in caches:
+            batched.add_row(cache)
         return batched
 
-    def unstack_into(self, caches: list[EvictionCache], steps: int) -> None:
-        """Write each row back into the cache it came from, which ran ``steps`` more tokens as part of this batch."""
-        for index, layer in enumerate(self.layers):
-            for b, cache in enumerate(caches):
-                row = cache.layers[index]
-                valid = layer.valid[b, :, :layer.used]
-                held = int(valid.sum(-1).max())
-                slots = torch.argsort((~valid).byte(), dim=-1, stable=True)[:, :held]  # the valid ones (order is free)
-                if held > row.keys.shape[2]:
-                    row._grow(held)
-                for (_, src), (_, dst) in zip(layer.buffers(), row.buffers()):
-                    take = slots if src.dim() == 3 else slots[..., None].expand(-1, -1, src.shape[-1])
-                    dst[0, :, :held] = src[b].gather(1, take)
-                row.valid[0, :, held:] = False
-                row.used = held
-                row.peak_tokens = max(row.peak_tokens, held)
-        for b, cache in enumerate(caches):
-            cache.seen = self.seen[b:b + 1].clone()
-            cache.length += steps
+    def add_row(self, source: EvictionCache) -> None:
+        """Append a copy of ``source`` (one fed sequence) as the last row."""
+        if source.seen is None or source.seen.shape[0] != 1 or source.policy is not self.policy \
+                and source.policy.describe() != self.policy.describe():
+            raise ValueError("add_row() takes a fed cache of one sequence built with the same policy")
+        rows = 0 if self.seen is None else self.seen.shape[0]
+        for layer, row in zip(self.layers, source.layers):
+            slots = max(row.used, self.capacity(1) if self.policy.budget is not None else row.used + 64)
+            storage = layer.storage
+            if storage is None or rows == storage["keys"].shape[0] or row.used > storage["keys"].shape[2] \
+                    or storage["keys"].data_ptr() != layer.keys.data_ptr():  # full, or replaced by _grow
+                layer.storage = self._row_storage(layer, row, rows, slots)
+            storage = layer.storage
+            for name, buf in row.buffers():
+                storage[name][rows, :, :row.used] = buf[0, :, :row.used]
+            storage["valid"][rows, :, row.used:] = False
+            for name in BUFFERS:
+                setattr(layer, name, storage[name][:rows + 1] if name in storage else None)
+            layer.used = max(layer.used, row.used)
+            layer.peak_tokens = max(layer.peak_tokens, layer.used)
+        self.seen = source.seen.clone() if self.seen is None else torch.cat([self.seen, source.seen])
+        self.length = max(self.length, source.length)
+
+    def _row_storage(self, layer: EvictionLayer, row: EvictionLayer, rows: int, slots: int) -> dict:
+        """Buffers for ``row_capacity`` rows (more if full) of at least ``slots`` slots, holding the current rows."""
+        capacity = max(getattr(self, "row_capacity", 1), 2 * rows, rows + 1)
+        if layer.is_initialized:
+            slots = max(slots, layer.keys.shape[2])
+        storage = {}
+        for name, buf in row.buffers():
+            new = buf.new_zeros(capacity, buf.shape[1], slots, *buf.shape[3:])
+            if layer.is_initialized:
+                old = getattr(layer, name)
+                new[:rows, :, :old.shape[2]] = old
+            storage[name] = new
+        layer.dtype, layer.device, layer.is_initialized = row.dtype, row.device, True
+        return storage
+
+    def remove_row(self, index: int, into: EvictionCache, steps: int) -> None:
+        """Write row ``index`` back into ``into`` (the cache it came from, which ran ``steps`` more tokens here) and
+        close the gap with the last row."""
+        last = self.seen.shape[0] - 1
+        for layer, row in zip(self.layers, into.layers):
+            valid = layer.valid[index, :, :layer.used]
+            held = int(valid.sum(-1).max())
+            slots = torch.argsort((~valid).byte(), dim=-1, stable=True)[:, :held]  # the valid ones (order is free)
+            if held > row.keys.shape[2]:
+                row._grow(held)
+            for (_, src), (_, dst) in zip(layer.buffers(), row.buffers()):
+                take = slots if src.dim() == 3 else slots[..., None].expand(-1, -1, src.shape[-1])
+                dst[0, :, :held] = src[index, :, :layer.used].gather(1, take)
+            row.valid[0, :, held:] = False
+            row.used, row.peak_tokens = held, max(row.peak_tokens, held)
+            for name, buf in layer.buffers():
+                if index != last:
+                    buf[index] = buf[last]
+                setattr(layer, name, buf[:last])
+        into.seen = self.seen[index:index + 1].clone()
+        into.length += steps
+        self.seen = torch.cat([self.seen[:index], self.seen[last:last + 1], self.seen[index + 1:last]]) \
+            if index != last else self.seen[:last]
 
     # --- what users ask ---
     def held_tokens(self) -> list[int]:
@@ -384,6 +414,15 @@ class EvictionCache(Cache):
         """K and V bytes in the slots in use now, over all layers."""
         return sum(layer.used * layer.bytes_per_slot for layer in self.layers)
 
+    def allocated_bytes(self) -> int:
+        """K and V bytes allocated now (a stacked cache's whole row capacity included), over all layers."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                buffers = layer.storage if layer.storage is not None else {"keys": layer.keys, "values": layer.values}
+                total += buffers["keys"].nbytes + buffers["values"].nbytes
+        return total
+
     def stats(self) -> dict:
         return {
             **self.policy.describe(),
@@ -391,7 +430,6 @@ class EvictionCache(Cache):
             "kv_tokens": max(self.held_tokens(), default=0),
             "kv_tokens_peak": max((layer.peak_tokens for layer in self.layers), default=0),
             "kv_bytes_peak": sum(layer.peak_tokens * layer.bytes_per_slot for layer in self.layers),
-            "kv_bytes_allocated": sum(buf.nbytes for layer in self.layers for name, buf in layer.buffers()
-                                      if name in ("keys", "values")),
+            "kv_bytes_allocated": self.allocated_bytes(),
             "tokens_seen": self.length,
         }

@@ -72,7 +72,8 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy], positions: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, template: ChatTemplate | None = None):
+                 chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
+                 template: ChatTemplate | None = None):
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
         self.model, self.tokenizer, self.make_policy = model, tokenizer, make_policy
@@ -82,7 +83,10 @@ class Engine:
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.counters = {"requests": 0, "prefill_tokens": 0, "decode_tokens": 0, "reencoded_sessions": 0,
                          "evicted_sessions": 0}
-        self._batch: tuple[list[Job], EvictionCache, int] | None = None  # jobs, their stacked cache, steps run
+        self.max_batch = max_batch
+        self._batch: EvictionCache | None = None  # the stacked caches of the replies decoding together
+        self._rows: list[Job] = []  # whose reply each row of it is
+        self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
         self.make_policy()  # a bad policy or budget fails here, before any request
 
     # --- sessions ---
@@ -165,48 +169,64 @@ class Engine:
         if not jobs:
             return
         if len(jobs) == 1 and self._batch is None:
-            cache = jobs[0].session.cache
+            cache, positions = jobs[0].session.cache, [jobs[0].session.cache.length]
         else:
-            cache = self._stacked(jobs)
+            cache = self._stack(jobs)
+            jobs = list(self._rows)  # the batch's row order
+            positions = [job.session.cache.length + steps for job, steps in zip(jobs, self._steps)]
         tokens = torch.tensor([[job.tokens[-1]] for job in jobs], device=self.device)
-        positions = torch.tensor([[job.session.cache.length + self._steps_in_batch()] for job in jobs],
-                                 device=self.device)
-        logits = self.model(input_ids=tokens, position_ids=positions, past_key_values=cache).logits[:, -1]
-        if self._batch is not None:
-            self._batch = (self._batch[0], self._batch[1], self._batch[2] + 1)
+        logits = self.model(input_ids=tokens, position_ids=torch.tensor(positions, device=self.device)[:, None],
+                            past_key_values=cache).logits[:, -1]
+        self._steps = [steps + 1 for steps in self._steps]
         self.counters["decode_tokens"] += len(jobs)
         for job, row in zip(jobs, logits):
             self._accept(job, row)
-        if any(job.done for job in jobs):
-            self.flush()
+            if job.done:
+                self._unstack(job)
 
     def cancel(self, job: Job) -> None:
         job.cancelled = True
         if not job.done:
             self._finish(job, "cancelled")
-            self.flush()
+            self._unstack(job)
 
     def flush(self) -> None:
-        """Write the stacked rows back to their sessions (before any of them is used alone)."""
-        if self._batch is not None:
-            jobs, cache, steps = self._batch
-            cache.unstack_into([job.session.cache for job in jobs], steps)
-            self._batch = None
+        """Write every stacked row back to its session."""
+        for job in list(self._rows):
+            self._unstack(job)
 
     def discard_batch(self) -> None:
         """Forget the stacked rows without writing them back (after a failed step; reset their sessions)."""
-        self._batch = None
+        self._batch, self._rows, self._steps = None, [], []
 
-    def _steps_in_batch(self) -> int:
-        return 0 if self._batch is None else self._batch[2]
+    def _stack(self, jobs: list[Job]) -> EvictionCache:
+        """The batched cache with exactly ``jobs`` as rows: rows of jobs no longer here leave, new ones join."""
+        wanted = set(map(id, jobs))
+        for job in [job for job in self._rows if id(job) not in wanted]:
+            self._unstack(job)
+        present = set(map(id, self._rows))
+        joining = [job for job in jobs if id(job) not in present]
+        if self._batch is None:
+            self._batch = EvictionCache.stacked(self.model, [job.session.cache for job in joining],
+                                                capacity=self.max_batch)
+        else:
+            for job in joining:
+                self._batch.add_row(job.session.cache)
+        self._rows += joining
+        self._steps += [0] * len(joining)
+        return self._batch
 
-    def _stacked(self, jobs: list[Job]) -> EvictionCache:
-        if self._batch is not None and [id(j) for j in self._batch[0]] == [id(j) for j in jobs]:
-            return self._batch[1]
-        self.flush()
-        cache = EvictionCache.stacked(self.model, [job.session.cache for job in jobs])
-        self._batch = (jobs, cache, 0)
-        return cache
+    def _unstack(self, job: Job) -> None:
+        if self._batch is None or not any(row is job for row in self._rows):
+            return
+        index = next(i for i, row in enumerate(self._rows) if row is job)
+        self._batch.remove_row(index, job.session.cache, self._steps[index])
+        last = len(self._rows) - 1
+        for rows in (self._rows, self._steps):  # the last row moved into the gap
+            rows[index] = rows[last]
+            rows.pop()
+        if not self._rows:
+            self._batch = None
 
     def _accept(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token, update its visible text, and finish it at EOS, a stop string or the limit."""
@@ -252,9 +272,8 @@ class Engine:
         """K and V bytes allocated by the sessions' caches (and the stacked batch, when one runs)."""
         caches = [s.cache for s in self.sessions.values()]
         if self._batch is not None:
-            caches.append(self._batch[1])
-        return sum(buf.nbytes for c in caches for layer in c.layers if layer.is_initialized
-                   for buf in (layer.keys, layer.values))
+            caches.append(self._batch)
+        return sum(cache.allocated_bytes() for cache in caches)
 
     def kv_tokens(self, session: Session) -> int:
         return max(session.cache.held_tokens(), default=0)

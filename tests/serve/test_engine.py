@@ -71,10 +71,16 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy):
                 assert held(layer) == held(other)
 
 
-def test_stacking_refuses_unfed_caches():
+def test_stacking_refuses_unfed_or_different_caches():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="fed caches"):
+    with pytest.raises(ValueError, match="fed cache"):
         EvictionCache.stacked(model, [EvictionCache(model, make_policy("window", 4))])
+    fed = []
+    for policy in ("window", "streaming"):
+        fed.append(EvictionCache(model, make_policy(policy, 8)))
+        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=fed[-1])
+    with pytest.raises(ValueError, match="same policy"):
+        EvictionCache.stacked(model, fed)
 
 
 def test_a_conversation_encodes_only_each_new_turn(reference):

@@ -30,7 +30,7 @@ class Running:
 
     def __init__(self, model, tokenizer, limits: Limits, policy="streaming"):
         self.engine = Engine(model, tokenizer, lambda: make_policy(policy, BUDGET), chunk_size=32,
-                             max_sessions=limits.max_sessions)
+                             max_sessions=limits.max_sessions, max_batch=limits.max_batch)
         self.app = build_app(self.engine, limits, "reference")
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
