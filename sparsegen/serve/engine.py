@@ -80,6 +80,9 @@ class Engine:
         self.positions, self.chunk_size, self.max_sessions = positions, chunk_size, max_sessions
         self.template = template or ChatTemplate(tokenizer)
         self.device = next(model.parameters()).device
+        from sparsegen.prompt import prefix_length
+
+        self.offset = prefix_length(model)  # a prompt prefix sits in every cache before position 0 of the text
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.counters = {"requests": 0, "prefill_tokens": 0, "decode_tokens": 0, "reencoded_sessions": 0,
                          "evicted_sessions": 0}
@@ -117,7 +120,7 @@ class Engine:
     def _feed(self, session: Session, ids: list[int]) -> torch.Tensor:
         """Encode ``ids`` into the session's cache in chunks; the logits after the last one."""
         cache = session.cache
-        start = cache.length
+        start = cache.length - (self.offset if cache.length else 0)
         tokens = torch.tensor([ids], device=self.device)
         for offset in range(0, len(ids), self.chunk_size):
             chunk = tokens[:, offset:offset + self.chunk_size]
@@ -141,12 +144,14 @@ class Engine:
         text = self.template.render(messages) if messages is not None else prompt
         self.counters["requests"] += 1
         continues = bool(session.text) and text.startswith(session.text)
+        history = False
         if not continues:
             if session.text:
                 self.reset(session)
             special = self.template.adds_special_tokens if messages is not None else True
             ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
-            self.counters["reencoded_sessions"] += session.id is not None and session.turns > 0
+            history = session.turns > 0 or (messages is not None and len(messages) > 1)  # e.g. an evicted session
+            self.counters["reencoded_sessions"] += session.id is not None and history
         else:
             ids = session.pending + self.tokenizer(text[len(session.text):], add_special_tokens=False)["input_ids"]
         if not ids:
@@ -156,7 +161,7 @@ class Engine:
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        job = Job(session, sampling, len(ids), reencoded=not continues and session.turns > 0,
+        job = Job(session, sampling, len(ids), reencoded=not continues and history,
                   strip_leading=messages is not None and not self.template.native, generator=generator,
                   on_text=on_text)
         self._accept(job, logits)
@@ -169,11 +174,11 @@ class Engine:
         if not jobs:
             return
         if len(jobs) == 1 and self._batch is None:
-            cache, positions = jobs[0].session.cache, [jobs[0].session.cache.length]
+            cache, positions = jobs[0].session.cache, [jobs[0].session.cache.length - self.offset]
         else:
             cache = self._stack(jobs)
             jobs = list(self._rows)  # the batch's row order
-            positions = [job.session.cache.length + steps for job, steps in zip(jobs, self._steps)]
+            positions = [job.session.cache.length - self.offset + steps for job, steps in zip(jobs, self._steps)]
         tokens = torch.tensor([[job.tokens[-1]] for job in jobs], device=self.device)
         logits = self.model(input_ids=tokens, position_ids=torch.tensor(positions, device=self.device)[:, None],
                             past_key_values=cache).logits[:, -1]

@@ -71,6 +71,22 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy):
                 assert held(layer) == held(other)
 
 
+def test_a_soft_prompt_is_fed_once_per_session_and_positions_follow_it(reference):
+    from sparsegen.prompt import PromptPrefix, attach, detach
+
+    model, tokenizer = reference
+    attach(model, PromptPrefix(torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))))
+    try:
+        engine = Engine(model, tokenizer, lambda: make_policy("h2o", 40), chunk_size=16)  # original positions
+        prompt = "It was late in the evening when the old man came back to the house, and"
+        job = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=20), prompt=prompt))
+        expected = generate(model, tokenizer, prompt, policy="h2o", budget=40, max_new_tokens=20, chunk_size=16)
+        assert job.content == expected.text
+        assert job.session.cache.length == 6 + job.prompt_tokens + 19
+    finally:
+        detach(model)
+
+
 def test_stacking_refuses_unfed_or_different_caches():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="fed cache"):
