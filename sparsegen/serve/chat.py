@@ -25,8 +25,9 @@ def turn_stats(engine: Engine, session: Session, job, seconds: float) -> dict:
 
 
 def chat(engine: Engine, sampling: Sampling, turns: Iterable[str] | None = None, system: str | None = None,
-         out: TextIO = sys.stdout) -> list[dict]:
+         out: TextIO | None = None) -> list[dict]:
     """Talk: ``turns`` (a script) or, without it, lines typed at the terminal. Returns one stats dict per turn."""
+    out = out or sys.stdout
     session = engine.session("chat")
     messages = [{"role": "system", "content": system}] if system else []
     history = []

@@ -137,3 +137,19 @@ def test_stop_strings_end_a_reply_and_are_not_shown(reference):
                                     prompt="The old man said that", on_text=lambda j, t: shown.append(t)))
     assert job.finish_reason == "stop" and word not in job.content
     assert "".join(shown) == job.content and free.content.startswith(job.content)
+
+
+def test_chat_command_with_a_script(tmp_path, capsys):
+    import json
+
+    from sparsegen.cli import main
+
+    script = tmp_path / "turns.txt"
+    script.write_text("Good evening.\n\n/stats\nWhere is the ship?\n")
+    assert main(["chat", "--model", "reference", "--budget", "32", "--max-new-tokens", "8", "--script", str(script),
+                 "--json", str(tmp_path / "turns.json"), "--plot", str(tmp_path / "turns.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("User: ") == 2 and "KV tokens held" in out
+    turns = json.loads((tmp_path / "turns.json").read_text())["turns"]
+    assert [t["turn"] for t in turns] == [1, 2] and not turns[1]["reencoded"]
+    assert (tmp_path / "turns.png").stat().st_size > 0

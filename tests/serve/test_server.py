@@ -250,3 +250,40 @@ def test_bench_serve_reports_latency_and_memory(server, tmp_path, capsys):
     assert 0 < report["ttft_p50_s"] <= report["ttft_p99_s"] and report["tokens_per_s"] > 0
     assert "4 sessions x 3 turns: 12 requests, 0 errors" in capsys.readouterr().out
     assert (tmp_path / "load.png").stat().st_size > 0
+
+
+def test_the_serve_command_prints_its_memory_bound_answers_and_stops_cleanly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "sparsegen", "serve", "--model", "reference", "--budget", "64",
+                                "--port", str(port), "--max-sessions", "4", "--max-batch", "2", "--api-key", "k"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        banner = next(line for line in process.stdout if "sparsegen serve:" in line)
+        assert "worst-case KV memory" in banner and "4 sessions + 2 in flight" in banner
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                assert time.time() < deadline and process.poll() is None
+                time.sleep(0.2)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The sea", "max_tokens": 3},
+                           headers={"Authorization": "Bearer k"}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+
+
+def test_the_serve_command_refuses_an_unbounded_policy(capsys):
+    from sparsegen.cli import main
+
+    assert main(["serve", "--model", "reference", "--policy", "full"]) == 2
+    assert "grows without bound" in capsys.readouterr().err
