@@ -232,6 +232,7 @@ class EvictionCache(Cache):
         self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
         self.seen: torch.Tensor | None = None  # real tokens per sequence
         self.padded = False  # whether any padding was fed: until then every held slot of every row is real
+        self.row_capacity = 1  # rows a stacked cache keeps storage for
         self._workspace: torch.Tensor | None = None
 
     def query_view(self) -> tuple[int, int] | None:
@@ -345,8 +346,8 @@ class EvictionCache(Cache):
 
     def add_row(self, source: EvictionCache) -> None:
         """Append a copy of ``source`` (one fed sequence) as the last row."""
-        if source.seen is None or source.seen.shape[0] != 1 or source.policy is not self.policy \
-                and source.policy.describe() != self.policy.describe():
+        same_policy = source.policy is self.policy or source.policy.describe() == self.policy.describe()
+        if source.seen is None or source.seen.shape[0] != 1 or not same_policy:
             raise ValueError("add_row() takes a fed cache of one sequence built with the same policy")
         rows = 0 if self.seen is None else self.seen.shape[0]
         for layer, row in zip(self.layers, source.layers):
@@ -368,7 +369,7 @@ class EvictionCache(Cache):
 
     def _row_storage(self, layer: EvictionLayer, row: EvictionLayer, rows: int, slots: int) -> dict:
         """Buffers for ``row_capacity`` rows (more if full) of at least ``slots`` slots, holding the current rows."""
-        capacity = max(getattr(self, "row_capacity", 1), 2 * rows, rows + 1)
+        capacity = max(self.row_capacity, 2 * rows, rows + 1)
         if layer.is_initialized:
             slots = max(slots, layer.keys.shape[2])
         storage = {}

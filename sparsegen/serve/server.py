@@ -303,8 +303,11 @@ def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
         ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if parsed.stream:
-            return StreamingResponse(stream(request, pending, kind, ident, created), media_type="text/event-stream",
-                                     headers={"X-Session-Id": session_id or ""})
+            first = await next_event(request, pending)  # errors found on admission keep their HTTP status
+            if first[0] == "error":
+                raise first[1]
+            return StreamingResponse(stream(request, pending, kind, ident, created, first),
+                                     media_type="text/event-stream", headers={"X-Session-Id": session_id or ""})
         job = await wait(request, pending)
         usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": len(job.tokens),
                  "total_tokens": job.prompt_tokens + len(job.tokens)}
@@ -345,12 +348,11 @@ def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
                     "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
         return f"data: {json.dumps(body)}\n\n"
 
-    async def stream(request: Request, pending: Pending, kind: str, ident: str, created: int):
+    async def stream(request: Request, pending: Pending, kind: str, ident: str, created: int, event: tuple):
         try:
             if kind == "chat":
                 yield chunk(kind, ident, created, None, None, role=True)
             while True:
-                event = await next_event(request, pending)
                 if event[0] == "text":
                     yield chunk(kind, ident, created, event[1], None)
                 elif event[0] == "done":
@@ -360,6 +362,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
                 else:
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     return
+                event = await next_event(request, pending)
         finally:
             if pending.job is None or not pending.job.done:
                 pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
