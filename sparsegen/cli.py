@@ -602,7 +602,8 @@ def cmd_prompt_tune(args: argparse.Namespace) -> None:
     from sparsegen.models import load
     from sparsegen.prompt import TuneConfig, tune_prompt
 
-    config = TuneConfig(tokens=args.tokens, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+    config = TuneConfig(tokens=args.tokens, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                        init=args.init)
     out = Path(args.out)
     if out.exists() and not args.force:
         raise ValueError(f"--out {out} exists; pick a new file or pass --force to overwrite")
@@ -892,6 +893,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher", default=None,
                    help="the dense model: learn to match its next-token distributions (KL) instead of the text")
     p.add_argument("--tokens", type=int, default=32, help="soft-prompt length, tokens (default 32)")
+    p.add_argument("--init", default="vocab", choices=["vocab", "text"],
+                   help="start from random vocabulary embeddings (default) or from a passage of the training text")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate, cosine-decayed (default 3e-3)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per step (default 8)")

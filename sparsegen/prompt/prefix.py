@@ -49,6 +49,12 @@ class PromptPrefix(nn.Module):
         return cls(vectors, {"kind": "text", "text": text, "tokens": len(ids)})
 
     @classmethod
+    def from_ids(cls, model: nn.Module, ids: torch.Tensor, info: dict) -> PromptPrefix:
+        """A prompt to train, started at the embeddings of ``ids`` (e.g. a passage of real text)."""
+        weight = model.get_input_embeddings().weight
+        return cls(weight.detach()[ids.to(weight.device)].clone().float(), info)
+
+    @classmethod
     def from_vocabulary(cls, model: nn.Module, tokens: int, seed: int = 0) -> PromptPrefix:
         """A soft prompt to train, started at the embeddings of ``tokens`` random vocabulary entries (Lester et al.)."""
         if tokens < 1:

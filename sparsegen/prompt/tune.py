@@ -26,8 +26,11 @@ class TuneConfig:
     batch_size: int = 8
     seed: int = 0
     eval_windows: int = 16  # calibration windows held out to report the loss before and after
+    init: str = "vocab"  # start from random vocabulary embeddings, or from a passage of the training text ("text")
 
     def __post_init__(self):
+        if self.init not in ("vocab", "text"):
+            raise ValueError(f"init must be 'vocab' or 'text', got {self.init!r}")
         if self.tokens < 1 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("tokens, steps and batch size must be at least 1")
         if not self.lr > 0:
@@ -61,7 +64,11 @@ def tune_prompt(model: torch.nn.Module, ids: torch.Tensor, config: TuneConfig, t
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for param, _ in frozen:
         param.requires_grad_(False)
-    prefix = PromptPrefix.from_vocabulary(model, config.tokens, config.seed).to(device)
+    if config.init == "text":  # a passage the model reads naturally: the prompt starts out nearly harmless
+        passage = train[int(torch.randint(len(train), (1,), generator=torch.Generator().manual_seed(config.seed)))]
+        prefix = PromptPrefix.from_ids(model, passage[-config.tokens:], {"kind": "soft"}).to(device)
+    else:
+        prefix = PromptPrefix.from_vocabulary(model, config.tokens, config.seed).to(device)
     t0 = time.perf_counter()
     before = _mean_loss(model, held_out, teacher, config.batch_size)  # the model without a prompt
     attach(model, prefix)

@@ -71,3 +71,14 @@ def test_cli_prompt_tune_then_run_commands_with_the_prompt(tiny_checkpoint, corp
     assert main(["generate", "--model", str(tiny_checkpoint), "--soft-prompt", str(out), "--prompt", "It was",
                  "--policy", "window", "--budget", "4"]) == 2
     assert "raise the budget above 4" in capsys.readouterr().err
+
+
+def test_text_init_starts_from_a_passage_of_the_training_text():
+    model = tiny_model("llama")
+    ids = _windows()
+    prefix = tune_prompt(model, ids, TuneConfig(tokens=4, steps=1, lr=1e-9, batch_size=2, eval_windows=2, init="text"),
+                         progress=False)
+    expected = model.get_input_embeddings().weight[ids[0, -4:]]
+    assert torch.allclose(prefix.embeddings, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="init must be"):
+        TuneConfig(init="zeros")
