@@ -58,6 +58,15 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
 
 
+def _calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
+    """Layer-by-layer calibration (prune, quantize): which text, how many windows, how long, how many per forward."""
+    p.add_argument("--calib", default=None, help=f"{who}calibration text file or folder (default ../shared/data/books/train)")
+    p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+
+
 def _conversation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="streaming", help="full, window, streaming, h2o, streaming-h2o (default streaming)")
     _budget_args(p, "KV tokens kept per conversation (default 1024)")
@@ -822,11 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
     amount.add_argument("--sparsity", type=float, help="fraction of each layer's weights removed, e.g. 0.5")
     amount.add_argument("--pattern", help="N:M, keep N of every M consecutive inputs, e.g. 2:4")
     amount.add_argument("--structured", help="remove whole MLP neurons / KV head groups: neurons=0.5[,heads=0.25]")
-    p.add_argument("--calib", default=None, help="calibration text file or folder (default ../shared/data/books/train)")
-    p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
-    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+    _calibration_args(p)
     rows = p.add_mutually_exclusive_group()
     rows.add_argument("--per-row", dest="per_row", action="store_true", default=None,
                       help="compare scores within each output row (Wanda's default)")
@@ -878,11 +883,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (default 4)")
     p.add_argument("--group-size", type=int, default=128, help="input columns per scale; 0 = one per row (default 128)")
     p.add_argument("--method", default="gptq", help="gptq (calibrated, default) or rtn (round to nearest)")
-    p.add_argument("--calib", default=None, help="gptq calibration text (default ../shared/data/books/train)")
-    p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
-    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+    _calibration_args(p, "gptq ")
     p.add_argument("--out", required=True, help="folder for the quantized checkpoint (+ quantization.json)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.set_defaults(func=cmd_quantize)

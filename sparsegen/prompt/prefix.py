@@ -59,9 +59,9 @@ class PromptPrefix(nn.Module):
         """A soft prompt to train, started at the embeddings of ``tokens`` random vocabulary entries (Lester et al.)."""
         if tokens < 1:
             raise ValueError(f"a soft prompt needs at least 1 token, got {tokens}")
-        weight = model.get_input_embeddings().weight
-        ids = torch.randint(weight.shape[0], (tokens,), generator=torch.Generator().manual_seed(seed))
-        return cls(weight.detach()[ids.to(weight.device)].clone().float(), {"kind": "soft"})
+        vocabulary = model.get_input_embeddings().weight.shape[0]
+        ids = torch.randint(vocabulary, (tokens,), generator=torch.Generator().manual_seed(seed))
+        return cls.from_ids(model, ids, {"kind": "soft"})
 
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file

@@ -5,12 +5,11 @@ turn feeds only the text added since the last one (the new user message and the 
 history. A ``Job`` is one reply being produced. ``Engine.begin`` feeds a job's new text and samples its first
 token; ``Engine.step`` runs one decode step for any number of jobs at once — their caches are stacked into one
 batched cache (rows may hold different tokens at different positions) for as long as the same jobs decode
-together, and written back to their sessions when one finishes or joins. One thread drives an engine.
+together; a row goes back to its session when its reply finishes or leaves. One thread drives an engine.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,8 +56,6 @@ class Job:
     content: str = ""  # the reply as returned: stop strings and what follows them removed
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     cancelled: bool = False
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
 
     @property
     def done(self) -> bool:
@@ -195,11 +192,6 @@ class Engine:
             self._finish(job, "cancelled")
             self._unstack(job)
 
-    def flush(self) -> None:
-        """Write every stacked row back to its session."""
-        for job in list(self._rows):
-            self._unstack(job)
-
     def discard_batch(self) -> None:
         """Forget the stacked rows without writing them back (after a failed step; reset their sessions)."""
         self._batch, self._rows, self._steps = None, [], []
@@ -237,7 +229,6 @@ class Engine:
         """Sample the job's next token, update its visible text, and finish it at EOS, a stop string or the limit."""
         sampling = job.sampling
         token = int(_next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0])
-        job.first_token_at = job.first_token_at or time.perf_counter()
         job.tokens.append(token)
         eos = token == self.tokenizer.eos_token_id
         text = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)
