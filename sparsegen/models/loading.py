@@ -1,4 +1,5 @@
-"""Load any Hugging Face causal LM (hub id or local folder) or a bundled reference model, with clear errors."""
+"""Load any Hugging Face causal LM (hub id, local folder or GGUF file), a packaged real model or a bundled reference
+model, with clear errors."""
 
 from __future__ import annotations
 
@@ -25,8 +26,14 @@ class ModelLoadError(RuntimeError):
 
 
 def resolve(name_or_path: str | Path) -> str:
-    """Turn a bundled name into its folder; anything else is returned as given (a path or a hub id)."""
+    """Turn a bundled name into its folder, and a packaged model name (``smollm2``, ``gemma3-270m``) or a
+    ``.gguf`` file into its converted checkpoint (converting on first use); anything else is returned as given
+    (a path or a hub id)."""
+    from sparsegen.models.gguf import PACKAGED, checkpoint_folder, is_gguf
+
     name = str(name_or_path)
+    if name in PACKAGED or is_gguf(name):
+        return str(checkpoint_folder(name))
     if name in BUNDLED:
         folder = CHECKPOINTS / name
         if not (folder / "config.json").exists():
@@ -112,7 +119,8 @@ def load(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> tuple[torch.nn.Module, object]:
-    """Return ``(model, tokenizer)`` for a hub id, a local checkpoint folder, or ``reference``.
+    """Return ``(model, tokenizer)`` for a hub id, a local checkpoint folder, a ``.gguf`` file, a packaged model
+    (``smollm2``, ``gemma3-270m``) or a bundled one (``reference``).
 
     The model is in eval mode on ``device``. ``dtype`` defaults to float32 on CPU and the checkpoint's
     dtype on accelerators.
@@ -123,8 +131,8 @@ def load(
         raise ModelLoadError(f"{name_or_path!r} has random weights and no tokenizer: it is for `sparsegen bench` and "
                              f"`sparsegen info` only; pass a real checkpoint to run text through a model")
     device = check_device(device)
-    config = load_config(name_or_path)
     source = resolve(name_or_path)
+    config = load_config(source)
     local = Path(source).exists() or _is_cached(source)
     kwargs = {"local_files_only": True} if local and not Path(source).exists() else {}
     try:
