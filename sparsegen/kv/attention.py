@@ -11,6 +11,7 @@ decoder tells the cache what each call brings (padding, positions) before any la
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
 
 import torch
@@ -19,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "phi3", "opt")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "phi3", "opt")
 BACKENDS = ("sdpa", "eager")
 _ACTIVE = threading.local()
 
@@ -31,34 +32,50 @@ def active_cache():
 class Rotary:
     """The model's own rotary embedding, used to move keys and queries between positions exactly as it would."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, layer_type: str | None = None):
         self.module = module
-        self.scale = float(getattr(module, "attention_scaling", 1.0))
+        self.layer_type = layer_type  # models with one rotary module for several layer types (Gemma 3) take it
+        scale = getattr(module, f"{layer_type}_attention_scaling", None) if layer_type else None
+        self.scale = float(scale if scale is not None else getattr(module, "attention_scaling", 1.0))
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> Rotary:
+    def of(cls, model: torch.nn.Module, layer_idx: int = 0) -> Rotary:
+        """The rotary embedding layer ``layer_idx`` uses (sliding and global layers may rotate differently)."""
         module = getattr(model.get_decoder(), "rotary_emb", None)
         if module is None:
             raise ValueError(
                 f"rolling positions need rotary position embeddings (RoPE), but {model.config.model_type} uses learned "
                 f"absolute positions; use positions='original' (--positions original)"
             )
-        rope_type = str(getattr(module, "rope_type", "default"))
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+        layer_type = layer_types[layer_idx] if layer_types else None
+        local = getattr(model.get_decoder(), "rotary_emb_local", None)  # Gemma 3 before transformers 5.x merged them
+        if local is not None and layer_type == "sliding_attention":
+            module = local
+        if "layer_type" not in inspect.signature(module.forward).parameters:
+            layer_type = None
+        rope_type = getattr(module, "rope_type", "default")
+        rope_type = str(rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type)
         if "dynamic" in rope_type or "longrope" in rope_type:
             raise ValueError(f"rolling positions do not support the length-dependent RoPE type {rope_type!r}; "
                              f"use positions='original'")
-        return cls(module)
+        return cls(module, layer_type)
+
+    def _angles(self, x: torch.Tensor, positions: torch.Tensor):
+        if self.layer_type is None:
+            return self.module(x, positions)
+        return self.module(x, positions, self.layer_type)
 
     def cos_sin(self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None):
         """``cos, sin`` of shape ``positions.shape + (dim,)``. With ``bound`` (all positions are below it) they come
         from a table computed once, the same numbers the module gives position by position."""
         if bound is None:
-            cos, sin = self.module(x, positions.reshape(-1, positions.shape[-1]))
+            cos, sin = self._angles(x, positions.reshape(-1, positions.shape[-1]))
             return cos.reshape(*positions.shape, -1), sin.reshape(*positions.shape, -1)
         table = self._table
         if table is None or table[0].shape[0] < bound or table[0].device != x.device or table[0].dtype != x.dtype:
-            cos, sin = self.module(x, torch.arange(bound, device=x.device)[None])
+            cos, sin = self._angles(x, torch.arange(bound, device=x.device)[None])
             table = self._table = (cos[0], sin[0])
         return F.embedding(positions, table[0]), F.embedding(positions, table[1])
 
@@ -91,9 +108,9 @@ class Rotary:
         shared by the layers of one step, so the angles are computed once)."""
         if memo is None:
             return self.rotate(x, positions[:, None, :], inverse=True)
-        angles = memo.get("model positions")
+        angles = memo.get(("model positions", self.layer_type))
         if angles is None:
-            angles = memo["model positions"] = self.cos_sin(x, positions[:, None, :])
+            angles = memo[("model positions", self.layer_type)] = self.cos_sin(x, positions[:, None, :])
         return self.rotate(x, None, inverse=True, angles=angles)
 
 
@@ -139,7 +156,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
     key_index = layer.index[:, :, None, :total]  # [B, Hkv, 1, T]
     query_index = step.new_index[:, None, :, None]  # [B, 1, q, 1]
-    view = cache.query_view()
+    view = layer.query_view()
     # a decode step of rows never padded: every held slot is real and visible (an order policy kept its window)
     unmasked = q == 1 and not cache.padded
     if unmasked:
@@ -163,7 +180,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     if relative:
         # each query's own rolling positions: recent keys at their distance in the stream, sinks at slots
         # 0..sinks-1 and the query at (tokens it sees - 1); positions measured from a base near the chunk
-        rotary = cache.rotary
+        rotary = layer.rotary
         raw_query = rotary.unrotate(query, step.positions)
         base = step.new_index.min(-1).values - recent - 1
         near = _scores(rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :]),
@@ -171,7 +188,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         far = _scores(rotary.rotate(raw_query, query_slot), rotary.rotate(key, layer.index[:, :, :total]), scaling)
         scores = torch.where(sink_column[:, :, None], far, near)
     elif cache.rolling:
-        rotary, bound = cache.rotary, layer.keys.shape[2]
+        rotary, bound = layer.rotary, layer.keys.shape[2]
 
         def rank_angles():
             held_before = valid[:, 0, :start].sum(-1)
@@ -182,19 +199,21 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
                 ranks = slot_ranks(layer.index[:, :, :total], valid)
             return rotary.cos_sin(key, ranks, bound), rotary.cos_sin(query, query_slots[:, None, :], bound)
 
-        # an order policy lays out every layer's slots alike: one computation per step serves all layers
-        angles = step.memo.get(("ranks", total)) if view is not None else None
+        # an order policy lays out every layer's slots alike: one computation per step serves all layers that
+        # share the policy and the rotary embedding
+        memo_key = ("ranks", total, view, id(rotary))
+        angles = step.memo.get(memo_key) if view is not None else None
         if angles is None:
             angles = rank_angles()
             if view is not None:
-                step.memo[("ranks", total)] = angles
+                step.memo[memo_key] = angles
         key_angles, query_angles = angles
         key = rotary.rotate(key, None, angles=key_angles, out=cache.workspace(key.shape, key))
         query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
 
     # one query per sequence on a CPU in fp32: grouped matmuls beat SDPA (2-2.5x at 2K-32K keys, measured)
     cpu_decode = q == 1 and query.device.type == "cpu" and query.dtype == torch.float32
-    if scores is not None or cache.policy.needs_attention or sliding_window is not None or cpu_decode:
+    if scores is not None or layer.policy.needs_attention or sliding_window is not None or cpu_decode:
         if scores is None:
             scores = _scores(query, key, scaling)
         probs = torch.softmax(scores if mask is None else scores.masked_fill(~mask[:, :, None], -torch.inf), dim=-1)

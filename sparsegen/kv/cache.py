@@ -35,13 +35,18 @@ class Step:
 
 
 class EvictionLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
+    """One layer's held tokens. A sliding-window layer of a model that mixes them with global layers (Gemma 3,
+    Qwen2/3 with ``layer_types``) keeps exactly its window, as the model's own cache does, whatever the cache's
+    policy: ``policy`` is then a window of ``sliding_window - 1`` tokens and no prompt prefix is pinned."""
 
-    def __init__(self, cache: EvictionCache, layer_idx: int):
+    is_compileable = False
+
+    def __init__(self, cache: EvictionCache, layer_idx: int, policy: Policy, pinned: int, rotary=None,
+                 is_sliding: bool = False):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
+        self.policy, self.pinned, self.rotary, self.is_sliding = policy, pinned, rotary, is_sliding
         self.used = 0  # slots in use (the largest held count of any sequence, plus the pending chunk)
         self.pending = 0  # tokens appended by update() and not yet attended
         self.peak_tokens = 0
@@ -50,14 +55,14 @@ class EvictionLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        capacity = self.cache.capacity(key_states.shape[-2])
+        capacity = self.capacity(key_states.shape[-2])
         self.keys = key_states.new_zeros(batch, heads, capacity, head_dim)
         self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
         self.index = torch.zeros(batch, heads, capacity, dtype=torch.long, device=self.device)
         self.valid = torch.zeros(batch, heads, capacity, dtype=torch.bool, device=self.device)
         self.attention = (
             torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
-            if self.cache.policy.needs_attention else None
+            if self.policy.needs_attention else None
         )
         self.is_initialized = True
 
@@ -96,7 +101,7 @@ class EvictionLayer(CacheLayerMixin):
         if end > self.keys.shape[2]:
             self._grow(end)
         if self.cache.rolling:
-            key_states = self.cache.rotary.unrotate(key_states, step.positions, step.memo)
+            key_states = self.rotary.unrotate(key_states, step.positions, step.memo)
         self.keys[:, :, start:end] = key_states
         self.values[:, :, start:end] = value_states
         self.index[:, :, start:end] = step.new_index[:, None, :]
@@ -106,6 +111,19 @@ class EvictionLayer(CacheLayerMixin):
         self.used, self.pending = end, q
         self.peak_tokens = max(self.peak_tokens, end)
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def query_view(self) -> tuple[int, int] | None:
+        """The policy's ``(sinks, recent)`` with the pinned prefix counted among the sinks."""
+        view = self.policy.query_view()
+        if view is None or not self.pinned or view[0] >= self.pinned:
+            return view
+        return self.pinned, self.policy.budget - self.pinned
+
+    def capacity(self, first_chunk: int) -> int:
+        budget = self.policy.budget
+        if budget is not None:
+            return budget + max(self.cache.chunk_size, first_chunk)
+        return max(first_chunk, self.cache.expected_length, 64)
 
     def view(self, seen: torch.Tensor) -> TokenView:
         t = self.used
@@ -121,7 +139,7 @@ class EvictionLayer(CacheLayerMixin):
         reductions; a longer step sorts by (priority, index).
         """
         self.pending = 0
-        budget = self.cache.policy.budget
+        budget = self.policy.budget
         if budget is None:
             return
         t = self.used
@@ -129,17 +147,17 @@ class EvictionLayer(CacheLayerMixin):
         held = valid.sum(-1)  # [batch, heads]
         keep_count = held.clamp(max=budget)
         view = self.view(seen)
-        pinned = (view.index < self.cache.pinned) & valid if self.cache.pinned else None  # a prompt prefix: never evicted
+        pinned = (view.index < self.pinned) & valid if self.pinned else None  # a prompt prefix: never evicted
         if self.cache.step.new_valid.shape[1] == 1:  # at most one real token over the budget per row
             evictable = valid if pinned is None else valid & ~pinned
-            priority = self.cache.policy.priority(view).masked_fill(~evictable, torch.inf)
+            priority = self.policy.priority(view).masked_fill(~evictable, torch.inf)
             lowest = priority.min(-1, keepdim=True).values
             candidates = (priority == lowest) & evictable
             oldest_lowest = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1)
             slot = oldest_lowest[..., None]
             kept = valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & (held <= budget)[..., None])
         else:
-            priority = self.cache.policy.priority(view).masked_fill(~valid, -torch.inf)
+            priority = self.policy.priority(view).masked_fill(~valid, -torch.inf)
             # ascending (priority, index): the first t - keep_count slots of each row are dropped
             by_index = torch.argsort(view.index, dim=-1, stable=True)
             order = by_index.gather(-1, torch.argsort(priority.gather(-1, by_index), dim=-1, stable=True))
@@ -215,7 +233,6 @@ class EvictionCache(Cache):
         if positions not in ("original", "rolling"):
             raise ValueError(f"positions must be 'original' or 'rolling', got {positions!r}")
         self.rolling = positions == "rolling"
-        self.rotary = Rotary.of(model) if self.rolling else None
         if chunk_size < 1:
             raise ValueError("chunk_size must be at least 1")
         self.policy, self.positions, self.chunk_size = policy, positions, chunk_size
@@ -226,8 +243,7 @@ class EvictionCache(Cache):
             raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
                              f"prefix (never evicted) and any text; raise the budget above {self.pinned}")
         self.expected_length = expected_length or 0
-        config = model.config.get_text_config()
-        super().__init__(layers=[EvictionLayer(self, i) for i in range(config.num_hidden_layers)])
+        super().__init__(layers=self._layers(model))
         self.step: Step | None = None
         self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
         self.seen: torch.Tensor | None = None  # real tokens per sequence
@@ -235,18 +251,27 @@ class EvictionCache(Cache):
         self.row_capacity = 1  # rows a stacked cache keeps storage for
         self._workspace: torch.Tensor | None = None
 
-    def query_view(self) -> tuple[int, int] | None:
-        """The policy's ``(sinks, recent)`` with the pinned prefix counted among the sinks."""
-        view = self.policy.query_view()
-        if view is None or not self.pinned or view[0] >= self.pinned:
-            return view
-        return self.pinned, self.policy.budget - self.pinned
+    def _layers(self, model: torch.nn.Module) -> list[EvictionLayer]:
+        """One layer each; sliding-window layers of a model that mixes them with global ones keep their window
+        (and rotate with their own RoPE, which may differ from the global layers')."""
+        from sparsegen.kv.attention import Rotary
+        from sparsegen.kv.policies import Window
 
-    def capacity(self, first_chunk: int) -> int:
-        budget = self.policy.budget
-        if budget is not None:
-            return budget + max(self.chunk_size, first_chunk)
-        return max(first_chunk, self.expected_length, 64)
+        config = model.config.get_text_config()
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        mixed = "sliding_attention" in layer_types and getattr(config, "sliding_window", None)
+        rotaries: dict[str, Rotary] = {}
+        layers = []
+        for i, layer_type in enumerate(layer_types):
+            if self.rolling and layer_type not in rotaries:
+                rotaries[layer_type] = Rotary.of(model, i)
+            rotary = rotaries.get(layer_type)
+            if mixed and layer_type == "sliding_attention":
+                window = Window(config.sliding_window - 1)
+                layers.append(EvictionLayer(self, i, window, pinned=0, rotary=rotary, is_sliding=True))
+            else:
+                layers.append(EvictionLayer(self, i, self.policy, self.pinned, rotary))
+        return layers
 
     def workspace(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """A scratch tensor of ``shape``, reused by every layer and step: large temporaries allocated anew each
@@ -304,19 +329,20 @@ class EvictionCache(Cache):
         needs attention), so a decode step costs what it would after a real prefill. For benchmarks."""
         if self.seen is not None:
             raise RuntimeError("fill_random needs an empty cache")
-        budget = self.policy.budget
-        held = context if budget is None else min(budget, context)
         shape = (batch, kv_heads, context)
-        attention = torch.rand(shape, device=device, generator=generator) if self.policy.needs_attention else None
         index = torch.arange(context, device=device).expand(shape)
         seen = torch.full((batch,), context, device=device)
-        if held < context:
-            view = TokenView(index=index, valid=torch.ones(shape, dtype=torch.bool, device=device), seen=seen,
-                             attention=attention)
-            keep = self.policy.priority(view).masked_fill(index < self.pinned, torch.inf).topk(held, dim=-1).indices
-        else:
-            keep = index
         for layer in self.layers:
+            budget = layer.policy.budget
+            held = context if budget is None else min(budget, context)
+            attention = torch.rand(shape, device=device, generator=generator) if layer.policy.needs_attention else None
+            if held < context:
+                view = TokenView(index=index, valid=torch.ones(shape, dtype=torch.bool, device=device), seen=seen,
+                                 attention=attention)
+                priority = layer.policy.priority(view).masked_fill(index < layer.pinned, torch.inf)
+                keep = priority.topk(held, dim=-1).indices
+            else:
+                keep = index
             sample = torch.empty(batch, kv_heads, held, head_dim, dtype=dtype, device=device)
             layer.lazy_initialization(sample, sample)
             layer.keys[:, :, :held].normal_(generator=generator)
@@ -351,7 +377,7 @@ class EvictionCache(Cache):
             raise ValueError("add_row() takes a fed cache of one sequence built with the same policy")
         rows = 0 if self.seen is None else self.seen.shape[0]
         for layer, row in zip(self.layers, source.layers):
-            slots = max(row.used, self.capacity(1) if self.policy.budget is not None else row.used + 64)
+            slots = max(row.used, layer.capacity(1) if layer.policy.budget is not None else row.used + 64)
             storage = layer.storage
             if storage is None or rows == storage["keys"].shape[0] or row.used > storage["keys"].shape[2] \
                     or storage["keys"].data_ptr() != layer.keys.data_ptr():  # full, or replaced by _grow

@@ -1,7 +1,7 @@
 """Tiny random models of every family the eviction engine supports."""
 
 import torch
-from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -19,6 +19,10 @@ FAMILIES = {
     "mistral": (MistralForCausalLM, lambda: MistralConfig(**_gqa(sliding_window=None))),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_gqa())),
     "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**_gqa(head_dim=16))),
+    # two sliding-window layers (window 6, their own RoPE base) and one global layer, QK-norm
+    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(**_gqa(
+        head_dim=16, num_hidden_layers=3, sliding_window=6, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"]))),
     "gpt_neox": (GPTNeoXForCausalLM, lambda: GPTNeoXConfig(**{**COMMON, "intermediate_size": 48,
                                                               "rotary_pct": 0.25})),
     "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**_gqa())),

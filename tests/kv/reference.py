@@ -50,6 +50,7 @@ def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> tor
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     state = _STATE["current"]
     layer = module.layer_idx
+    policy, inv_freq = state["policy"][layer], state["inv_freq"][layer]
     batch, q_heads, q, head_dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
@@ -63,21 +64,21 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
             for i in range(q):
                 t = start + i
                 visible = sorted(kept | set(range(start, t + 1)))
-                if state["policy"]["policy"] in ("window", "streaming"):  # each token sees its own window
-                    sinks = state["policy"].get("sinks", 0)
-                    recent = state["policy"]["budget"] - sinks
+                if policy["policy"] in ("window", "streaming"):  # each token sees its own window
+                    sinks = policy.get("sinks", 0)
+                    recent = policy["budget"] - sinks
                     visible = [j for j in range(t + 1) if j >= t - recent or j < sinks]
                 k = key[b, h, visible]
                 qh = query[b, h * group:(h + 1) * group, i]
                 if state["rolling"]:
                     rank = torch.arange(len(visible))
-                    k = _rotate(k, rank - torch.tensor(visible), state["inv_freq"])
-                    qh = _rotate(qh[:, None], torch.tensor([len(visible) - 1 - t]), state["inv_freq"])[:, 0]
+                    k = _rotate(k, rank - torch.tensor(visible), inv_freq)
+                    qh = _rotate(qh[:, None], torch.tensor([len(visible) - 1 - t]), inv_freq)[:, 0]
                 probs = torch.softmax((qh.float() @ k.float().T) * scaling, dim=-1)
                 for tok, p in zip(visible, probs.sum(0).tolist()):
                     scores[tok] = scores.get(tok, 0.0) + p
                 out[b, h * group:(h + 1) * group, i] = (probs.to(value.dtype) @ value[b, h, visible])
-            state["kept"][layer][b][h] = keep_rule(state["policy"], sorted(kept | set(range(start, total))), scores,
+            state["kept"][layer][b][h] = keep_rule(policy, sorted(kept | set(range(start, total))), scores,
                                                    seen=total)
     return out.transpose(1, 2).contiguous(), None
 
@@ -94,13 +95,20 @@ class ReferenceRun:
         config = model.config.get_text_config()
         layers, kv_heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         rotary = getattr(model.get_decoder(), "rotary_emb", None)
+        # a sliding-window layer of a model that mixes them with global ones keeps its window (sliding_window - 1
+        # tokens before the query) whatever the policy, and has its own RoPE frequencies
+        types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+        window = {"policy": "window", "budget": (getattr(config, "sliding_window", None) or 0) - 1}
+        mixed = "sliding_attention" in types and "full_attention" in types
         self.state = {
-            "policy": policy, "rolling": rolling,
-            "inv_freq": rotary.inv_freq if rotary is not None else None,
+            "policy": [window if mixed and kind == "sliding_attention" else policy for kind in types],
+            "rolling": rolling,
+            "inv_freq": [None if rotary is None else getattr(rotary, f"{kind}_inv_freq", None)
+                         if hasattr(rotary, f"{kind}_inv_freq") else rotary.inv_freq for kind in types],
             "kept": [[[set() for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "scores": [[[{} for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
         }
-        self.cache = DynamicCache(config=model.config)
+        self.cache = DynamicCache()  # every layer holds everything: eviction is simulated by the kept sets
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
