@@ -43,16 +43,14 @@ class PromptPrefix(nn.Module):
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         if len(ids) == 0:
             raise ValueError("the hard prompt text is empty")
-        embed = model.get_input_embeddings()
-        with torch.no_grad():
-            vectors = embed(ids.to(embed.weight.device)).detach().clone()
-        return cls(vectors, {"kind": "text", "text": text, "tokens": len(ids)})
+        return cls.from_ids(model, ids, {"kind": "text", "text": text, "tokens": len(ids)})
 
     @classmethod
     def from_ids(cls, model: nn.Module, ids: torch.Tensor, info: dict) -> PromptPrefix:
-        """A prompt to train, started at the embeddings of ``ids`` (e.g. a passage of real text)."""
-        weight = model.get_input_embeddings().weight
-        return cls(weight.detach()[ids.to(weight.device)].clone().float(), info)
+        """The embeddings the model gives ``ids`` (its embedding layer's own forward: Gemma scales its table)."""
+        embed = model.get_input_embeddings()
+        with torch.no_grad():
+            return cls(embed(ids.to(embed.weight.device)).detach().clone().float(), info)
 
     @classmethod
     def from_vocabulary(cls, model: nn.Module, tokens: int, seed: int = 0) -> PromptPrefix:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -101,27 +102,41 @@ class _Stop(Exception):
     pass
 
 
-def _first_layer_inputs(model, ids: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
-    """``(hidden states, keyword arguments)`` the first decoder layer receives, per mini-batch."""
-    captured = []
+def _first_layer_inputs(model, ids: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, list[dict]]]:
+    """Per mini-batch: the hidden states the first decoder layer receives and the keyword arguments (masks, RoPE)
+    each layer receives. Layers of different kinds (Gemma 3's sliding-window and global layers) get different
+    ones, so the forward runs until the first layer of every kind has shown its own."""
+    layers = decoder_layers(model)
+    types = getattr(model.config.get_text_config(), "layer_types", None)
+    kinds = list(types) if types and len(types) == len(layers) else [None] * len(layers)
+    first = {kind: kinds.index(kind) for kind in kinds}
+    last = max(first.values())
+    captured, seen = [], {}
 
-    def grab(module, args, kwargs):
+    def grab(index, module, args, kwargs):
         kwargs = dict(kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured.append((hidden, kwargs))
-        raise _Stop
+        kwargs.pop("hidden_states", None)
+        if index == 0:
+            captured.append(hidden)
+        seen[kinds[index]] = kwargs
+        if index == last:
+            raise _Stop
 
     device = next(model.parameters()).device
-    handle = decoder_layers(model)[0].register_forward_pre_hook(grab, with_kwargs=True)
+    handles = [layers[i].register_forward_pre_hook(partial(grab, i), with_kwargs=True) for i in first.values()]
+    inputs = []
     try:
         for start in range(0, len(ids), batch_size):
             try:
                 model(input_ids=ids[start:start + batch_size].to(device), use_cache=False)
             except _Stop:
                 pass
+            inputs.append((captured[-1], [seen[kind] for kind in kinds]))
     finally:
-        handle.remove()
-    return captured
+        for handle in handles:
+            handle.remove()
+    return inputs
 
 
 def _run_layer(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -172,12 +187,12 @@ def calibrated_layers(model: torch.nn.Module, ids: torch.Tensor | None, statisti
             stats = {name: _Statistics(linear, statistic) for name, linear in linears.items()}
             handles = [linear.register_forward_hook(stats[name]) for name, linear in linears.items()]
             for hidden, kwargs in inputs:
-                _run_layer(layer, hidden, kwargs)
+                _run_layer(layer, hidden, kwargs[index])
             for handle in handles:
                 handle.remove()
         yield index, layer, linears, stats
         if statistic:
-            inputs = [(_run_layer(layer, hidden, kwargs), kwargs) for hidden, kwargs in inputs]
+            inputs = [(_run_layer(layer, hidden, kwargs[index]), kwargs) for hidden, kwargs in inputs]
 
 
 def _prune_linear(linear: torch.nn.Linear, config: PruneConfig, stats: _Statistics | None) -> None:
@@ -252,7 +267,7 @@ def _prune_structured(model: torch.nn.Module, config: PruneConfig, ids: torch.Te
         if needs_data:
             handles = [linear.register_forward_hook(stats[name]) for name, linear in watched.items()]
             for hidden, kwargs in inputs:
-                _run_layer(layer, hidden, kwargs)
+                _run_layer(layer, hidden, kwargs[index])
             for handle in handles:
                 handle.remove()
         else:  # magnitude: every input counts the same
@@ -271,7 +286,7 @@ def _prune_structured(model: torch.nn.Module, config: PruneConfig, ids: torch.Te
             entry["kv_groups"] = len(keep)
         report_layers.append(entry)
         if needs_data:
-            inputs = [(_run_layer(layer, hidden, kwargs), kwargs) for hidden, kwargs in inputs]
+            inputs = [(_run_layer(layer, hidden, kwargs[index]), kwargs) for hidden, kwargs in inputs]
     structured.record(model.config, layers)
     after = sum(p.numel() for p in model.parameters())
     return {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # (names of the layers whose output rows are neurons, the layer whose input columns are neurons)
 MLP_LAYOUTS = {
     "gpt_neox": (("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h"),

@@ -31,14 +31,15 @@ def test_every_family_prunes_every_linear_to_the_requested_sparsity(family, meth
     assert torch.isfinite(model(_ids(2)).logits).all()
 
 
-def test_layer_by_layer_forward_reproduces_the_model():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding and global layers get their own masks/RoPE
+def test_layer_by_layer_forward_reproduces_the_model(family):
+    model = tiny_model(family)
     ids = _ids(4)
     hidden = model(ids, output_hidden_states=True).hidden_states
     [(x, kwargs)] = _first_layer_inputs(model, ids, batch_size=4)
     assert torch.equal(x, hidden[0])
     for index, layer in enumerate(decoder_layers(model)[:-1]):  # the last output is normed by the model
-        x = _run_layer(layer, x, kwargs)
+        x = _run_layer(layer, x, kwargs[index])
         torch.testing.assert_close(x, hidden[index + 1], rtol=0, atol=1e-6)
 
 
