@@ -52,7 +52,7 @@ class Rotary:
             )
         layer_types = getattr(model.config.get_text_config(), "layer_types", None)
         layer_type = layer_types[layer_idx] if layer_types else None
-        local = getattr(model.get_decoder(), "rotary_emb_local", None)  # Gemma 3 before transformers 5.x merged them
+        local = getattr(model.get_decoder(), "rotary_emb_local", None)  # older Gemma 3 code: a module for local layers
         if local is not None and layer_type == "sliding_attention":
             module = local
         if "layer_type" not in inspect.signature(module.forward).parameters:
