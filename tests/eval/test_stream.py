@@ -58,12 +58,11 @@ def test_stream_policy_matches_token_by_token_generation_cache(model_and_tokeniz
 def test_chunked_streaming_equals_one_token_at_a_time(model_and_tokenizer):
     model, _ = model_and_tokenizer
     data = torch.randint(2, 200, (3, 90), generator=torch.Generator().manual_seed(2))
-    policy = lambda: make_policy("streaming", 10, sinks=2)  # noqa: E731
-    chunked = stream_nll(model, data, policy(), chunk=32, progress=False)
-    single = stream_nll(model, data, policy(), chunk=1, progress=False)
-    assert (chunked.nll - single.nll).abs().max() <= 1e-5
-    h2o = stream_nll(model, data, make_policy("h2o", 10), chunk=32, progress=False)
-    assert h2o.cache["kv_tokens_peak"] == 11  # H2O always goes one token at a time
+    for name, options in [("streaming", {"sinks": 2}), ("h2o", {}), ("streaming-h2o", {"sinks": 1})]:
+        chunked = stream_nll(model, data, make_policy(name, 10, **options), chunk=32, progress=False)
+        single = stream_nll(model, data, make_policy(name, 10, **options), chunk=1, progress=False)
+        assert (chunked.nll - single.nll).abs().max() <= 1e-5, name
+        assert chunked.cache["kv_tokens_peak"] == 10 + 32 and single.cache["kv_tokens_peak"] == 11
 
 
 def test_recompute_reencodes_the_last_window(model_and_tokenizer):
