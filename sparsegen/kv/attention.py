@@ -244,7 +244,7 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     batch, q_heads, q, _ = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     group, start = q_heads // kv_heads, total - q
-    policy, budget = layer.policy, layer.policy.budget
+    budget = layer.policy.budget
     if cache.rolling:  # rank order = slot order from here on: ranks are a running count
         order = torch.argsort(layer.index[:, :, :start].masked_fill(~layer.valid[:, :, :start], torch.iinfo(
             torch.long).max), dim=-1, stable=True)
@@ -252,15 +252,14 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
             take = order if buf.dim() == 3 else order[..., None].expand(-1, -1, -1, buf.shape[-1])
             buf[:, :, :start] = buf[:, :, :start].gather(2, take)
         key = layer.keys[:, :, :total]
-        raw_query = layer.rotary.unrotate(query, step.positions, step.memo)
-        bound = layer.keys.shape[2]
+        rotary, bound = layer.rotary, layer.keys.shape[2]
+        raw_query = rotary.unrotate(query, step.positions, step.memo)
     else:
         logits = _scores(query, key, scaling)  # [B, Hkv, group, q, T]
     index = layer.index[:, :, :total]
     alive = layer.valid[:, :, :total].clone()
     alive[:, :, start:] = False
     attention = layer.attention[:, :, :total]
-    pinned = index < layer.pinned if layer.pinned else None
     probs = query.new_zeros(batch, kv_heads, group, q, total, dtype=torch.float32)
     for i in range(q):
         alive[:, :, start + i] = True
@@ -269,7 +268,6 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
             visible = alive & (index > step.new_index[:, i, None, None] - sliding_window)
         if cache.rolling:
             ranks = visible.long().cumsum(-1) - 1
-            rotary = layer.rotary
             keys = rotary.rotate(key, None, angles=rotary.cos_sin(key, ranks.clamp(min=0), bound))
             here = ranks[:, :1, start + i, None]  # the query's own rank: the newest visible token
             q_i = rotary.rotate(raw_query[:, :, i:i + 1], None, angles=rotary.cos_sin(query, here, bound))
@@ -279,14 +277,8 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         p = torch.softmax(row.masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
         probs[:, :, :, i] = p
         attention += p.sum(2)
-        seen = step.seen - (q - 1 - i)
-        over = alive.sum(-1, keepdim=True) > budget  # [B, Hkv, 1]: at most one token over, as after a decode step
-        evictable = alive if pinned is None else alive & ~pinned
-        view = TokenView(index=index, valid=alive, seen=seen, attention=attention)
-        priority = policy.priority(view).masked_fill(~evictable, torch.inf)
-        lowest = (priority == priority.min(-1, keepdim=True).values) & evictable
-        victim = index.masked_fill(~lowest, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # ties: the older
-        alive.scatter_(-1, victim, alive.gather(-1, victim) & ~over)
+        view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i), attention=attention)
+        alive = layer.drop_lowest(view, alive.sum(-1, keepdim=True) > budget)  # at most one over, as after a decode
     out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
     layer.pending = 0
     layer._compact(alive, alive.sum(-1))

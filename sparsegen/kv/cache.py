@@ -147,16 +147,10 @@ class EvictionLayer(CacheLayerMixin):
         held = valid.sum(-1)  # [batch, heads]
         keep_count = held.clamp(max=budget)
         view = self.view(seen)
-        pinned = (view.index < self.pinned) & valid if self.pinned else None  # a prompt prefix: never evicted
         if self.cache.step.new_valid.shape[1] == 1:  # at most one real token over the budget per row
-            evictable = valid if pinned is None else valid & ~pinned
-            priority = self.policy.priority(view).masked_fill(~evictable, torch.inf)
-            lowest = priority.min(-1, keepdim=True).values
-            candidates = (priority == lowest) & evictable
-            oldest_lowest = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1)
-            slot = oldest_lowest[..., None]
-            kept = valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & (held <= budget)[..., None])
+            kept = self.drop_lowest(view, (held > budget)[..., None])
         else:
+            pinned = (view.index < self.pinned) & valid if self.pinned else None  # a prompt prefix: never evicted
             priority = self.policy.priority(view).masked_fill(~valid, -torch.inf)
             # ascending (priority, index): the first t - keep_count slots of each row are dropped
             by_index = torch.argsort(view.index, dim=-1, stable=True)
@@ -166,6 +160,16 @@ class EvictionLayer(CacheLayerMixin):
             drop_rank = torch.arange(t, device=self.device).expand_as(order) < (t - keep_count)[..., None]
             kept = torch.ones_like(valid).scatter_(-1, order, ~drop_rank)
         self._compact(kept, keep_count)
+
+    def drop_lowest(self, view: TokenView, over: torch.Tensor) -> torch.Tensor:
+        """``view.valid`` less, in each row that is ``over`` the budget (``[batch, heads, 1]``), its lowest-priority
+        token that is not a pinned prefix token (ties: the older): one decode step's eviction."""
+        valid = view.valid
+        evictable = valid & (view.index >= self.pinned) if self.pinned else valid
+        priority = self.policy.priority(view).masked_fill(~evictable, torch.inf)
+        candidates = (priority == priority.min(-1, keepdim=True).values) & evictable
+        slot = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
+        return valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & ~over)
 
     def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor) -> None:
         t = kept.shape[-1]

