@@ -177,20 +177,28 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
             query_slot = (mask.sum(-1) - 1).clamp(min=0)  # [B, 1, q]: the rolling position of each query
         mask = mask | (slot[None, :] == (start + row)[:, None]) & ~step.new_valid[:, None, :, None]  # pads: themselves
     if sliding_window is not None:
-        in_window = query_index - key_index < sliding_window  # [B, Hkv, q, T]
+        # an order policy holds the same tokens in every head: one mask for all, which SDPA takes
+        in_window = query_index - (key_index if view is None else key_index[:, :1]) < sliding_window
         mask = in_window if mask is None else mask & in_window
-    relative = cache.rolling and view is not None and q > 1
-    scores = None
-    if relative:
+    value_dim = value.shape[-1]
+    if cache.rolling and view is not None and q > 1:
         # each query's own rolling positions: recent keys at their distance in the stream, sinks at slots
-        # 0..sinks-1 and the query at (tokens it sees - 1); positions measured from a base near the chunk
+        # 0..sinks-1 and the query at (tokens it sees - 1); positions measured from a base near the chunk.
+        # Both position frames in one product: query = [q_near, q_far], a recent key = [k_near, 0], a sink
+        # key = [0, k_far], so one fused attention call computes every query's logits in its own frame.
         rotary = layer.rotary
-        raw_query = rotary.unrotate(query, step.positions)
+        raw_query = rotary.unrotate(query, step.positions, step.memo)
         base = step.new_index.min(-1).values - recent - 1
-        near = _scores(rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :]),
-                       rotary.rotate(key, layer.index[:, :, :total] - base[:, None, None]), scaling)
-        far = _scores(rotary.rotate(raw_query, query_slot), rotary.rotate(key, layer.index[:, :, :total]), scaling)
-        scores = torch.where(sink_column[:, :, None], far, near)
+        query = rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :])
+        near_key = rotary.rotate(key, layer.index[:, :, :total] - base[:, None, None])
+        if sinks:
+            sink_slot = sink_column[:, :, 0, :, None]  # [B, 1, T, 1]
+            far_key = rotary.rotate(key, layer.index[:, :, :total]).masked_fill_(~sink_slot, 0)
+            query = torch.cat((query, rotary.rotate(raw_query, query_slot)), dim=-1)
+            key = torch.cat((near_key.masked_fill_(sink_slot, 0), far_key), dim=-1)
+            value = F.pad(value, (0, key.shape[-1] - value_dim))  # equal q/k/v widths keep SDPA on its fused kernel
+        else:
+            key = near_key
     elif cache.rolling:
         rotary, bound = layer.rotary, layer.keys.shape[2]
 
@@ -217,9 +225,8 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
 
     # one query per sequence on a CPU in fp32: grouped matmuls beat SDPA (2-2.5x at 2K-32K keys, measured)
     cpu_decode = q == 1 and query.device.type == "cpu" and query.dtype == torch.float32
-    if scores is not None or layer.policy.needs_attention or sliding_window is not None or cpu_decode:
-        if scores is None:
-            scores = _scores(query, key, scaling)
+    if layer.policy.needs_attention or (sliding_window is not None and view is None) or cpu_decode:
+        scores = _scores(query, key, scaling)
         probs = torch.softmax(scores if mask is None else scores.masked_fill(~mask[:, :, None], -torch.inf), dim=-1)
         if layer.attention is not None:
             from_real_queries = probs if unmasked else probs.masked_fill(~step.new_valid[:, None, None, :, None], 0)
@@ -229,7 +236,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     layer.evict(step.seen)
-    return out.transpose(1, 2).contiguous()
+    return out[..., :value_dim].transpose(1, 2).contiguous()
 
 
 def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
