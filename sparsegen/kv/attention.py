@@ -40,6 +40,7 @@ class Rotary:
         scale = getattr(module, f"{layer_type}_attention_scaling", None) if layer_type else None
         self.scale = float(scale if scale is not None else getattr(module, "attention_scaling", 1.0))
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._turns: torch.Tensor | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module, layer_idx: int = 0) -> Rotary:
@@ -80,6 +81,25 @@ class Rotary:
             cos, sin = self._angles(x, torch.arange(bound, device=x.device)[None])
             table = self._table = (cos[0], sin[0])
         return F.embedding(positions, table[0]), F.embedding(positions, table[1])
+
+    def turns(self, x: torch.Tensor, bound: int) -> torch.Tensor:
+        """The rotation to each position below ``bound`` as complex numbers ``[bound, dim/2]``, one per pair of
+        rotated dimensions (HF's halves layout): rotating a vector made ``complex_pairs`` is then one product."""
+        table = self._turns
+        if table is None or table.shape[0] < bound or table.device != x.device:
+            cos, sin = self.cos_sin(x.float(), torch.arange(bound, device=x.device), bound)
+            half = cos.shape[-1] // 2
+            if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+                raise ValueError("this model's rotary embedding does not rotate dimension i with i + dim/2; "
+                                 "use positions='original'")
+            table = self._turns = torch.complex(cos[:, :half], sin[:, :half])
+        return table
+
+    @staticmethod
+    def complex_pairs(x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The first ``dim`` dimensions of ``x`` as ``dim/2`` complex numbers (i with i + dim/2), in fp32."""
+        x = x.float()
+        return torch.complex(x[..., : dim // 2], x[..., dim // 2 : dim])
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor | None, inverse: bool = False,
                bound: int | None = None, angles: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -252,15 +272,22 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     kv_heads, total = key.shape[1], key.shape[2]
     group, start = q_heads // kv_heads, total - q
     budget = layer.policy.budget
-    if cache.rolling:  # rank order = slot order from here on: ranks are a running count
+    if cache.rolling:
+        # rank order = slot order from here on, so a token's rolling position is a running count of the live
+        # slots before it; keys and queries turn to it as complex pairs (one product per step, not a rotation)
         order = torch.argsort(layer.index[:, :, :start].masked_fill(~layer.valid[:, :, :start], torch.iinfo(
             torch.long).max), dim=-1, stable=True)
         for _, buf in layer.buffers():
             take = order if buf.dim() == 3 else order[..., None].expand(-1, -1, -1, buf.shape[-1])
             buf[:, :, :start] = buf[:, :, :start].gather(2, take)
         key = layer.keys[:, :, :total]
-        rotary, bound = layer.rotary, layer.keys.shape[2]
+        rotary = layer.rotary
+        turns = rotary.turns(key, layer.keys.shape[2])
+        dim = 2 * turns.shape[-1]
         raw_query = rotary.unrotate(query, step.positions, step.memo)
+        key_pairs = rotary.complex_pairs(key, dim)
+        query_pairs = rotary.complex_pairs(raw_query, dim).view(batch, kv_heads, group, q, dim // 2)
+        logits = _scores(raw_query[..., dim:], key[..., dim:], scaling) if dim < key.shape[-1] else None
     else:
         logits = _scores(query, key, scaling)  # [B, Hkv, group, q, T]
     index = layer.index[:, :, :total]
@@ -274,11 +301,13 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         if sliding_window is not None:
             visible = alive & (index > step.new_index[:, i, None, None] - sliding_window)
         if cache.rolling:
-            ranks = visible.long().cumsum(-1) - 1
-            keys = rotary.rotate(key, None, angles=rotary.cos_sin(key, ranks.clamp(min=0), bound))
-            here = ranks[:, :1, start + i, None]  # the query's own rank: the newest visible token
-            q_i = rotary.rotate(raw_query[:, :, i:i + 1], None, angles=rotary.cos_sin(query, here, bound))
-            row = _scores(q_i, keys, scaling)[:, :, :, 0]
+            ranks = visible.cumsum(-1) - 1  # invalid slots get a rank too, and are masked below
+            keys = torch.view_as_real(key_pairs * turns[ranks]).flatten(-2)  # [B, Hkv, T, dim]
+            here = turns[ranks[:, 0, start + i]][:, None, None]  # the query's rank: it is the newest visible token
+            q_i = torch.view_as_real(query_pairs[:, :, :, i] * here).flatten(-2)  # [B, Hkv, group, dim]
+            row = q_i @ keys.transpose(-1, -2) * scaling
+            if logits is not None:  # dimensions the model does not rotate (partial rotary)
+                row = row + logits[:, :, :, i]
         else:
             row = logits[:, :, :, i]
         p = torch.softmax(row.masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
