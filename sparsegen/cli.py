@@ -759,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment", type=int, default=1024, help="tokens per reported segment (default 1024)")
     p.add_argument("--every", type=int, default=256, help="tokens between KV-memory samples (default 256)")
     p.add_argument("--chunk", type=int, default=256,
-                   help="tokens per forward call for full/window/streaming (exactly as one at a time); H2O uses 1")
+                   help="tokens per forward call; every policy computes exactly what one token per call would (default 256)")
     p.add_argument("--ctx", type=int, default=None, help="--windows: window length (default: the model's)")
     p.add_argument("--max-windows", type=int, default=None, help="--windows: at most this many windows")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")

@@ -149,7 +149,7 @@ def train_reference(
     step, elapsed = 0, 0.0
     state_file = work_dir / "train_state.pt"
     if state_file.exists():
-        state = torch.load(state_file, map_location=device, weights_only=False)
+        state = torch.load(state_file, map_location=device, weights_only=True)  # tensors and plain data only
         if state["config"] != asdict(cfg):
             raise ValueError(f"{state_file} was written with other settings; delete it or use another --work")
         model.load_state_dict(state["model"])
@@ -186,8 +186,10 @@ def train_reference(
                               "tokens_per_s": tokens_per_step / dt}) + "\n")
         if step % checkpoint_every == 0 or step == last_step:
             log.flush()
+            partial = state_file.with_suffix(".partial")  # a kill mid-write leaves the last good state
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
-                        "step": step, "elapsed": elapsed, "config": asdict(cfg)}, state_file)
+                        "step": step, "elapsed": elapsed, "config": asdict(cfg)}, partial)
+            partial.replace(state_file)
     bar.close()
     log.close()
     if step < cfg.steps:
