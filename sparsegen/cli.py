@@ -8,6 +8,17 @@ import sys
 import time
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str = "", run: bool = False) -> None:
     if positional:
         p.add_argument("model", help="hub id, local checkpoint folder, or 'reference'")
@@ -532,19 +543,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from sparsegen.serve.server import Limits, build_app, kv_bound
 
+    keys = list(args.api_key or [])
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-keys-file {args.api_keys_file} holds no key")
+    if not keys and os.environ.get("SPARSEGEN_API_KEY"):
+        keys = [os.environ["SPARSEGEN_API_KEY"]]
     limits = Limits(max_sessions=args.max_sessions, max_batch=args.max_batch, max_queue=args.max_queue,
-                    max_tokens=args.max_tokens_limit, max_messages=args.max_messages,
-                    max_request_bytes=args.max_request_bytes, api_key=args.api_key or os.environ.get("SPARSEGEN_API_KEY"))
+                    max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
+                    max_messages=args.max_messages, max_stop_chars=args.max_stop_chars,
+                    max_request_bytes=args.max_request_bytes, api_keys=tuple(keys))
+    defaults = _sampling(args)  # before loading: a bad flag fails at once
+    if defaults.max_tokens > limits.max_tokens:
+        raise ValueError(f"--max-new-tokens {defaults.max_tokens} is over --max-tokens-limit {limits.max_tokens}")
     model, tokenizer = load_model(args)
     engine = _engine(args, model, tokenizer)
-    app = build_app(engine, limits, args.model)
+    app = build_app(engine, limits, args.model, defaults)
     bound = kv_bound(engine, limits)
     policy = engine.make_policy().describe()
     print(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; worst-case KV memory "
           f"{bound / 2**20:.1f} MiB ({limits.max_sessions} sessions + {limits.max_batch} in flight, each at most "
           f"budget + {args.chunk_size} tokens); http://{args.host}:{args.port}/v1"
-          + ("" if limits.api_key else " (no API key)"), flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not limits.api_key:
+          + (f" ({len(keys)} API keys)" if keys else " (no API key)"), flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
@@ -855,14 +878,23 @@ def build_parser() -> argparse.ArgumentParser:
     _conversation_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set SPARSEGEN_API_KEY)")
-    p.add_argument("--max-sessions", type=int, default=64, help="conversation caches kept, least recently used "
-                                                                  "dropped beyond (default 64)")
-    p.add_argument("--max-batch", type=int, default=16, help="replies decoded together (default 16)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those: 429 (default 64)")
-    p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
-    p.add_argument("--max-messages", type=int, default=256, help="most messages in one request")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY'; repeat for several clients, each with its own sessions "
+                        "(or set SPARSEGEN_API_KEY)")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE", help="API keys, one per line (# comments)")
+    p.add_argument("--max-sessions", type=positive_int, default=64,
+                   help="conversation caches kept, least recently used dropped beyond (default 64)")
+    p.add_argument("--max-batch", type=positive_int, default=16, help="replies decoded together (default 16)")
+    p.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting beyond those: 429 (default 64)")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=1024,
+                   help="largest max_tokens a request may ask (default 1024)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=8192,
+                   help="most new tokens one request may bring to encode (default 8192)")
+    p.add_argument("--max-messages", type=positive_int, default=256, help="most messages in one request (default 256)")
+    p.add_argument("--max-stop-chars", type=positive_int, default=256,
+                   help="longest stop string (default 256; at most 4 of them)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=1 << 20,
+                   help="largest request body (default 1 MiB)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     p.set_defaults(func=cmd_serve)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,8 +42,24 @@ class Generation:
         }
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
+
+
+def check_sampling(temperature: float, top_p: float, seed: int = 0) -> None:
+    """Refuse sampling settings that cannot be honoured, before any work (NaN compares false with every bound)."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+
+
 def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
@@ -75,15 +92,14 @@ def generate_tokens(
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError("temperature must be >= 0 (0 = greedy) and top_p in (0, 1]")
+    check_sampling(temperature, top_p, seed)
     device = ids.device
     batch, length = ids.shape
     cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size,
                           expected_length=length + max_new_tokens)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     padded = not bool(mask.all())
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
 
     t0 = time.perf_counter()
     show = progress if progress is not None else length > 8 * chunk_size
@@ -141,7 +157,10 @@ def generate(
     so the cache never holds more than the budget plus one chunk. ``on_text`` receives the new text of
     the first sequence as it is produced.
     """
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
+    prompts = list(prompts)
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)

@@ -441,6 +441,23 @@ class EvictionCache(Cache):
         self.seen = torch.cat([self.seen[:index], self.seen[last:last + 1], self.seen[index + 1:last]]) \
             if index != last else self.seen[:last]
 
+    def forget_last(self, tokens: int) -> None:
+        """Drop the newest ``tokens`` of every sequence (a reply's tokens past a stop string), as if they had never
+        been fed: what is left is the cache before them, less what they made it evict. Unpadded caches only."""
+        if tokens < 0 or self.seen is None or tokens > int(self.seen.min()):
+            raise ValueError(f"cannot forget {tokens} tokens of a cache that has seen {self.seen}")
+        if self.padded:
+            raise ValueError("forget_last needs unpadded rows")
+        if not tokens:
+            return
+        self.seen = self.seen - tokens
+        for layer in self.layers:
+            if layer.is_initialized:
+                t = layer.used
+                kept = layer.valid[:, :, :t] & (layer.index[:, :, :t] < self.seen[:, None, None])
+                layer._compact(kept, kept.sum(-1))
+        self.length -= tokens
+
     # --- what users ask ---
     def held_tokens(self) -> list[int]:
         """Slots in use per layer now (the largest held count of any sequence)."""

@@ -2,10 +2,13 @@
 
 Each conversation (a ``Session``) owns a bounded ``EvictionCache`` of one sequence that lives across turns: a new
 turn feeds only the text added since the last one (the new user message and the template around it), never the
-history. A ``Job`` is one reply being produced. ``Engine.begin`` feeds a job's new text and samples its first
-token; ``Engine.step`` runs one decode step for any number of jobs at once — their caches are stacked into one
-batched cache (rows may hold different tokens at different positions) for as long as the same jobs decode
-together; a row goes back to its session when its reply finishes or leaves. One thread drives an engine.
+history. A ``Job`` is one reply being produced. ``Engine.begin`` checks and tokenizes a job's new text; ``Engine.step``
+then advances any number of jobs at once: one prefill chunk of one job still encoding its prompt (so a long
+prompt never holds up the other replies by more than a chunk, and can be cancelled between chunks), and one
+decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
+different tokens at different positions) for as long as the same jobs decode together; a row goes back to its
+session when its reply finishes or leaves. A failure in one job (its prompt, its sampling) fails that job only.
+One thread drives an engine.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.generation import _next_token
+from sparsegen.generation import _next_token, check_sampling
 from sparsegen.kv import EvictionCache, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.serve.template import ChatTemplate
@@ -29,6 +32,11 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_p, self.seed)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
 
 
 class Session:
@@ -52,10 +60,14 @@ class Job:
     strip_leading: bool  # a base model's reply starts with the space after "Assistant:": not part of the content
     generator: torch.Generator | None
     on_text: Callable[[Job, str], None] | None = None
+    feed: list[int] = field(default_factory=list)  # prompt tokens not encoded yet
     tokens: list[int] = field(default_factory=list)
     content: str = ""  # the reply as returned: stop strings and what follows them removed
-    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    error: str | None = None
     cancelled: bool = False
+    searched: int = 0  # characters of the reply already searched for stop strings
+    forget: int = 0  # reply tokens in the cache past a stop string: dropped when the row is back in its session
 
     @property
     def done(self) -> bool:
@@ -64,15 +76,24 @@ class Job:
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that may be the start of a stop string (not shown until known)."""
-    return max((n for stop in stops for n in range(len(stop) - 1, 0, -1) if text.endswith(stop[:n])), default=0)
+    held = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), held, -1):  # only lengths that would hold back more
+            if stop.startswith(text[-n:]):
+                held = n
+                break
+    return held
 
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy], positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
-                 template: ChatTemplate | None = None):
-        if max_sessions < 1:
-            raise ValueError("max_sessions must be at least 1")
+                 template: ChatTemplate | None = None, max_prompt_tokens: int | None = None):
+        if max_sessions < 1 or max_batch < 1:
+            raise ValueError("max_sessions and max_batch must be at least 1")
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be at least 1")
+        self.max_prompt_tokens = max_prompt_tokens
         self.model, self.tokenizer, self.make_policy = model, tokenizer, make_policy
         self.positions, self.chunk_size, self.max_sessions = positions, chunk_size, max_sessions
         self.template = template or ChatTemplate(tokenizer)
@@ -114,60 +135,60 @@ class Engine:
         session.cache, session.text, session.pending = self._new_cache(), "", []
 
     # --- running ---
-    def _feed(self, session: Session, ids: list[int]) -> torch.Tensor:
-        """Encode ``ids`` into the session's cache in chunks; the logits after the last one."""
-        cache = session.cache
-        start = cache.length - (self.offset if cache.length else 0)
-        tokens = torch.tensor([ids], device=self.device)
-        for offset in range(0, len(ids), self.chunk_size):
-            chunk = tokens[:, offset:offset + self.chunk_size]
-            positions = torch.arange(start + offset, start + offset + chunk.shape[1], device=self.device)[None]
-            logits = self.model(input_ids=chunk, position_ids=positions, past_key_values=cache, logits_to_keep=1).logits
-        self.counters["prefill_tokens"] += len(ids)
-        return logits[0, -1]
-
-    @torch.inference_mode()
     def begin(self, session: Session, sampling: Sampling, messages: list[dict] | None = None,
               prompt: str | None = None, on_text: Callable[[Job, str], None] | None = None) -> Job:
-        """Start a reply to ``messages`` (chat) or a continuation of ``prompt`` (completion) in ``session``.
-
-        Only the text past what the session already holds is encoded; if the conversation does not extend
-        it (a new or evicted session, or edited history), the session starts over from the whole text.
-        """
+        """A reply to ``messages`` (chat) or a continuation of ``prompt`` (completion) in ``session``, to be
+        advanced by ``step``. Only the text past what the session already holds is encoded; if the conversation
+        does not extend it (a new or evicted session, or edited history), the session starts over from the whole
+        text. Bad input (an empty or over-long prompt, text the tokenizer refuses) raises ``ValueError`` here."""
         if (messages is None) == (prompt is None):
             raise ValueError("give messages or a prompt")
-        if sampling.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if not isinstance(sampling, Sampling):
+            raise ValueError("sampling must be a Sampling")
         text = self.template.render(messages) if messages is not None else prompt
-        self.counters["requests"] += 1
+        if not isinstance(text, str) or not text:
+            raise ValueError("the prompt must be a non-empty string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {err.start})") from None
         continues = bool(session.text) and text.startswith(session.text)
         history = False
         if not continues:
-            if session.text:
-                self.reset(session)
             special = self.template.adds_special_tokens if messages is not None else True
             ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
             history = session.turns > 0 or (messages is not None and len(messages) > 1)  # e.g. an evicted session
-            self.counters["reencoded_sessions"] += session.id is not None and history
         else:
             ids = session.pending + self.tokenizer(text[len(session.text):], add_special_tokens=False)["input_ids"]
         if not ids:
             raise ValueError("the prompt is empty")
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise ValueError(f"the prompt has {len(ids)} new tokens, over this server's limit of "
+                             f"{self.max_prompt_tokens}")
+        self.counters["requests"] += 1
+        if not continues:
+            if session.text:
+                self.reset(session)
+            self.counters["reencoded_sessions"] += session.id is not None and history
         session.busy, session.pending, session.text = True, [], text
-        logits = self._feed(session, ids)
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        job = Job(session, sampling, len(ids), reencoded=not continues and history,
-                  strip_leading=messages is not None and not self.template.native, generator=generator,
-                  on_text=on_text)
-        self._accept(job, logits)
-        return job
+        return Job(session, sampling, len(ids), reencoded=not continues and history,
+                   strip_leading=messages is not None and not self.template.native, generator=generator,
+                   on_text=on_text, feed=ids)
 
     @torch.inference_mode()
     def step(self, jobs: list[Job]) -> None:
-        """One decode step for every unfinished job in ``jobs``, batched."""
+        """Advance every unfinished job in ``jobs``: one prompt chunk of the job still encoding its prompt that has
+        encoded the least so far (a short prompt overtakes a long one), then one decode step for all past their
+        prompts, batched."""
         jobs = [job for job in jobs if not job.done]
+        prefilling = min((job for job in jobs if job.feed), key=lambda job: job.prompt_tokens - len(job.feed),
+                         default=None)
+        if prefilling is not None:
+            self._guarded(prefilling, self._prefill, prefilling)
+        jobs = [job for job in jobs if not job.done and not job.feed]
         if not jobs:
             return
         if len(jobs) == 1 and self._batch is None:
@@ -177,20 +198,60 @@ class Engine:
             jobs = list(self._rows)  # the batch's row order
             positions = [job.session.cache.length - self.offset + steps for job, steps in zip(jobs, self._steps)]
         tokens = torch.tensor([[job.tokens[-1]] for job in jobs], device=self.device)
-        logits = self.model(input_ids=tokens, position_ids=torch.tensor(positions, device=self.device)[:, None],
-                            past_key_values=cache).logits[:, -1]
+        try:
+            logits = self.model(input_ids=tokens, position_ids=torch.tensor(positions, device=self.device)[:, None],
+                                past_key_values=cache).logits[:, -1]
+        except Exception as err:  # noqa: BLE001  the rows may be half-updated: every reply in the step fails
+            self.discard_batch()
+            for job in jobs:
+                self._fail(job, err)
+            return
         self._steps = [steps + 1 for steps in self._steps]
         self.counters["decode_tokens"] += len(jobs)
         for job, row in zip(jobs, logits):
-            self._accept(job, row)
+            self._guarded(job, self._accept, job, row)
             if job.done:
-                self._unstack(job)
+                self._close(job)
+
+    def _prefill(self, job: Job) -> None:
+        """Encode the next chunk of the job's prompt; after the last one, sample its first token."""
+        cache = job.session.cache
+        chunk, job.feed = job.feed[:self.chunk_size], job.feed[self.chunk_size:]
+        start = cache.length - (self.offset if cache.length else 0)
+        positions = torch.arange(start, start + len(chunk), device=self.device)[None]
+        logits = self.model(input_ids=torch.tensor([chunk], device=self.device), position_ids=positions,
+                            past_key_values=cache, logits_to_keep=1).logits
+        self.counters["prefill_tokens"] += len(chunk)
+        if not job.feed:
+            self._accept(job, logits[0, -1])
+            if job.done:
+                self._close(job)
+
+    def _guarded(self, job: Job, action: Callable, *args) -> None:
+        try:
+            action(*args)
+        except Exception as err:  # noqa: BLE001  one reply's failure is that reply's only
+            self._fail(job, err)
+
+    def _fail(self, job: Job, err: Exception) -> None:
+        """End ``job`` with an error; its session starts over (its cache may hold part of a step)."""
+        self._unstack(job)
+        job.error, job.finish_reason, job.forget = f"{type(err).__name__}: {err}", "error", 0
+        self.reset(job.session)
+        job.session.busy = False
 
     def cancel(self, job: Job) -> None:
         job.cancelled = True
-        if not job.done:
-            self._finish(job, "cancelled")
+        if job.done:
+            return
+        if job.feed:  # the cache holds part of the prompt: the session starts over
             self._unstack(job)
+            job.finish_reason = "cancelled"
+            self.reset(job.session)
+            job.session.busy = False
+            return
+        self._finish(job, "cancelled")
+        self._close(job)
 
     def discard_batch(self) -> None:
         """Forget the stacked rows without writing them back (after a failed step; reset their sessions)."""
@@ -213,6 +274,12 @@ class Engine:
         self._steps += [0] * len(joining)
         return self._batch
 
+    def _close(self, job: Job) -> None:
+        """A finished job's row goes back to its session, less the tokens past a stop string."""
+        self._unstack(job)
+        if job.forget:
+            job.session.cache.forget_last(job.forget)
+
     def _unstack(self, job: Job) -> None:
         if self._batch is None or not any(row is job for row in self._rows):
             return
@@ -231,14 +298,17 @@ class Engine:
         token = int(_next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0])
         job.tokens.append(token)
         eos = token == self.tokenizer.eos_token_id
-        text = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)
-        if job.strip_leading and text.startswith(" "):  # the template's own space after "Assistant:"
-            text = text[1:]
+        raw = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)
+        lead = 1 if job.strip_leading and raw.startswith(" ") else 0  # the template's own space after "Assistant:"
+        text = raw[lead:]
         stops = tuple(sampling.stop) + tuple(self.template.stop if job.strip_leading else ())
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        # only the text that is new since the last search (and a stop's length before it) can hold a new match
+        since = max(0, job.searched - max(map(len, stops), default=0) - 8)  # 8: a multi-byte character completing
+        cut = min((found for s in stops if (found := text.find(s, since)) >= 0), default=-1)
+        job.searched = len(text)
         if cut >= 0:
             self._emit(job, text[:cut])
-            self._finish(job, "stop")
+            self._finish(job, "stop", shown=raw[:lead + cut])
         elif eos:
             self._emit(job, text)
             self._finish(job, "stop")
@@ -254,12 +324,21 @@ class Engine:
             if job.on_text is not None:
                 job.on_text(job, new)
 
-    def _finish(self, job: Job, reason: str) -> None:
-        """The last sampled token is not in the cache yet: it is fed first with the next turn."""
+    def _finish(self, job: Job, reason: str, shown: str | None = None) -> None:
+        """The last sampled token is not in the cache yet: it is fed first with the next turn. A reply cut at a stop
+        string (``shown``: its text up to the cut) keeps only its tokens that fall before the cut, so the session's
+        text is what the client's history will hold and the next turn extends it."""
         session = job.session
         job.finish_reason = reason
-        session.text += self.tokenizer.decode(job.tokens, skip_special_tokens=False)
-        session.pending = job.tokens[-1:]
+        if shown is None:
+            session.text += self.tokenizer.decode(job.tokens, skip_special_tokens=False)
+            session.pending = job.tokens[-1:]
+        else:
+            kept = len(job.tokens) - 1  # the cache holds every reply token but the last
+            while kept and not shown.startswith(self.tokenizer.decode(job.tokens[:kept], skip_special_tokens=True)):
+                kept -= 1
+            session.text += self.tokenizer.decode(job.tokens[:kept], skip_special_tokens=False)
+            session.pending, job.forget = [], len(job.tokens) - 1 - kept
         session.turns += 1
         session.busy = False
 

@@ -1,43 +1,82 @@
 """``sparsegen serve``: an OpenAI-compatible HTTP server whose conversations live in bounded, compressed KV caches.
 
 One worker thread owns the model and an ``Engine``. Requests queue to it (bounded: a full queue answers 429); it
-admits them between decode steps, encodes each one's new text, and runs one batched decode step for every reply
-in progress, pushing text to the waiting handlers. A request with a session id (``session_id`` in the body or an
-``X-Session-Id`` header) keeps its cache for the next turn, which then encodes only the new message; without one
-a request is stateless. A client that disconnects cancels its reply at the next step.
+admits them between steps, and each step encodes one chunk of one new prompt and runs one batched decode step for
+every reply in progress, pushing text to the waiting handlers — so a long prompt delays the others by at most a
+chunk per token. A request with a session id (``session_id`` in the body or an ``X-Session-Id`` header) keeps its
+cache for the next turn, which then encodes only the new message; without one a request is stateless. Sessions
+belong to the API key that made them. A client that disconnects cancels its reply at the next step.
+
+Every request is checked before it costs anything: API key, JSON content type, body size (counted as it arrives,
+chunked uploads included), then the typed schema, the server's limits, and text the tokenizer could not take.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import queue
+import re
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException
 
 from sparsegen.bench.memory import current_rss
 from sparsegen.serve.engine import Engine, Job, Sampling
 
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+SESSION_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ -"
+
 
 @dataclass(frozen=True)
 class Limits:
+    """What one server accepts. Every count must be at least 1."""
+
     max_sessions: int = 64
     max_batch: int = 16  # replies decoded together
     max_queue: int = 64  # requests waiting beyond that: 429
     max_tokens: int = 1024  # per reply
+    max_prompt_tokens: int = 8192  # new tokens one request may ask the server to encode
     max_messages: int = 256
+    max_stops: int = 4
+    max_stop_chars: int = 256
     max_request_bytes: int = 1 << 20
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # none: no authentication
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "api_keys" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+        if any(not isinstance(key, str) or not key.strip() or not key.isprintable() for key in self.api_keys):
+            raise ValueError("API keys must be non-empty printable strings")
+
+
+def _no_surrogates(value):
+    """Text the tokenizer can take: JSON may carry lone UTF-16 surrogates ("\\ud800") that no UTF-8 text has."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"a string holds a lone surrogate at character {err.start}; send valid Unicode") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _no_surrogates(item)
+    elif isinstance(value, list):
+        for item in value:
+            _no_surrogates(item)
+    return value
 
 
 class Message(BaseModel):
@@ -47,27 +86,39 @@ class Message(BaseModel):
     name: str | None = None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
+    """Fields both endpoints take; unset sampling fields take the server's defaults."""
+
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     stream: bool = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     n: int = Field(default=1, ge=1, le=1)
     user: str | None = None
-    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    session_id: str | None = Field(default=None, pattern=f"^{SESSION_ID.pattern}$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        return _no_surrogates(data)
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
         return stops
 
 
@@ -95,7 +146,8 @@ class Pending:
 
     kind: str  # "chat" or "completion"
     request: _Request
-    session_id: str | None
+    session_id: str | None  # namespaced by API key
+    sampling: Sampling
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     job: Job | None = None
@@ -136,7 +188,7 @@ class Worker(threading.Thread):
             if self.active:
                 try:
                     self.engine.step([p.job for p in self.active])
-                except Exception as err:  # noqa: BLE001  one failing step fails its replies, not the server
+                except Exception as err:  # noqa: BLE001  an engine bug fails the replies in flight, not the server
                     self._fail_active(err)
                 self._retire()
             self._publish()
@@ -145,8 +197,13 @@ class Worker(threading.Thread):
 
     def _retire(self) -> None:
         for pending in self.active:
-            if pending.job.done and not pending.cancelled:
-                pending.send(("done", pending.job))
+            job = pending.job
+            if job.done and not pending.cancelled:
+                if job.finish_reason == "error":
+                    self.errors += 1
+                    pending.send(("error", ApiError(500, f"the reply failed: {job.error}", "server_error")))
+                else:
+                    pending.send(("done", job))
         self.active = [p for p in self.active if not p.job.done]
 
     def _admit(self) -> None:
@@ -169,28 +226,22 @@ class Worker(threading.Thread):
         engine, request = self.engine, pending.request
         session = engine.sessions.get(pending.session_id) if pending.session_id else None
         if session is not None and session.busy:
-            raise ApiError(409, f"session {pending.session_id!r} is already answering another request", code="busy")
+            raise ApiError(409, "this session is already answering another request", code="busy")
         try:
             session = engine.session(pending.session_id)
         except RuntimeError as err:
             raise ApiError(503, str(err), "server_error", "overloaded") from None
-        sampling = Sampling(max_tokens=request.max_completion_tokens or request.max_tokens or 128,
-                            temperature=request.temperature, top_p=request.top_p, seed=request.seed or 0,
-                            stop=tuple(request.stop or ()))
-        on_text = lambda job, text: pending.send(("text", text))  # noqa: E731
+        # a streamed reply's text goes out as it comes; an unstreamed one's handler waits quietly for the end (and
+        # notices a disconnected client meanwhile)
+        on_text = (lambda job, text: pending.send(("text", text))) if request.stream else None  # noqa: E731
         try:
             if pending.kind == "chat":
                 messages = [m.model_dump(exclude={"name"}) for m in request.messages]
-                pending.job = engine.begin(session, sampling, messages=messages, on_text=on_text)
+                pending.job = engine.begin(session, pending.sampling, messages=messages, on_text=on_text)
             else:
-                pending.job = engine.begin(session, sampling, prompt=request.prompt, on_text=on_text)
+                pending.job = engine.begin(session, pending.sampling, prompt=request.prompt, on_text=on_text)
         except ValueError as err:
-            session.busy = False
             raise ApiError(400, str(err)) from None
-        except Exception:
-            engine.reset(session)
-            session.busy = False
-            raise
         return pending
 
     def _fail_active(self, err: Exception) -> None:
@@ -224,10 +275,73 @@ def kv_bound(engine: Engine, limits: Limits) -> int:
     return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * (budget + 1) * per_token
 
 
-def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
+class Guard:
+    """ASGI middleware that checks a request before the app reads it: the API key (which also names the request's
+    session namespace, in ``scope["state"]``), a JSON content type on POST, and the body size — counted as the body
+    arrives, so a chunked upload is cut off at the limit instead of being read whole first."""
+
+    def __init__(self, app, limits: Limits):
+        self.app, self.limit = app, limits.max_request_bytes
+        # a session belongs to the key that made it: its namespace is a digest of the key, never the key itself
+        self.keys = {key: hashlib.sha256(key.encode()).hexdigest()[:16] for key in limits.api_keys}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        namespace = ""
+        if self.keys and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            match = [ns for key, ns in self.keys.items() if hmac.compare_digest(given.encode(), f"Bearer {key}".encode())]
+            if not match:
+                return await _reply(send, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                                   "authentication_error", "invalid_api_key"))
+            namespace = match[0]
+        scope.setdefault("state", {})["namespace"] = namespace
+        if scope["method"] == "POST":
+            content_type = headers.get("content-type", "").split(";")[0].strip().lower()
+            if content_type != "application/json":
+                return await _reply(send, ApiError(415, f"the body must be JSON sent as Content-Type: application/json, "
+                                                        f"not {content_type or 'none'!r}", code="unsupported_media_type"))
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await _reply(send, self._too_large())
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request is larger than {self.limit} bytes", code="too_large")
+
+
+async def _reply(send, err: ApiError) -> None:
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+
+
+def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Sampling | None = None) -> FastAPI:
+    """The app serving ``engine`` as ``model_name``; ``defaults``: sampling for fields a request leaves out."""
     if engine.make_policy().budget is None:
         raise ValueError("serve keeps every conversation's cache, and policy 'full' grows without bound; use window, "
                          "streaming, h2o or streaming-h2o with a --budget")
+    defaults = defaults or Sampling(max_tokens=min(Sampling.max_tokens, limits.max_tokens))
+    if defaults.max_tokens > limits.max_tokens:
+        raise ValueError(f"the default max_tokens ({defaults.max_tokens}) is over the limit ({limits.max_tokens})")
+    engine.max_prompt_tokens = limits.max_prompt_tokens
     worker = Worker(engine, limits)
     bound = kv_bound(engine, limits)
     started = time.time()
@@ -240,6 +354,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
         await asyncio.to_thread(worker.join, 30)
 
     app = FastAPI(title="sparsegen", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(Guard, limits=limits)
     app.state.worker, app.state.kv_bound = worker, bound
 
     def error(err: ApiError) -> JSONResponse:
@@ -249,106 +364,121 @@ def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
     async def _api_error(request, err: ApiError):
         return error(err)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, err: HTTPException):
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return error(ApiError(err.status_code, str(err.detail), kind, HTTP_CODES.get(err.status_code)))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, err: RequestValidationError):
         first = err.errors()[0]
-        return error(ApiError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}"))
+        where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
+        if first["type"] == "json_invalid":
+            message = "the body is not valid JSON"
+        elif where == "body":
+            message = f"the body must be a JSON object with the request's fields ({first['msg']})"
+        else:
+            message = f"{where}: {first['msg']}"
+        return error(ApiError(400, message, param=None if where == "body" else where))
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if request.url.path != "/health" and limits.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {limits.api_key}".encode()):
-                return error(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                      "authentication_error", "invalid_api_key"))
-        length = request.headers.get("content-length", "0")
-        if not length.isdigit() or int(length) > limits.max_request_bytes:
-            return error(ApiError(413, f"the request is larger than {limits.max_request_bytes} bytes", code="too_large"))
-        try:
-            return await call_next(request)
-        except Exception as err:  # noqa: BLE001  never take the server down
-            worker.errors += 1
-            return error(ApiError(500, f"internal error: {err}", "server_error"))
+    @app.exception_handler(Exception)
+    async def _internal(request, err: Exception):  # never a bare 500 page
+        worker.errors += 1
+        return error(ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
 
-    async def parse(request: Request, schema):
-        body = await request.body()
-        if len(body) > limits.max_request_bytes:
-            raise ApiError(413, f"the request is larger than {limits.max_request_bytes} bytes", code="too_large")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        try:
-            parsed = schema.model_validate(data)
-        except ValidationError as err:
-            first = err.errors()[0]
-            raise ApiError(400, f"{'.'.join(map(str, first['loc'])) or 'body'}: {first['msg']}",
-                           param=".".join(map(str, first["loc"]))) from None
-        wanted = parsed.max_completion_tokens or parsed.max_tokens or 0
+    def check(parsed: _Request, request: Request) -> tuple[str | None, Sampling]:
+        """The server's own limits on a well-formed request; its session id (namespaced) and sampling."""
+        if parsed.model is not None and parsed.model != model_name:
+            raise ApiError(404, f"the model {parsed.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        wanted = parsed.max_completion_tokens or parsed.max_tokens or defaults.max_tokens
         if wanted > limits.max_tokens:
             raise ApiError(400, f"max_tokens {wanted} is over this server's limit of {limits.max_tokens}",
                            param="max_tokens")
-        if getattr(parsed, "messages", None) is not None and len(parsed.messages) > limits.max_messages:
-            raise ApiError(400, f"{len(parsed.messages)} messages is over this server's limit of {limits.max_messages}",
+        messages = getattr(parsed, "messages", None)
+        if messages is not None and len(messages) > limits.max_messages:
+            raise ApiError(400, f"{len(messages)} messages is over this server's limit of {limits.max_messages}",
                            param="messages")
-        return parsed
-
-    async def serve(request: Request, kind: str, schema):
-        parsed = await parse(request, schema)
+        if len(parsed.stop) > limits.max_stops or any(len(s) > limits.max_stop_chars for s in parsed.stop):
+            raise ApiError(400, f"stop takes up to {limits.max_stops} strings of up to {limits.max_stop_chars} "
+                                f"characters", param="stop")
         session_id = parsed.session_id or request.headers.get("x-session-id")
-        pending = Pending(kind, parsed, session_id, asyncio.get_running_loop())
+        if session_id is not None and not SESSION_ID.fullmatch(session_id):
+            raise ApiError(400, f"a session id has {SESSION_ID_RULE}", param="session_id")
+        sampling = Sampling(
+            max_tokens=wanted,
+            temperature=defaults.temperature if parsed.temperature is None else parsed.temperature,
+            top_p=defaults.top_p if parsed.top_p is None else parsed.top_p,
+            seed=defaults.seed if parsed.seed is None else parsed.seed, stop=tuple(parsed.stop))
+        namespace = request.scope.get("state", {}).get("namespace", "")
+        return (None if session_id is None else f"{namespace}/{session_id}"), sampling
+
+    async def serve(request: Request, kind: str, parsed: _Request):
+        session_id, sampling = check(parsed, request)
+        pending = Pending(kind, parsed, session_id, sampling, asyncio.get_running_loop())
         worker.submit(pending)
         ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        shown_id = session_id.split("/", 1)[1] if session_id else None
         if parsed.stream:
             first = await next_event(request, pending)  # errors found on admission keep their HTTP status
             if first[0] == "error":
                 raise first[1]
-            return StreamingResponse(stream(request, pending, kind, ident, created, first),
-                                     media_type="text/event-stream", headers={"X-Session-Id": session_id or ""})
+            usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+            return StreamingResponse(stream(request, pending, kind, ident, created, first, usage),
+                                     media_type="text/event-stream", headers={"X-Session-Id": shown_id or ""})
         job = await wait(request, pending)
-        usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": len(job.tokens),
-                 "total_tokens": job.prompt_tokens + len(job.tokens)}
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": job.content},
                       "finish_reason": job.finish_reason}
         else:
             choice = {"index": 0, "text": job.content, "logprobs": None, "finish_reason": job.finish_reason}
         return JSONResponse({"id": ident, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": created, "model": model_name, "choices": [choice], "usage": usage,
-                             "session_id": session_id})
+                             "created": created, "model": model_name, "choices": [choice], "usage": usage_of(job),
+                             "session_id": shown_id})
+
+    def usage_of(job: Job) -> dict:
+        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": len(job.tokens),
+                "total_tokens": job.prompt_tokens + len(job.tokens)}
 
     async def next_event(request: Request, pending: Pending):
         while True:
             try:
-                return await asyncio.wait_for(pending.events.get(), timeout=0.5)
+                return await asyncio.wait_for(pending.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     pending.cancelled = True
                     raise asyncio.CancelledError from None
 
     async def wait(request: Request, pending: Pending) -> Job:
-        while True:
-            event = await next_event(request, pending)
-            if event[0] == "error":
-                raise event[1]
-            if event[0] == "done":
-                return event[1]
+        try:
+            while True:
+                event = await next_event(request, pending)
+                if event[0] == "error":
+                    raise event[1]
+                if event[0] == "done":
+                    return event[1]
+        finally:
+            if pending.job is None or not pending.job.done:
+                pending.cancelled = True  # the handler was cancelled (the client went away): stop decoding
 
-    def chunk(kind: str, ident: str, created: int, text: str | None, finish: str | None, role: bool = False) -> str:
-        if kind == "chat":
+    def chunk(kind: str, ident: str, created: int, text: str | None, finish: str | None, role: bool = False,
+              usage: dict | None = None) -> str:
+        if usage is not None:
+            choices = []
+        elif kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [choice]}
+            choices = [{"index": 0, "delta": delta, "finish_reason": finish}]
         else:
-            body = {"id": ident, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+            choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        body = {"id": ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": created, "model": model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    async def stream(request: Request, pending: Pending, kind: str, ident: str, created: int, event: tuple):
+    async def stream(request: Request, pending: Pending, kind: str, ident: str, created: int, event: tuple,
+                     usage: bool):
         try:
             if kind == "chat":
                 yield chunk(kind, ident, created, None, None, role=True)
@@ -357,6 +487,8 @@ def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
                     yield chunk(kind, ident, created, event[1], None)
                 elif event[0] == "done":
                     yield chunk(kind, ident, created, None, event[1].finish_reason)
+                    if usage:
+                        yield chunk(kind, ident, created, None, None, usage=usage_of(event[1]))
                     yield "data: [DONE]\n\n"
                     return
                 else:
@@ -367,13 +499,15 @@ def build_app(engine: Engine, limits: Limits, model_name: str) -> FastAPI:
             if pending.job is None or not pending.job.done:
                 pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serve(request, "chat", ChatRequest)
+    replies = {200: {"description": "the reply (JSON), or with `stream` a text/event-stream of chunks"}}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, "completion", CompletionRequest)
+    @app.post("/v1/chat/completions", responses=replies)
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await serve(request, "chat", body)
+
+    @app.post("/v1/completions", responses=replies)
+    async def completions(body: CompletionRequest, request: Request):
+        return await serve(request, "completion", body)
 
     @app.get("/v1/models")
     async def models():

@@ -153,3 +153,110 @@ def test_chat_command_with_a_script(tmp_path, capsys):
     turns = json.loads((tmp_path / "turns.json").read_text())["turns"]
     assert [t["turn"] for t in turns] == [1, 2] and not turns[1]["reencoded"]
     assert (tmp_path / "turns.png").stat().st_size > 0
+
+
+def test_a_long_prompt_is_encoded_a_chunk_per_step_while_other_replies_decode(reference):
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, lambda: make_policy("streaming", 64), chunk_size=16)
+    short = engine.begin(engine.session(None), Sampling(max_tokens=6), prompt="The sea")
+    long_prompt = "It was late in the evening when the old man came back. " * 12
+    long = engine.begin(engine.session(None), Sampling(max_tokens=4), prompt=long_prompt)
+    chunks = -(-long.prompt_tokens // 16)
+    assert chunks >= 6
+    steps = 0
+    while not short.done:
+        engine.step([short, long])
+        steps += 1
+    assert steps < chunks and long.feed and not long.tokens  # the short reply finished during the long prefill
+    alone = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=4), prompt=long_prompt))
+    assert _run(engine, long).tokens == alone.tokens
+
+
+def test_a_cancelled_prefill_frees_its_session_and_the_session_starts_over(reference):
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, lambda: make_policy("window", 64), chunk_size=8)
+    session = engine.session("s")
+    job = engine.begin(session, Sampling(max_tokens=4), prompt="It was late in the evening when the old man came.")
+    engine.step([job])
+    engine.cancel(job)
+    assert job.finish_reason == "cancelled" and not session.busy and session.text == "" and session.cache.length == 0
+
+
+def test_prompt_token_limit_and_bad_text_are_refused_before_any_work(reference):
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, lambda: make_policy("window", 64), max_prompt_tokens=8)
+    session = engine.session("s")
+    with pytest.raises(ValueError, match="over this server's limit of 8"):
+        engine.begin(session, Sampling(), prompt="one two three four five six seven eight nine ten eleven")
+    with pytest.raises(ValueError, match="lone surrogate"):
+        engine.begin(session, Sampling(), messages=[{"role": "user", "content": "a\ud800b"}])
+    assert not session.busy and engine.counters["requests"] == 0
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 2.4e-38, 1e-300])
+def test_a_tiny_temperature_is_greedy(reference, temperature):
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, lambda: make_policy("window", 64))
+    greedy = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8), prompt="The sea"))
+    tiny = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8, temperature=temperature),
+                                     prompt="The sea"))
+    assert tiny.finish_reason == "length" and tiny.tokens == greedy.tokens
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0),
+                                 dict(top_p=float("nan")), dict(seed=2**70), dict(seed=-1), dict(max_tokens=0),
+                                 dict(temperature=True)])
+def test_sampling_settings_are_checked(bad):
+    with pytest.raises(ValueError):
+        Sampling(**bad)
+
+
+def test_one_failing_reply_in_a_batched_step_fails_only_itself(reference, monkeypatch):
+    import sparsegen.serve.engine as engine_module
+
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, lambda: make_policy("window", 64))
+    good = engine.begin(engine.session("good"), Sampling(max_tokens=8), prompt="The sea")
+    bad = engine.begin(engine.session("bad"), Sampling(max_tokens=8, temperature=0.5), prompt="The sea")
+    engine.step([good, bad])
+    engine.step([good, bad])
+    original = engine_module._next_token
+
+    def fails_when_sampling(logits, temperature, top_p, generator):
+        if temperature > 0:
+            raise RuntimeError("probability tensor contains either inf, nan")
+        return original(logits, temperature, top_p, generator)
+
+    monkeypatch.setattr(engine_module, "_next_token", fails_when_sampling)
+    while not good.done:
+        engine.step([good, bad])
+    assert bad.finish_reason == "error" and "inf, nan" in bad.error and not engine.sessions["bad"].busy
+    assert engine.sessions["bad"].cache.length == 0  # its session starts over
+    monkeypatch.setattr(engine_module, "_next_token", original)
+    alone = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8), prompt="The sea"))
+    assert good.finish_reason == "length" and good.tokens == alone.tokens
+
+
+def test_a_reply_cut_at_a_stop_string_leaves_the_session_extendable(reference):
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, lambda: make_policy("window", 4096), chunk_size=32)
+    messages = [{"role": "user", "content": "Tell me about the old house."}]
+    free = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=24), messages=messages))
+    stop = free.content.split()[3]
+    session = engine.session("s")
+    first = _run(engine, engine.begin(session, Sampling(max_tokens=24, stop=(stop,)), messages=messages))
+    assert first.finish_reason == "stop" and stop not in first.content
+    # the cache holds exactly the session's text: the reply's tokens past the cut were forgotten
+    assert session.cache.length == len(tokenizer(session.text)["input_ids"]) and session.pending == []
+    follow = messages + [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And then?"}]
+    second = _run(engine, engine.begin(session, Sampling(max_tokens=4, stop=(stop,)), messages=follow))
+    assert not second.reencoded and engine.counters["reencoded_sessions"] == 0
+    assert second.prompt_tokens <= len(tokenizer("\nUser: And then?\nAssistant:", add_special_tokens=False)
+                                       ["input_ids"]) + 1
+
+
+def test_stop_strings_are_searched_only_in_new_text():
+    from sparsegen.serve.engine import _held_back
+
+    assert _held_back("the end is nea", ("near", "x")) == 3 and _held_back("abc", ("zzz",)) == 0
+    assert _held_back("ab", ("abab",)) == 2 and _held_back("aba", ("abab",)) == 3

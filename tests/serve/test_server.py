@@ -28,10 +28,10 @@ def _free_port() -> int:
 class Running:
     """A server in a thread: ``url``, ``app`` and ``stop()``."""
 
-    def __init__(self, model, tokenizer, limits: Limits, policy="streaming"):
+    def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None):
         self.engine = Engine(model, tokenizer, lambda: make_policy(policy, BUDGET), chunk_size=32,
                              max_sessions=limits.max_sessions, max_batch=limits.max_batch)
-        self.app = build_app(self.engine, limits, "reference")
+        self.app = build_app(self.engine, limits, "reference", defaults)
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="error"))
@@ -124,6 +124,8 @@ def test_bad_requests_get_openai_shaped_errors(server):
     cases = [
         (httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400, "not valid JSON"),
         (httpx.post(url, json=[1, 2]), 400, "JSON object"),
+        (httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}), 400,
+         "temperature"),
         (httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "frequency": 1}), 400, "frequency"),
         (httpx.post(url, json={"messages": [{"role": "user", "content": 3}]}), 400, "content"),
         (httpx.post(url, json={"messages": [{"role": "robot", "content": "hi"}]}), 400, "role"),
@@ -168,7 +170,7 @@ def test_openai_client(server):
 
 
 def test_api_key(reference):
-    running = Running(*reference, Limits(api_key="s3cret", max_sessions=2, max_batch=2))
+    running = Running(*reference, Limits(api_keys=("s3cret",), max_sessions=2, max_batch=2))
     try:
         url = f"{running.url}/v1/completions"
         assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}).status_code == 401
@@ -287,3 +289,202 @@ def test_the_serve_command_refuses_an_unbounded_policy(capsys):
 
     assert main(["serve", "--model", "reference", "--policy", "full"]) == 2
     assert "grows without bound" in capsys.readouterr().err
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(f"{server.url}{path}", json=body, headers=server.headers, timeout=60, **kw)
+
+
+def _stream_texts(url, body, headers=None):
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as response:
+        return response.status_code, [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_tiny_temperature_neither_fails_nor_poisons_other_replies(server):
+    """Row 1: 2.4e-38 overflowed 1/T inside the shared decode step and failed every concurrent reply."""
+    url = f"{server.url}/v1/completions"
+    results = {}
+
+    def run(name, temperature):
+        results[name] = _stream_texts(url, {"prompt": "Once upon a time", "temperature": temperature,
+                                            "max_tokens": 32, "stream": True})
+
+    threads = [threading.Thread(target=run, args=(name, t)) for name, t in (("tiny", 2.4e-38), ("other", 0.7))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for status, lines in results.values():
+        assert status == 200 and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    assert _post(server, "/v1/completions", {"prompt": "Once", "temperature": 5e-324, "max_tokens": 4}).status_code == 200
+    nan = httpx.post(url, content=b'{"prompt": "Once", "temperature": NaN}', headers={"content-type": "application/json"})
+    assert nan.status_code == 400 and "temperature" in nan.json()["error"]["message"]
+
+
+def test_stop_strings_are_limited_in_count_and_length(server):
+    """Row 2: four 250K-character stop strings cost seconds per token."""
+    for stop in (["x" * 250_000] * 4, ["a", "b", "c", "d", "e"]):
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": 6, "stop": stop},
+                           timeout=60)
+        assert reply.status_code in (400, 413) and reply.json()["error"]["type"] == "invalid_request_error"
+    reply = _post(server, "/v1/completions", {"prompt": "Once", "max_tokens": 6, "stop": ["y" * 256]})
+    assert reply.status_code == 200
+
+
+def test_a_long_prompt_is_refused_or_interleaved(reference):
+    """Row 3: no limit on prompt tokens, and one long prefill held every other reply back."""
+    running = Running(*reference, Limits(max_sessions=4, max_batch=4, max_tokens=16, max_prompt_tokens=2000))
+    try:
+        url = f"{running.url}/v1/completions"
+        too_long = httpx.post(url, json={"prompt": "the sea " * 1500, "max_tokens": 1}, timeout=60)
+        assert too_long.status_code == 400 and "limit of 2000" in too_long.json()["error"]["message"]
+        finished = {}
+
+        def send(name, prompt, tokens):
+            httpx.post(url, json={"prompt": prompt, "max_tokens": tokens}, timeout=120)
+            finished[name] = time.perf_counter()
+
+        long = threading.Thread(target=send, args=("long", "It was late in the evening. " * 250, 1))
+        long.start()
+        time.sleep(0.3)
+        send("short", "The sea", 4)
+        long.join()
+        assert finished["short"] < finished["long"]  # served between the long prompt's chunks
+    finally:
+        running.stop()
+
+
+def test_a_chunked_upload_is_cut_off_at_the_limit(server):
+    """Row 4: a chunked body was read whole before the 413."""
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(8):  # 8 KiB of a body that never ends; the limit is 4096
+            sock.sendall(b"400\r\n" + b" " * 1024 + b"\r\n")
+        answer = b""
+        while b"too_large" not in answer:  # answered now, not when the body ends
+            received = sock.recv(4096)
+            assert received, answer
+            answer += received
+    assert answer.startswith(b"HTTP/1.1 413")
+
+
+def test_text_the_tokenizer_cannot_take_gets_a_400(server):
+    """Row 5: a lone surrogate in chat content was a 500 with tokenizer internals."""
+    body = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    reply = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("session_id", ["\U0001f600", "a\r\nb", "x" * 129, "semi;colon"])
+def test_session_ids_are_checked_in_the_body_and_the_header(server, session_id):
+    """Row 6: a non-Latin-1 session id in a stream was a 500, one with CR LF dropped the connection."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "session_id": session_id}, timeout=60)
+    assert reply.status_code == 400 and "session" in reply.json()["error"]["message"]
+    if session_id.isprintable() and session_id.isascii():
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"X-Session-Id": session_id})
+        assert reply.status_code == 400
+
+
+def test_limits_below_one_are_refused():
+    """Row 7: --max-batch 0 started a server that admitted nothing and spun a core."""
+    for name in ("max_batch", "max_queue", "max_tokens", "max_request_bytes", "max_messages", "max_prompt_tokens"):
+        with pytest.raises(ValueError, match=name):
+            Limits(**{name: 0})
+
+
+def test_a_disconnected_client_cancels_its_unstreamed_reply(reference):
+    """Row 8: a killed client's non-streamed request decoded all its tokens."""
+    running = Running(*reference, Limits(max_sessions=2, max_batch=2, max_tokens=4000))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{running.url}/v1/completions", json={"prompt": "Once", "max_tokens": 4000}, timeout=1.0)
+        deadline = time.time() + 10
+        while running.metrics()["sparsegen_active_replies"] and time.time() < deadline:
+            time.sleep(0.1)
+        metrics = running.metrics()
+        assert metrics["sparsegen_active_replies"] == 0 and metrics["sparsegen_decode_tokens_total"] < 2000
+    finally:
+        running.stop()
+
+
+def test_server_defaults_apply_to_requests_that_leave_them_out(reference):
+    """Row 9: serve's --max-new-tokens, --temperature, --top-p and --seed were ignored."""
+    from sparsegen.serve import Sampling
+
+    running = Running(*reference, Limits(max_tokens=64), defaults=Sampling(max_tokens=5, temperature=0.9, seed=3))
+    try:
+        url = f"{running.url}/v1/completions"
+        texts = [httpx.post(url, json={"prompt": "The sea"}, timeout=60).json() for _ in range(2)]
+        assert all(t["usage"]["completion_tokens"] == 5 for t in texts)
+        assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]  # seed 3 both times
+        greedy = httpx.post(url, json={"prompt": "The sea", "temperature": 0, "max_tokens": 5}, timeout=60).json()
+        sampled = [httpx.post(url, json={"prompt": "The sea", "seed": s}, timeout=60).json()["choices"][0]["text"]
+                   for s in range(4)]
+        assert any(text != greedy["choices"][0]["text"] for text in sampled)  # 0.9, not greedy
+    finally:
+        running.stop()
+    with pytest.raises(ValueError, match="over the limit"):
+        build_app(running.engine, Limits(max_tokens=4), "reference", Sampling(max_tokens=5))
+
+
+def test_a_stop_string_reply_is_extended_by_the_next_turn(server):
+    """Row 10: a reply ending on a client stop string made the next turn re-encode the whole history."""
+    messages = [{"role": "user", "content": "Tell me about the old house by the river."}]
+    free = _chat(server, messages).json()["choices"][0]["message"]["content"]
+    stop = free.split()[2]
+    first = _chat(server, messages, session_id="stops", stop=[stop]).json()
+    assert first["choices"][0]["finish_reason"] == "stop"
+    before = server.metrics()
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "And the garden?"}]
+    second = _chat(server, messages, session_id="stops", stop=[stop]).json()
+    after = server.metrics()
+    assert after["sparsegen_reencoded_sessions_total"] == before["sparsegen_reencoded_sessions_total"]
+    assert second["usage"]["prompt_tokens"] < first["usage"]["prompt_tokens"]
+
+
+def test_sessions_belong_to_their_api_key(reference):
+    """Row 11: any client could reset another's conversation by guessing its id."""
+    running = Running(*reference, Limits(api_keys=("alice", "bob"), max_sessions=4, max_batch=2, max_tokens=16))
+    try:
+        url = f"{running.url}/v1/chat/completions"
+        alice, bob = ({"Authorization": f"Bearer {key}"} for key in ("alice", "bob"))
+        running.headers = alice
+        messages = [{"role": "user", "content": "My name is Alice."}]
+        first = httpx.post(url, json={"messages": messages, "max_tokens": 4, "session_id": "s"}, headers=alice,
+                           timeout=60).json()
+        httpx.post(url, json={"messages": [{"role": "user", "content": "Something else."}], "max_tokens": 4,
+                              "session_id": "s"}, headers=bob, timeout=60)
+        follow = messages + [first["choices"][0]["message"], {"role": "user", "content": "What is my name?"}]
+        before = running.metrics()
+        httpx.post(url, json={"messages": follow, "max_tokens": 4, "session_id": "s"}, headers=alice, timeout=60)
+        after = running.metrics()
+        assert after["sparsegen_sessions"] == 2  # one "s" per key
+        assert after["sparsegen_reencoded_sessions_total"] == before["sparsegen_reencoded_sessions_total"]
+    finally:
+        running.stop()
+
+
+def test_a_non_json_content_type_gets_a_415(server):
+    """Row 12: a text/plain POST (which any web page may send cross-origin) was served."""
+    reply = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "Once", "max_tokens": 2}',
+                       headers={"content-type": "text/plain", "origin": "http://evil.example"})
+    assert reply.status_code == 415 and reply.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_openai_shapes_usage_chunks_models_and_the_schema(server):
+    """Row 16: include_usage ignored, any model accepted, 404/405 not in the OpenAI shape, no request schema."""
+    status, lines = _stream_texts(f"{server.url}/v1/completions", {"prompt": "Once", "max_tokens": 3, "stream": True,
+                                                                    "stream_options": {"include_usage": True}})
+    usage = json.loads(lines[-2][6:])
+    assert status == 200 and usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+    wrong = _post(server, "/v1/completions", {"prompt": "Once", "model": "gpt-4"})
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    assert _post(server, "/v1/completions", {"prompt": "Once", "model": "reference", "max_tokens": 1}).status_code == 200
+    for reply, status in ((httpx.get(f"{server.url}/v1/nothing"), 404), (httpx.get(f"{server.url}/v1/completions"), 405)):
+        assert reply.status_code == status and reply.json()["error"]["message"]
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("ChatRequest") and "messages" in schema["components"]["schemas"]["ChatRequest"]["properties"]

@@ -14,7 +14,12 @@ OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "
 def resolve_budget(budget: int | float | str, input_length: int | None = None) -> int:
     """A token count, or a fraction in (0, 1] of ``input_length`` (``"0.2"`` or ``0.2``)."""
     if isinstance(budget, str):
-        budget = float(budget) if any(c in budget for c in ".eE") else int(budget)
+        try:
+            budget = float(budget) if any(c in budget for c in ".eE") else int(budget)
+        except ValueError:
+            raise ValueError(f"budget must be a token count or a fraction like 0.2, got {budget!r}") from None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be a token count or a fraction like 0.2, got {budget!r}")
     if isinstance(budget, float):
         if not 0 < budget <= 1:
             raise ValueError(f"a budget fraction must be in (0, 1], got {budget}; give a token count as an integer")
