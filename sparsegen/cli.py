@@ -54,8 +54,18 @@ def attach_prompt(args: argparse.Namespace, model, tokenizer) -> None:
         attach(model, PromptPrefix.from_text(model, tokenizer, args.hard_prompt))
 
 
+def budget_arg(text: str) -> int | float:
+    """An argparse type: a KV budget (tokens, or a fraction of the input)."""
+    from sparsegen.kv.policies import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
-    p.add_argument("--budget", default=None, help=budget_help)
+    p.add_argument("--budget", type=budget_arg, default=None, help=budget_help)
     p.add_argument("--sinks", type=int, default=None, help="first tokens always kept (streaming: 4)")
     p.add_argument("--recent", type=int, default=None, help="most recent tokens always kept (h2o: half the budget)")
     p.add_argument("--heavy", type=int, default=None, help="heavy-hitter tokens kept (h2o: half the budget)")
@@ -224,9 +234,9 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
     results = []
     for name, make in _policies(args, input_length=data.shape[1]):
         if name == "recompute":
-            if args.budget is None:
-                raise ValueError("recompute needs --budget (its window, in tokens)")
-            results.append(recompute_nll(model, data, int(args.budget), every=args.every))
+            if not isinstance(args.budget, int):
+                raise ValueError("recompute needs --budget as a token count (its window)")
+            results.append(recompute_nll(model, data, args.budget, every=args.every))
             continue
         policy = make()
         results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every, chunk=args.chunk))
@@ -371,8 +381,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     contexts, batches = _int_list(args.contexts, "contexts"), _int_list(args.batch, "batch")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    if args.budget is None and any(n not in ("dense", "full") for n in names):
-        raise ValueError("--budget is needed for every policy but dense and full (recompute: its window)")
+    if not isinstance(args.budget, int) and any(n not in ("dense", "full") for n in names):
+        raise ValueError("--budget (a token count) is needed for every policy but dense and full (recompute: its "
+                         "window)")
     if args.threads:
         torch.set_num_threads(args.threads)
     policies = []
@@ -382,7 +393,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if name == "dense":
             policies.append((name, lambda: None))
         elif name == "recompute":
-            policies.append((name, lambda: int(args.budget)))
+            policies.append((name, lambda: args.budget))
         else:
             policies.append((name, factories[name]))
     for _, make in policies:
@@ -470,21 +481,21 @@ def _saved_dtype(name: str, model):
 
 
 def cmd_prune(args: argparse.Namespace) -> None:
-    from sparsegen.pruning import PruneConfig, prune_model, save_pruned
-    from sparsegen.pruning.prune import check_output_dir
     from sparsegen.models.loading import resolve
+    from sparsegen.output import check_output
+    from sparsegen.pruning import PruneConfig, prune_model, save_pruned
 
     config = PruneConfig(method=args.method, sparsity=args.sparsity, pattern=args.pattern, structured=args.structured,
                          per_row=args.per_row, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed,
                          batch_size=args.batch_size)
-    out = check_output_dir(args.out, resolve(args.model), args.force)
+    out = check_output(args.out, resolve(args.model), args.force)
     model, tokenizer = load_model(args)
     ids, calib = None, None
     if config.method != "magnitude":
         ids, calib = _calibration(args, tokenizer, "train")
     report = {"model": args.model, "calibration": str(calib) if calib else None,
               **prune_model(model, config, ids)}
-    save_pruned(model, tokenizer, out, report, dtype=_saved_dtype(args.model, model))
+    save_pruned(model, tokenizer, out, report, dtype=_saved_dtype(args.model, model), overwrite=args.force)
     if config.amounts is not None:
         print(f"{config.method}, structured {config.structured}: {report['params_before']:,} -> "
               f"{report['params_after']:,} parameters ({report['removed']:.1%} removed); {report['seconds']:.1f} s; "
@@ -600,25 +611,24 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
-    import shutil
     from pathlib import Path
 
     from sparsegen.models.loading import resolve
+    from sparsegen.output import check_output
     from sparsegen.pruning import save_pruned
-    from sparsegen.pruning.prune import check_output_dir
     from sparsegen.quant import QuantizeConfig, quantize_model
 
     config = QuantizeConfig(bits=args.bits, group_size=args.group_size, method=args.method, nsamples=args.nsamples,
                             seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size)
     source = Path(resolve(args.model))
-    out = check_output_dir(args.out, source, args.force)
+    out = check_output(args.out, source, args.force)
     model, tokenizer = load_model(args)
     ids, calib = _calibration(args, tokenizer, "train") if config.method == "gptq" else (None, None)
     loaded = model.dtype
     report = {"model": args.model, "calibration": str(calib) if calib else None, **quantize_model(model, config, ids)}
-    save_pruned(model, tokenizer, out, report, "quantization.json", _saved_dtype(args.model, model))
-    if (source / "sparsity.json").exists():  # a pruned checkpoint: its pruning report travels with it
-        shutil.copy(source / "sparsity.json", out / "sparsity.json")
+    pruned = source / "sparsity.json"  # a pruned checkpoint: its pruning report travels with it
+    extra = {pruned.name: json.loads(pruned.read_text())} if pruned.exists() else None
+    save_pruned(model, tokenizer, out, report, "quantization.json", _saved_dtype(args.model, model), args.force, extra)
     before = sum(f.stat().st_size for f in source.glob("*.safetensors")) if source.exists() else None
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     linear = report["linear_bytes_before"] / report["linear_bytes_after"]
@@ -629,16 +639,13 @@ def cmd_quantize(args: argparse.Namespace) -> None:
 
 
 def cmd_prompt_tune(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from sparsegen.models import load
+    from sparsegen.output import check_output
     from sparsegen.prompt import TuneConfig, tune_prompt
 
     config = TuneConfig(tokens=args.tokens, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                         init=args.init)
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise ValueError(f"--out {out} exists; pick a new file or pass --force to overwrite")
+    out = check_output(args.out, overwrite=args.force, folder=False)
     model, tokenizer = load_model(args)
     teacher = None
     if args.teacher:
@@ -650,7 +657,7 @@ def cmd_prompt_tune(args: argparse.Namespace) -> None:
     ids, calib = _calibration(args, tokenizer, "train")
     prefix = tune_prompt(model, ids, config, teacher)
     prefix.info.update(model=args.model, teacher=args.teacher, calibration=str(calib))
-    prefix.save(out)
+    prefix.save(out, overwrite=args.force)
     info = prefix.info
     print(f"{args.tokens}-token soft prompt, {args.steps} steps on {len(ids) - config.eval_windows} windows of "
           f"{args.seqlen} tokens ({info['loss']}); held-out loss {info['held_out_loss_without_prompt']:.4f} without "
@@ -678,9 +685,9 @@ def cmd_contextual_stats(args: argparse.Namespace) -> None:
 def cmd_contextual_fit(args: argparse.Namespace) -> None:
     from sparsegen.models.loading import resolve
     from sparsegen.models.synthetic import is_random, random_model
-    from sparsegen.pruning.prune import check_output_dir
+    from sparsegen.output import check_output
 
-    out = check_output_dir(args.out, None if is_random(args.model) else resolve(args.model), args.force)
+    out = check_output(args.out, None if is_random(args.model) else resolve(args.model), args.force)
     if args.method == "teal":
         if args.sparsity is None or args.top_k is not None or args.recall is not None or args.heads:
             raise ValueError("teal takes --sparsity only (the fraction of every linear's inputs dropped)")
@@ -718,7 +725,7 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
 
         plan = fit_dejavu(model, ids, config, batch_size=args.batch_size)
     plan.info.update(model=args.model, calibration=str(calib), seconds=round(time.perf_counter() - started, 1))
-    plan.save(out)
+    plan.save(out, overwrite=args.force)
     if args.method == "teal":
         achieved = plan.info["achieved_on_calibration"]
         print(f"teal ({args.targets}): {len(achieved)} linear inputs, target sparsity {args.sparsity}, achieved on calibration "
@@ -736,8 +743,15 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
     print(f"{plan.info['seconds']} s; saved to {out}")
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage mistake is one line (and the way to the help), like every other error a user can cause."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
+    parser = Parser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("info", help="architecture, size and KV-cache cost of a model")
@@ -762,7 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
     p.add_argument("--policies", default="full,window,streaming,h2o", help="comma-separated (default full,window,streaming,h2o)")
-    p.add_argument("--budget", default="128", help="KV budget for every policy but full (tokens or a fraction)")
+    p.add_argument("--budget", type=budget_arg, default="128",
+                   help="KV budget for every policy but full (tokens or a fraction)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", action="store_true")
@@ -1007,13 +1022,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit:  # --help, or a usage mistake (already reported in one line)
+        return exit.code
     from sparsegen.models import ModelLoadError
 
     try:
         args.func(args)
-    except (ModelLoadError, FileNotFoundError, ValueError) as err:
-        print(f"sparsegen {args.command}: error: {err}", file=sys.stderr)
+    except (ModelLoadError, OSError, ValueError) as err:  # what a user can cause; anything else is a bug: traceback
+        message = str(err) if not isinstance(err, OSError) or not err.filename else \
+            f"{err.filename}: {err.strerror or err}"
+        print(f"sparsegen {args.command}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -49,3 +49,52 @@ def test_generate_is_greedy_and_deterministic(tiny_checkpoint, capsys):
 def test_generate_rejects_bad_lengths(tiny_checkpoint, capsys):
     assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "x", "--max-new-tokens", "0"]) == 2
     assert "max_new_tokens" in capsys.readouterr().err
+
+
+def _bad_invocations(checkpoint: Path, tmp: Path) -> list[tuple[list[str], str]]:
+    """``(argv, words in the error)``: mistakes a user can make, each to be answered in one line."""
+    folder = tmp / "a-folder"
+    folder.mkdir(exist_ok=True)
+    a_file = tmp / "a-file"
+    a_file.write_text("x")
+    model = ["--model", str(checkpoint)]
+    return [
+        (["generate", *model, "--prompt-file", str(folder)], "a-folder"),
+        (["generate", *model, "--prompt", "x", "--device", "banana"], "not a device"),
+        (["generate", *model, "--prompt", "x", "--policy", "window", "--budget", "abc"], "budget"),
+        (["generate", "--model", "/nonexistent/path", "--prompt", "x"], "does not exist"),
+        (["generate", *model, "--prompt", "x", "--seed", str(2**70)], "seed"),
+        (["generate", *model, "--prompt", "x", "--temperature", "nan"], "temperature"),
+        (["generate", *model, "--prompt", "x", "--top-p", "0"], "top_p"),
+        (["generate", *model, "--prompt", "x", "--policy", "streaming", "--budget", "0"], "budget"),
+        (["generate", *model, "--prompt", "x", "--policy", "streaming", "--budget", "8", "--sinks", "9"], "sinks"),
+        (["generate", *model, "--prompt", "x", "--policy", "teleport", "--budget", "8"], "unknown policy"),
+        (["prune", *model, "--method", "magnitude", "--sparsity", "0.5", "--out", str(a_file)], "is a file"),
+        (["prune", *model, "--method", "magnitude", "--sparsity", "0.5", "--pattern", "5:4", "--out",
+          str(tmp / "p")], "pattern"),
+        (["prune", *model, "--method", "magnitude", "--sparsity", "1.5", "--out", str(tmp / "p")], "sparsity"),
+        (["ppl", *model, "--stream", "--text", str(tmp / "missing.txt")], "missing.txt"),
+        (["serve", *model, "--max-batch", "0"], "positive integer"),
+        (["serve", *model, "--max-queue", "-1"], "positive integer"),
+        (["serve", *model, "--max-new-tokens", "2000"], "max-tokens-limit"),
+        (["info"], "model"),
+        (["generate", *model, "--prompt", "x", "--max-new-tokens", "many"], "max-new-tokens"),
+    ]
+
+
+def test_every_bad_invocation_is_one_line_and_a_nonzero_exit(tiny_checkpoint, tmp_path, capsys):
+    for argv, words in _bad_invocations(tiny_checkpoint, tmp_path):
+        code = main(argv)
+        err = "".join(line for line in capsys.readouterr().err.splitlines(keepends=True) if "%|" not in line)
+        assert code == 2, (argv, err)
+        assert err.count("\n") == 1 and "Traceback" not in err and words in err, (argv, err)
+
+
+def test_a_budget_far_above_the_sequence_allocates_what_the_sequence_needs(tiny_checkpoint, capsys):
+    """`generate --budget 1000000000` tried to allocate the whole budget (256 GB on the reference model)."""
+    from sparsegen.bench.memory import current_rss
+
+    before = current_rss()
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "it was the", "--policy", "streaming",
+                 "--budget", "1000000000", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("it was the") and current_rss() - before < 2**30

@@ -62,18 +62,19 @@ class Contextual:
     predictors: nn.ModuleDict = field(default_factory=nn.ModuleDict)  # dejavu: predictor_name -> LowRankPredictor
     thresholds: dict[str, float] = field(default_factory=dict)  # teal: "layer.path" -> |x| threshold
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, overwrite: bool = False) -> Path:
         from safetensors.torch import save_file
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        from sparsegen.output import new_folder
+
         ranks = {name: p.down.out_features for name, p in self.predictors.items()}
-        (folder / CONFIG).write_text(json.dumps({"method": self.method, "top_k": self.top_k, "ranks": ranks,
-                                                 "thresholds": self.thresholds, **self.info}, indent=2))
-        if self.method == "dejavu":
-            state = {k: v.detach().float().contiguous() for k, v in self.predictors.state_dict().items()}
-            save_file(state, folder / WEIGHTS)
-        return folder
+        with new_folder(folder, overwrite) as work:
+            (work / CONFIG).write_text(json.dumps({"method": self.method, "top_k": self.top_k, "ranks": ranks,
+                                                   "thresholds": self.thresholds, **self.info}, indent=2))
+            if self.method == "dejavu":
+                state = {k: v.detach().float().contiguous() for k, v in self.predictors.state_dict().items()}
+                save_file(state, work / WEIGHTS)
+        return Path(folder)
 
     @classmethod
     def load(cls, folder: str | Path) -> Contextual:

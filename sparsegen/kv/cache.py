@@ -12,6 +12,8 @@ time to their rank in the cache (StreamingLLM), so positions never exceed the bu
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass, field
 
 import torch
@@ -67,8 +69,8 @@ class EvictionLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
-        """Only the unbounded ``full`` policy, or a forward call larger than the chunk, gets here."""
-        capacity = max(needed, 2 * self.keys.shape[2])
+        """More slots: doubling, up to what the policy can ever hold (``most_slots``)."""
+        capacity = max(needed, min(2 * self.keys.shape[2], self.most_slots(needed)))
         for name, old in self.buffers():
             new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
             new[:, :, : old.shape[2]] = old
@@ -119,11 +121,16 @@ class EvictionLayer(CacheLayerMixin):
             return view
         return self.pinned, self.policy.budget - self.pinned
 
-    def capacity(self, first_chunk: int) -> int:
+    def most_slots(self, chunk: int) -> int:
+        """Slots a bounded policy can need with calls of ``chunk`` tokens: its budget plus one call."""
         budget = self.policy.budget
-        if budget is not None:
-            return budget + max(self.cache.chunk_size, first_chunk)
-        return max(first_chunk, self.cache.expected_length, 64)
+        return sys.maxsize if budget is None else budget + max(self.cache.chunk_size, chunk)
+
+    def capacity(self, first_chunk: int) -> int:
+        """Slots allocated at first: what the sequence is expected to need (a budget far above it, say 10**9, is
+        not allocated up front), at most what the policy can ever hold; ``_grow`` adds more when needed."""
+        expected = max(first_chunk, self.cache.expected_length, self.cache.chunk_size, 64)
+        return min(self.most_slots(first_chunk), expected if self.policy.budget is None else max(expected, 4096))
 
     def view(self, seen: torch.Tensor) -> TokenView:
         t = self.used

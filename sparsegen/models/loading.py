@@ -32,6 +32,13 @@ def resolve(name_or_path: str | Path) -> str:
     from sparsegen.models.gguf import PACKAGED, checkpoint_folder, is_gguf
 
     name = str(name_or_path)
+    local = Path(name).expanduser()
+    looks_local = name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+    if looks_local and not local.exists():
+        raise ModelLoadError(f"{name} does not exist; give a checkpoint folder, a .gguf file, a packaged model "
+                             f"(smollm2, gemma3-270m, reference) or a hub id such as org/name")
+    if looks_local:
+        name = str(local)
     if name in PACKAGED or is_gguf(name):
         return str(checkpoint_folder(name))
     if name in BUNDLED:
@@ -107,7 +114,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, dev
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"{device!r} is not a device; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
     return device

@@ -61,14 +61,15 @@ class PromptPrefix(nn.Module):
         ids = torch.randint(vocabulary, (tokens,), generator=torch.Generator().manual_seed(seed))
         return cls.from_ids(model, ids, {"kind": "soft"})
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
         from safetensors.torch import save_file
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"embeddings": self.embeddings.detach().float().cpu().contiguous()}, path,
-                  metadata={"format": FORMAT, "info": json.dumps(self.info)})
-        return path
+        from sparsegen.output import new_file
+
+        with new_file(path, overwrite) as work:
+            save_file({"embeddings": self.embeddings.detach().float().cpu().contiguous()}, work,
+                      metadata={"format": FORMAT, "info": json.dumps(self.info)})
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> PromptPrefix:

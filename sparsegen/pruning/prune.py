@@ -297,27 +297,22 @@ def _prune_structured(model: torch.nn.Module, config: PruneConfig, ids: torch.Te
     }
 
 
-def check_output_dir(out: str | Path, source: str | Path | None, force: bool) -> Path:
-    """Refuse to write over the input model, or into a non-empty folder unless ``force``."""
-    out = Path(out)
-    if source is not None and Path(source).exists() and out.resolve() == Path(source).resolve():
-        raise ValueError(f"--out {out} is the input model's own folder; write the output somewhere else")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {out} exists and is not empty; pick a new folder or pass --force to overwrite")
-    return out
+def save_pruned(model, tokenizer, out: str | Path, report: dict, report_name: str = "sparsity.json",
+                dtype: torch.dtype | None = None, overwrite: bool = False, extra: dict[str, dict] | None = None) -> Path:
+    """A loadable checkpoint (weights, config, tokenizer) plus the report of what was done to it (``extra``: more
+    JSON reports by file name), written all at once (``sparsegen.output.new_folder``). ``dtype``: cast the float
+    parameters to it first (the source checkpoint's own, so a float16 model is not saved at twice its size because
+    it ran in float32); quantized codes and scales are buffers and keep theirs."""
+    from sparsegen.output import new_folder
 
-
-def save_pruned(model, tokenizer, out: Path, report: dict, report_name: str = "sparsity.json",
-                dtype: torch.dtype | None = None) -> None:
-    """A loadable checkpoint (weights, config, tokenizer) plus the report of what was done to it. ``dtype``: cast
-    the float parameters to it first (the source checkpoint's own, so a float16 model is not saved at twice its
-    size because it ran in float32); quantized codes and scales are buffers and keep theirs."""
     if dtype is not None:
         for param in model.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    (out / report_name).write_text(json.dumps(report, indent=2))
+    with new_folder(out, overwrite) as work:
+        model.save_pretrained(work)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(work)
+        for name, content in {report_name: report, **(extra or {})}.items():
+            (work / name).write_text(json.dumps(content, indent=2))
+    return Path(out)

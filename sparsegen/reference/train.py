@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sparsegen.data import data_dir, text_files, tokenize_files
+from sparsegen.output import new_folder
 from sparsegen.reference.tokenizer import train_tokenizer
 
 
@@ -195,26 +196,26 @@ def train_reference(
     if step < cfg.steps:
         return None
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.eval()
-    model.to(torch.float16).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    # The generic class name loads on every transformers release; loading-time keys do not belong in the file.
-    tok_cfg = out_dir / "tokenizer_config.json"
-    settings = {k: v for k, v in json.loads(tok_cfg.read_text()).items() if k not in ("is_local", "local_files_only")}
-    tok_cfg.write_text(json.dumps({**settings, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
-    record = {
-        "preset": preset,
-        "config": asdict(cfg),
-        "params": sum(p.numel() for p in model.parameters()),
-        "training_tokens": cfg.steps * tokens_per_step,
-        "training_stream_tokens": int(len(stream)),
-        "train_seconds": round(elapsed, 1),
-        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "compiled": compile,
-    }
-    (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    with new_folder(out_dir, overwrite=True) as work:  # the folder is replaced whole, once complete
+        model.eval()
+        model.to(torch.float16).save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        # The generic class name loads on every transformers release; loading-time keys do not belong in the file.
+        tok_cfg = work / "tokenizer_config.json"
+        settings = {k: v for k, v in json.loads(tok_cfg.read_text()).items() if k not in ("is_local", "local_files_only")}
+        tok_cfg.write_text(json.dumps({**settings, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+        record = {
+            "preset": preset,
+            "config": asdict(cfg),
+            "params": sum(p.numel() for p in model.parameters()),
+            "training_tokens": cfg.steps * tokens_per_step,
+            "training_stream_tokens": int(len(stream)),
+            "train_seconds": round(elapsed, 1),
+            "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+            "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "compiled": compile,
+        }
+        (work / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return record

@@ -86,7 +86,7 @@ def test_a_measurement_that_cannot_fit_is_skipped_not_run(tiny_model, monkeypatc
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--policies", "streaming"], "--budget is needed"),
+    (["--policies", "streaming"], "is needed for every policy"),
     (["--policies", "full", "--contexts", "1k"], "comma-separated whole numbers"),
     (["--policies", "full", "--batch", "0"], "positive whole numbers"),
     (["--policies", "streaming", "--budget", "0"], "budget must be a positive"),

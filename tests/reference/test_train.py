@@ -79,3 +79,26 @@ def test_relu_preset_differs_only_in_the_gate(tiny_tokenizer):
     assert relu.act == "relu" and swiglu.act == "silu"
     assert {k: v for k, v in vars(relu).items() if k != "act"} == {k: v for k, v in vars(swiglu).items() if k != "act"}
     assert model_config(relu, tiny_tokenizer).hidden_act == "relu"
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_state_file_is_refused_and_never_run(data_env, tmp_path):
+    """Resuming unpickled the state with weights_only=False: a crafted file ran code."""
+    import pickle
+
+    work = tmp_path / "evil-work"
+    work.mkdir()
+    marker = tmp_path / "ran"
+    torch.save({"step": _RunsCode(marker)}, work / "train_state.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        _train(tmp_path, "evil", steps=2)
+    assert not marker.exists()

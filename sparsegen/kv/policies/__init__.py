@@ -11,8 +11,8 @@ OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "
            "streaming-h2o": ("sinks", "recent", "heavy")}  # the budget splits each policy takes
 
 
-def resolve_budget(budget: int | float | str, input_length: int | None = None) -> int:
-    """A token count, or a fraction in (0, 1] of ``input_length`` (``"0.2"`` or ``0.2``)."""
+def parse_budget(budget: int | float | str) -> int | float:
+    """A budget as given: a positive token count, or a fraction in (0, 1] of the input (``"0.2"`` or ``0.2``)."""
     if isinstance(budget, str):
         try:
             budget = float(budget) if any(c in budget for c in ".eE") else int(budget)
@@ -20,14 +20,20 @@ def resolve_budget(budget: int | float | str, input_length: int | None = None) -
             raise ValueError(f"budget must be a token count or a fraction like 0.2, got {budget!r}") from None
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"budget must be a token count or a fraction like 0.2, got {budget!r}")
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ValueError(f"a budget fraction must be in (0, 1], got {budget}; give a token count as an integer")
+    if isinstance(budget, int) and budget <= 0:
+        raise ValueError(f"budget must be a positive number of tokens, got {budget}")
+    return budget
+
+
+def resolve_budget(budget: int | float | str, input_length: int | None = None) -> int:
+    """A token count, or a fraction in (0, 1] of ``input_length`` (``"0.2"`` or ``0.2``)."""
+    budget = parse_budget(budget)
     if isinstance(budget, float):
-        if not 0 < budget <= 1:
-            raise ValueError(f"a budget fraction must be in (0, 1], got {budget}; give a token count as an integer")
         if input_length is None:
             raise ValueError("a fractional budget needs the input length; give a token count instead")
         return max(1, round(budget * input_length))
-    if budget <= 0:
-        raise ValueError(f"budget must be a positive number of tokens, got {budget}")
     return budget
 
 
