@@ -13,6 +13,8 @@ One thread drives an engine.
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +39,17 @@ class Sampling:
         check_sampling(self.temperature, self.top_p, self.seed)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request's text, tokenized against what its session held: ``ids`` are the tokens of ``text`` past ``base``
+    (the session's text it extends, or "" to start over)."""
+
+    text: str
+    base: str
+    ids: list[int]
+    several_messages: bool
 
 
 class Session:
@@ -94,6 +107,7 @@ class Engine:
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be at least 1")
         self.max_prompt_tokens = max_prompt_tokens
+        self._spare_tokenizer, self._spare_lock = copy.deepcopy(tokenizer), threading.Lock()
         self.model, self.tokenizer, self.make_policy = model, tokenizer, make_policy
         self.positions, self.chunk_size, self.max_sessions = positions, chunk_size, max_sessions
         self.template = template or ChatTemplate(tokenizer)
@@ -135,16 +149,15 @@ class Engine:
         session.cache, session.text, session.pending = self._new_cache(), "", []
 
     # --- running ---
-    def begin(self, session: Session, sampling: Sampling, messages: list[dict] | None = None,
-              prompt: str | None = None, on_text: Callable[[Job, str], None] | None = None) -> Job:
-        """A reply to ``messages`` (chat) or a continuation of ``prompt`` (completion) in ``session``, to be
-        advanced by ``step``. Only the text past what the session already holds is encoded; if the conversation
-        does not extend it (a new or evicted session, or edited history), the session starts over from the whole
-        text. Bad input (an empty or over-long prompt, text the tokenizer refuses) raises ``ValueError`` here."""
+    def prepare(self, session: Session | None, messages: list[dict] | None = None, prompt: str | None = None,
+                elsewhere: bool = False) -> Prepared:
+        """Render and tokenize a request's text against what ``session`` holds: the new text only if the
+        conversation extends it, else all of it. ``elsewhere``: called from another thread than the one driving
+        the engine (a server's request handler), with a copy of the tokenizer, so that reading a long text costs
+        the request that sent it and not the replies decoding meanwhile. Bad input (an empty or over-long prompt,
+        text the tokenizer refuses) raises ``ValueError``."""
         if (messages is None) == (prompt is None):
             raise ValueError("give messages or a prompt")
-        if not isinstance(sampling, Sampling):
-            raise ValueError("sampling must be a Sampling")
         text = self.template.render(messages) if messages is not None else prompt
         if not isinstance(text, str) or not text:
             raise ValueError("the prompt must be a non-empty string")
@@ -152,31 +165,46 @@ class Engine:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {err.start})") from None
-        continues = bool(session.text) and text.startswith(session.text)
-        history = False
-        if not continues:
-            special = self.template.adds_special_tokens if messages is not None else True
-            ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
-            history = session.turns > 0 or (messages is not None and len(messages) > 1)  # e.g. an evicted session
+        base = session.text if session is not None and session.text and text.startswith(session.text) else ""
+        special = not base and (self.template.adds_special_tokens if messages is not None else True)
+        if elsewhere:
+            with self._spare_lock:  # a fast tokenizer refuses concurrent calls ("Already borrowed")
+                ids = self._spare_tokenizer(text[len(base):], add_special_tokens=special)["input_ids"]
         else:
-            ids = session.pending + self.tokenizer(text[len(session.text):], add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError("the prompt is empty")
+            ids = self.tokenizer(text[len(base):], add_special_tokens=special)["input_ids"]
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise ValueError(f"the prompt has {len(ids)} new tokens, over this server's limit of "
                              f"{self.max_prompt_tokens}")
+        return Prepared(text, base, ids, messages is not None and len(messages) > 1)
+
+    def begin(self, session: Session, sampling: Sampling, messages: list[dict] | None = None,
+              prompt: str | None = None, on_text: Callable[[Job, str], None] | None = None,
+              prepared: Prepared | None = None) -> Job:
+        """A reply to ``messages`` (chat) or a continuation of ``prompt`` (completion) in ``session``, to be
+        advanced by ``step``. Only the text past what the session already holds is encoded; if the conversation
+        does not extend it (a new or evicted session, or edited history), the session starts over from the whole
+        text. ``prepared``: the text already tokenized by ``prepare`` (used if the session has not moved since)."""
+        if not isinstance(sampling, Sampling):
+            raise ValueError("sampling must be a Sampling")
+        current = session.text if prepared is not None and prepared.text.startswith(session.text) else ""
+        if prepared is None or prepared.base != current:
+            prepared = self.prepare(session, messages, prompt)
+        continues = bool(prepared.base)
+        ids = (session.pending if continues else []) + prepared.ids
+        if not ids:
+            raise ValueError("the prompt is empty")
+        history = not continues and (session.turns > 0 or prepared.several_messages)  # e.g. an evicted session
         self.counters["requests"] += 1
         if not continues:
             if session.text:
                 self.reset(session)
             self.counters["reencoded_sessions"] += session.id is not None and history
-        session.busy, session.pending, session.text = True, [], text
+        session.busy, session.pending, session.text = True, [], prepared.text
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        return Job(session, sampling, len(ids), reencoded=not continues and history,
-                   strip_leading=messages is not None and not self.template.native, generator=generator,
-                   on_text=on_text, feed=ids)
+        return Job(session, sampling, len(ids), reencoded=history, strip_leading=messages is not None and not
+                   self.template.native, generator=generator, on_text=on_text, feed=ids)
 
     @torch.inference_mode()
     def step(self, jobs: list[Job]) -> None:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException
 
 from sparsegen.bench.memory import current_rss
-from sparsegen.serve.engine import Engine, Job, Sampling
+from sparsegen.serve.engine import Engine, Job, Prepared, Sampling
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 SESSION_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ -"
@@ -148,6 +148,7 @@ class Pending:
     request: _Request
     session_id: str | None  # namespaced by API key
     sampling: Sampling
+    prepared: Prepared
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     job: Job | None = None
@@ -235,11 +236,8 @@ class Worker(threading.Thread):
         # notices a disconnected client meanwhile)
         on_text = (lambda job, text: pending.send(("text", text))) if request.stream else None  # noqa: E731
         try:
-            if pending.kind == "chat":
-                messages = [m.model_dump(exclude={"name"}) for m in request.messages]
-                pending.job = engine.begin(session, pending.sampling, messages=messages, on_text=on_text)
-            else:
-                pending.job = engine.begin(session, pending.sampling, prompt=request.prompt, on_text=on_text)
+            pending.job = engine.begin(session, pending.sampling, on_text=on_text, prepared=pending.prepared,
+                                       **_text_of(request))
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         return pending
@@ -261,6 +259,13 @@ class Worker(threading.Thread):
                     "queued_requests": self.inbox.qsize(), "kv_bytes": engine.kv_bytes()}
         with self.lock:
             self.snapshot = snapshot
+
+
+def _text_of(request: _Request) -> dict:
+    """``messages=`` or ``prompt=``, as the engine takes them."""
+    if isinstance(request, ChatRequest):
+        return {"messages": [m.model_dump(exclude={"name"}) for m in request.messages]}
+    return {"prompt": request.prompt}
 
 
 def kv_bound(engine: Engine, limits: Limits) -> int:
@@ -415,7 +420,12 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
 
     async def serve(request: Request, kind: str, parsed: _Request):
         session_id, sampling = check(parsed, request)
-        pending = Pending(kind, parsed, session_id, sampling, asyncio.get_running_loop())
+        session = engine.sessions.get(session_id) if session_id else None
+        try:  # tokenized here, in a thread of its own: a long text costs its sender, not the replies decoding
+            prepared = await asyncio.to_thread(engine.prepare, session, elsewhere=True, **_text_of(parsed))
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
+        pending = Pending(kind, parsed, session_id, sampling, prepared, asyncio.get_running_loop())
         worker.submit(pending)
         ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())

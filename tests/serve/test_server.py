@@ -338,6 +338,7 @@ def test_a_long_prompt_is_refused_or_interleaved(reference):
         url = f"{running.url}/v1/completions"
         too_long = httpx.post(url, json={"prompt": "the sea " * 1500, "max_tokens": 1}, timeout=60)
         assert too_long.status_code == 400 and "limit of 2000" in too_long.json()["error"]["message"]
+        assert running.metrics()["sparsegen_requests_total"] == 0  # tokenized and refused before the worker
         finished = {}
 
         def send(name, prompt, tokens):
