@@ -591,12 +591,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
     key = args.api_key or os.environ.get("SPARSEGEN_API_KEY")
     report = asyncio.run(run_load(args.url.rstrip("/"), args.sessions, args.turns, args.max_tokens,
-                                  {"Authorization": f"Bearer {key}"} if key else None))
+                                  {"Authorization": f"Bearer {key}"} if key else None, hostile=args.hostile))
     memory = report["memory"]
     print(f"{report['sessions']} sessions x {report['turns']} turns: {report['requests']} requests, {report['errors']} "
           f"errors in {report['seconds']} s; time to first token p50 {report['ttft_p50_s']} s, p99 "
           f"{report['ttft_p99_s']} s; {report['tokens_per_s']} tokens/s generated; {report['reencoded_sessions']:.0f} "
           f"sessions re-encoded")
+    if report["hostile"] is not None:
+        print("hostile client meanwhile: " + ", ".join(f"{k} x{v}" for k, v in sorted(report["hostile"].items())))
     if memory:
         print(f"server RSS after turn 1 {memory[0]['rss_bytes'] / 2**20:.0f} MiB, after turn {memory[-1]['turn']} "
               f"{memory[-1]['rss_bytes'] / 2**20:.0f} MiB; K/V {memory[0]['kv_bytes'] / 2**20:.1f} -> "
@@ -920,6 +922,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (default 16)")
     p.add_argument("--api-key", default=None, help="the server's key (or SPARSEGEN_API_KEY)")
+    p.add_argument("--hostile", action="store_true",
+                   help="meanwhile, one client loops over requests that once broke servers (tiny temperature, huge "
+                        "stop strings and prompts, a 200 MiB chunked upload)")
     p.add_argument("--json", default=None, help="write the report (with memory per turn) to this file")
     p.add_argument("--plot", default=None, help="write server memory per turn as a PNG")
     p.set_defaults(func=cmd_bench_serve)

@@ -108,6 +108,9 @@ class Engine:
             raise ValueError("max_prompt_tokens must be at least 1")
         self.max_prompt_tokens = max_prompt_tokens
         self._spare_tokenizer, self._spare_lock = copy.deepcopy(tokenizer), threading.Lock()
+        # no token is longer than this many characters, so a text of more than limit x this has too many tokens
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self._longest_token = max(map(len, vocabulary), default=0)
         self.model, self.tokenizer, self.make_policy = model, tokenizer, make_policy
         self.positions, self.chunk_size, self.max_sessions = positions, chunk_size, max_sessions
         self.template = template or ChatTemplate(tokenizer)
@@ -166,6 +169,10 @@ class Engine:
         except UnicodeEncodeError as err:
             raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {err.start})") from None
         base = session.text if session is not None and session.text and text.startswith(session.text) else ""
+        limit, longest = self.max_prompt_tokens, self._longest_token
+        if limit is not None and longest and len(text) - len(base) > limit * longest:  # no need to tokenize it
+            raise ValueError(f"the prompt has at least {(len(text) - len(base)) // longest:,} new tokens, over this "
+                             f"server's limit of {limit}")
         special = not base and (self.template.adds_special_tokens if messages is not None else True)
         if elsewhere:
             with self._spare_lock:  # a fast tokenizer refuses concurrent calls ("Already borrowed")

@@ -22,8 +22,10 @@ import re
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -351,11 +353,16 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
     bound = kv_bound(engine, limits)
     started = time.time()
 
+    # requests are rendered and tokenized here, one at a time, beside the worker: in one thread, so the memory a
+    # long text briefly takes is reused rather than kept by one allocator arena per thread
+    preparer = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-prepare")
+
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
         yield
         worker.stopping.set()
+        preparer.shutdown(cancel_futures=True)
         await asyncio.to_thread(worker.join, 30)
 
     app = FastAPI(title="sparsegen", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -421,8 +428,9 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
     async def serve(request: Request, kind: str, parsed: _Request):
         session_id, sampling = check(parsed, request)
         session = engine.sessions.get(session_id) if session_id else None
-        try:  # tokenized here, in a thread of its own: a long text costs its sender, not the replies decoding
-            prepared = await asyncio.to_thread(engine.prepare, session, elsewhere=True, **_text_of(parsed))
+        try:  # tokenized beside the worker: a long text costs its sender, not the replies decoding
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                preparer, partial(engine.prepare, session, elsewhere=True, **_text_of(parsed)))
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         pending = Pending(kind, parsed, session_id, sampling, prepared, asyncio.get_running_loop())
