@@ -80,6 +80,7 @@ class Job:
     error: str | None = None
     cancelled: bool = False
     searched: int = 0  # characters of the reply already searched for stop strings
+    served: int = 0  # the engine step that last encoded a chunk of its prompt (or began it)
     forget: int = 0  # reply tokens in the cache past a stop string: dropped when the row is back in its session
 
     @property
@@ -122,6 +123,7 @@ class Engine:
         self.counters = {"requests": 0, "prefill_tokens": 0, "decode_tokens": 0, "reencoded_sessions": 0,
                          "evicted_sessions": 0}
         self.max_batch = max_batch
+        self._ticks = 0  # steps run
         self._batch: EvictionCache | None = None  # the stacked caches of the replies decoding together
         self._rows: list[Job] = []  # whose reply each row of it is
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
@@ -211,17 +213,18 @@ class Engine:
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         return Job(session, sampling, len(ids), reencoded=history, strip_leading=messages is not None and not
-                   self.template.native, generator=generator, on_text=on_text, feed=ids)
+                   self.template.native, generator=generator, on_text=on_text, feed=ids, served=self._ticks)
 
     @torch.inference_mode()
     def step(self, jobs: list[Job]) -> None:
         """Advance every unfinished job in ``jobs``: one prompt chunk of the job still encoding its prompt that has
-        encoded the least so far (a short prompt overtakes a long one), then one decode step for all past their
-        prompts, batched."""
+        waited longest for one (round robin: a short prompt waits at most a chunk per other prompt, and a long one
+        is never starved by a stream of new ones), then one decode step for all past their prompts, batched."""
+        self._ticks += 1
         jobs = [job for job in jobs if not job.done]
-        prefilling = min((job for job in jobs if job.feed), key=lambda job: job.prompt_tokens - len(job.feed),
-                         default=None)
+        prefilling = min((job for job in jobs if job.feed), key=lambda job: job.served, default=None)
         if prefilling is not None:
+            prefilling.served = self._ticks
             self._guarded(prefilling, self._prefill, prefilling)
         jobs = [job for job in jobs if not job.done and not job.feed]
         if not jobs:

@@ -489,3 +489,14 @@ def test_openai_shapes_usage_chunks_models_and_the_schema(server):
     schema = httpx.get(f"{server.url}/openapi.json").json()
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("ChatRequest") and "messages" in schema["components"]["schemas"]["ChatRequest"]["properties"]
+
+
+def test_bench_serve_hostile_client_does_not_fail_the_others(server, capsys):
+    from sparsegen.cli import main
+
+    assert main(["bench-serve", "--url", server.url, "--sessions", "3", "--turns", "2", "--max-tokens", "4",
+                 "--hostile"]) == 0
+    out = capsys.readouterr().out
+    assert "6 requests, 0 errors" in out
+    hostile = next(line for line in out.splitlines() if line.startswith("hostile client meanwhile:"))
+    assert "tiny temperature: 200" in hostile and "upload: 413" in hostile and ": 5" not in hostile
