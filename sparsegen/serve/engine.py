@@ -99,6 +99,13 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return held
 
 
+def _template_space(reply: str) -> int:
+    """Characters at the start of a base model's reply that are the template's space after "Assistant:", not the
+    reply: that space, unless more whitespace follows (the template renders a reply that starts with whitespace
+    without adding one, and what a client sends back must render as the text the cache holds)."""
+    return 1 if reply.startswith(" ") and not reply[1:2].isspace() else 0
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy], positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
@@ -337,7 +344,7 @@ class Engine:
         job.tokens.append(token)
         eos = token == self.tokenizer.eos_token_id
         raw = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)
-        lead = 1 if job.strip_leading and raw.startswith(" ") else 0  # the template's own space after "Assistant:"
+        lead = _template_space(raw) if job.strip_leading else 0
         text = raw[lead:]
         stops = tuple(sampling.stop) + tuple(self.template.stop if job.strip_leading else ())
         # only the text that is new since the last search (and a stop's length before it) can hold a new match

@@ -260,3 +260,14 @@ def test_stop_strings_are_searched_only_in_new_text():
 
     assert _held_back("the end is nea", ("near", "x")) == 3 and _held_back("abc", ("zzz",)) == 0
     assert _held_back("ab", ("abab",)) == 2 and _held_back("aba", ("abab",)) == 3
+
+
+
+@pytest.mark.parametrize("reply", [" plain", "  two spaces", " \nnewline", "\nno space", " "])
+def test_a_reply_sent_back_renders_as_the_text_the_cache_holds(reference, reply):
+    from sparsegen.serve.engine import _template_space
+
+    content = reply[_template_space(reply):]
+    rendered = ChatTemplate(reference[1]).render([{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": content}])
+    assert rendered.startswith("User: hi\nAssistant:" + reply + "\n")
