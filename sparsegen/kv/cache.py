@@ -242,7 +242,7 @@ class EvictionCache(Cache):
         call would leave it, evictions between tokens included (what streaming perplexity measures). Order
         policies do so anyway; attention policies (H2O) then replay the per-token steps inside each layer. Without
         it, a prefill chunk's queries see the held tokens and the whole chunk causally, and eviction follows."""
-        from sparsegen.kv.attention import Rotary, prepare
+        from sparsegen.kv.attention import prepare
 
         prepare(model)
         positions = positions or policy.default_positions
