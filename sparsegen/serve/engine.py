@@ -2,7 +2,8 @@
 
 Each conversation (a ``Session``) owns a bounded ``EvictionCache`` of one sequence that lives across turns: a new
 turn feeds only the text added since the last one (the new user message and the template around it), never the
-history. A ``Job`` is one reply being produced. ``Engine.begin`` checks and tokenizes a job's new text; ``Engine.step``
+history. A ``Job`` is one reply being produced. ``Engine.begin`` starts it from the new text (tokenized by
+``Engine.prepare``, which a server calls in the request's own thread); ``Engine.step``
 then advances any number of jobs at once: one prefill chunk of one job still encoding its prompt (so a long
 prompt never holds up the other replies by more than a chunk, and can be cancelled between chunks), and one
 decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
@@ -249,7 +250,7 @@ class Engine:
         except Exception as err:  # noqa: BLE001  the rows may be half-updated: every reply in the step fails
             self.discard_batch()
             for job in jobs:
-                self._fail(job, err)
+                self.fail(job, err)
             return
         self._steps = [steps + 1 for steps in self._steps]
         self.counters["decode_tokens"] += len(jobs)
@@ -276,12 +277,18 @@ class Engine:
         try:
             action(*args)
         except Exception as err:  # noqa: BLE001  one reply's failure is that reply's only
-            self._fail(job, err)
+            self.fail(job, err)
 
-    def _fail(self, job: Job, err: Exception) -> None:
-        """End ``job`` with an error; its session starts over (its cache may hold part of a step)."""
+    def fail(self, job: Job, err: Exception) -> None:
+        """End ``job`` with an error."""
+        job.error = f"{type(err).__name__}: {err}"
+        self._abandon(job, "error")
+
+    def _abandon(self, job: Job, reason: str) -> None:
+        """End ``job`` without keeping its turn: its session starts over (its cache may hold part of a prompt or
+        of a step)."""
         self._unstack(job)
-        job.error, job.finish_reason, job.forget = f"{type(err).__name__}: {err}", "error", 0
+        job.finish_reason, job.forget = reason, 0
         self.reset(job.session)
         job.session.busy = False
 
@@ -289,11 +296,8 @@ class Engine:
         job.cancelled = True
         if job.done:
             return
-        if job.feed:  # the cache holds part of the prompt: the session starts over
-            self._unstack(job)
-            job.finish_reason = "cancelled"
-            self.reset(job.session)
-            job.session.busy = False
+        if job.feed:  # the cache holds part of the prompt
+            self._abandon(job, "cancelled")
             return
         self._finish(job, "cancelled")
         self._close(job)

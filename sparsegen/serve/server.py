@@ -245,14 +245,11 @@ class Worker(threading.Thread):
         return pending
 
     def _fail_active(self, err: Exception) -> None:
-        self.errors += 1
-        self.engine.discard_batch()  # the stacked rows may be half-updated: those sessions start over
+        """An engine bug: the replies in flight fail (their sessions start over), the server goes on."""
+        self.engine.discard_batch()  # the stacked rows may be half-updated
         for pending in self.active:
-            self.engine.reset(pending.job.session)
-            pending.job.session.busy = False
-            pending.job.finish_reason = "error"
-            pending.send(("error", ApiError(500, f"decoding failed: {err}", "server_error")))
-        self.active = []
+            self.engine.fail(pending.job, err)
+        self._retire()
 
     def _publish(self) -> None:
         engine = self.engine
