@@ -132,6 +132,82 @@ class CompletionRequest(_Request):
     prompt: str = Field(min_length=1)
 
 
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ReplyMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ReplyMessage
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class _Reply(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: Usage
+    session_id: str | None = Field(description="the conversation this reply extends, if any (no key's prefix)")
+
+
+class ChatCompletion(_Reply):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class Completion(_Reply):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorReply(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sparsegen"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def _documented(reply: type[BaseModel]) -> dict:
+    """The OpenAPI responses of a generation endpoint: the reply, its event stream, and the error shape."""
+    errors = {status: {"model": ErrorReply, "description": about} for status, about in [
+        (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+        (413, "body too large"), (415, "not JSON"), (429, "queue full"), (500, "the reply failed"),
+        (503, "shutting down")]}
+    stream = {"schema": {"type": "string", "description": "with `stream`: `data: {chunk}` events, then "
+                                                          "`data: [DONE]`"}}
+    return {200: {"model": reply, "content": {"text/event-stream": stream}}, **errors}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None):
@@ -443,18 +519,18 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
             return StreamingResponse(stream(request, pending, kind, ident, created, first, usage),
                                      media_type="text/event-stream", headers={"X-Session-Id": shown_id or ""})
         job = await wait(request, pending)
+        common = dict(id=ident, created=created, model=model_name, usage=usage_of(job), session_id=shown_id)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": job.content},
-                      "finish_reason": job.finish_reason}
+            reply = ChatCompletion(choices=[ChatChoice(message=ReplyMessage(content=job.content),
+                                                       finish_reason=job.finish_reason)], **common)
         else:
-            choice = {"index": 0, "text": job.content, "logprobs": None, "finish_reason": job.finish_reason}
-        return JSONResponse({"id": ident, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": created, "model": model_name, "choices": [choice], "usage": usage_of(job),
-                             "session_id": shown_id})
+            reply = Completion(choices=[CompletionChoice(text=job.content, finish_reason=job.finish_reason)],
+                               **common)
+        return JSONResponse(reply.model_dump())
 
-    def usage_of(job: Job) -> dict:
-        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": len(job.tokens),
-                "total_tokens": job.prompt_tokens + len(job.tokens)}
+    def usage_of(job: Job) -> Usage:
+        return Usage(prompt_tokens=job.prompt_tokens, completion_tokens=len(job.tokens),
+                     total_tokens=job.prompt_tokens + len(job.tokens))
 
     async def next_event(request: Request, pending: Pending):
         while True:
@@ -489,7 +565,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         body = {"id": ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": created, "model": model_name, "choices": choices}
         if usage is not None:
-            body["usage"] = usage
+            body["usage"] = usage.model_dump()
         return f"data: {json.dumps(body)}\n\n"
 
     async def stream(request: Request, pending: Pending, kind: str, ident: str, created: int, event: tuple,
@@ -514,20 +590,17 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
             if pending.job is None or not pending.job.done:
                 pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
 
-    replies = {200: {"description": "the reply (JSON), or with `stream` a text/event-stream of chunks"}}
-
-    @app.post("/v1/chat/completions", responses=replies)
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_documented(ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):
         return await serve(request, "chat", body)
 
-    @app.post("/v1/completions", responses=replies)
+    @app.post("/v1/completions", response_model=Completion, responses=_documented(Completion))
     async def completions(body: CompletionRequest, request: Request):
         return await serve(request, "completion", body)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),
-                                            "owned_by": "sparsegen"}]}
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=int(started))])
 
     @app.get("/health")
     async def health():

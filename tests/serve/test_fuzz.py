@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparsegen.serve.server import Limits
+from sparsegen.serve.server import ChatCompletion, Completion, ErrorReply, Limits
 from tests.serve.test_server import Running
 
 hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema")
@@ -43,17 +43,20 @@ def _schema(url: str, name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
 
 
-def _check(response: httpx.Response) -> None:
+def _check(response: httpx.Response, reply=None) -> None:
+    """No 5xx; every 4xx the OpenAI error shape; a JSON 200 the documented reply model."""
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
-        error = response.json()["error"]
-        assert isinstance(error["message"], str) and error["message"] and error["type"]
-        assert set(error) == {"message", "type", "param", "code"}
+        error = ErrorReply.model_validate_json(response.text).error
+        assert error.message and error.type
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    elif reply is not None and response.headers["content-type"].startswith("application/json"):
+        reply.model_validate_json(response.text)
 
 
-@pytest.mark.parametrize("path, name", [("/v1/chat/completions", "ChatRequest"),
-                                        ("/v1/completions", "CompletionRequest")])
-def test_no_body_gets_a_5xx_and_every_4xx_is_openai_shaped(fuzzed, path, name):
+@pytest.mark.parametrize("path, name, reply", [("/v1/chat/completions", "ChatRequest", ChatCompletion),
+                                               ("/v1/completions", "CompletionRequest", Completion)])
+def test_no_body_gets_a_5xx_and_every_4xx_is_openai_shaped(fuzzed, path, name, reply):
     schema = _schema(fuzzed.url, name)
     bodies = st.one_of(hypothesis_jsonschema.from_schema(schema), json_values,
                        st.dictionaries(st.sampled_from(sorted(schema["components"]["schemas"][name]["properties"])),
@@ -71,7 +74,7 @@ def test_no_body_gets_a_5xx_and_every_4xx_is_openai_shaped(fuzzed, path, name):
             with client.stream("POST", path, content=json.dumps(body).encode(),
                                headers={"content-type": "application/json"}) as response:
                 response.read()
-                _check(response)
+                _check(response, reply)
                 seen.add(response.status_code)
                 if response.status_code == 200 and body.get("stream"):
                     assert response.text.rstrip().endswith("data: [DONE]")

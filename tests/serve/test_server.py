@@ -489,6 +489,11 @@ def test_openai_shapes_usage_chunks_models_and_the_schema(server):
     schema = httpx.get(f"{server.url}/openapi.json").json()
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("ChatRequest") and "messages" in schema["components"]["schemas"]["ChatRequest"]["properties"]
+    responses = schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Completion")
+    assert "text/event-stream" in responses["200"]["content"]
+    assert all(responses[str(code)]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorReply")
+               for code in (400, 401, 413, 415, 429))
 
 
 def test_bench_serve_hostile_client_does_not_fail_the_others(server, capsys):
