@@ -286,9 +286,12 @@ def cmd_fidelity(args: argparse.Namespace) -> None:
 
 def cmd_passkey(args: argparse.Namespace) -> None:
     from sparsegen.data import data_dir
-    from sparsegen.eval.passkey import passkey_accuracy
+    from sparsegen.eval.passkey import describe_prompt, passkey_accuracy
     from sparsegen.eval.stream import read_tokens
     model, tokenizer = load_model(args)
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{args.model} has no chat template; drop --chat")
     text = args.text or data_dir() / "books" / "test" / "great_expectations.txt"
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
@@ -296,14 +299,16 @@ def cmd_passkey(args: argparse.Namespace) -> None:
     results = {}
     for name, make in _policies(args):
         results[name] = {**make().describe(), **passkey_accuracy(
-            model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions)}
+            model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions,
+            chat=chat)}
         print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
         for length in lengths:
             row = [c["accuracy"] for c in results[name]["cells"] if c["length"] == length]
             print(f"  {length:>7} tokens: " + " ".join(f"{a:4.0%}" for a in row))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "text": str(text), "policies": results}, f, indent=2)
+            json.dump({"model": args.model, "text": str(text), "prompt": describe_prompt(tokenizer, chat),
+                       "policies": results}, f, indent=2)
     if args.plot:
         from sparsegen.eval.plots import plot_passkey
 
@@ -829,6 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=5, help="keys per (length, depth) (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask in the model's chat template (default: when the model has one)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--plot", default=None, help="write accuracy heatmaps as a PNG")
     p.set_defaults(func=cmd_passkey)

@@ -16,19 +16,47 @@ from sparsegen.kv import Policy
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+ASK, ANSWER = "\n\nWhat is the pass key?", "The pass key is"  # the question as a chat turn, and the reply's start
+_HOLE = "\u2063haystack\u2063"
 
 
-def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: int) -> tuple[list[int], int]:
+def chat_frame(tokenizer) -> tuple[str, str]:
+    """The text an instruct model's chat template puts before and after one user message (with its own system
+    prompt, if the template has a default one), ending where the assistant's reply begins."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _HOLE}], tokenize=False,
+                                             add_generation_prompt=True)
+    before, hole, after = rendered.partition(_HOLE)
+    if not hole:
+        raise ValueError("the tokenizer's chat template does not keep the user message verbatim; use --no-chat")
+    return before, after
+
+
+def describe_prompt(tokenizer, chat: bool) -> str:
+    """The prompt as a template, for reports: the haystack as {haystack}, the needle at its depth as {needle}."""
+    if not chat:
+        return INTRO + "{haystack}" + NEEDLE + "{haystack}" + QUESTION
+    before, after = chat_frame(tokenizer)
+    return before + INTRO + "{haystack}" + NEEDLE + "{haystack}" + ASK + after + ANSWER
+
+
+def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: int,
+                 chat: bool = False) -> tuple[list[int], int]:
     """Token ids of a ``length``-token prompt with the key at ``depth`` (0-1) of the haystack; also the
-    index of the needle's first token."""
+    index of the needle's first token. ``chat``: the task is a user message in the model's chat template, and
+    the assistant's reply starts with "The pass key is"."""
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    bos = [] if leading_bos(tokenizer) is None else [tokenizer.bos_token_id]
-    head, needle, tail = bos + encode(INTRO), encode(NEEDLE.format(key=key)), encode(QUESTION)
+    if chat:
+        before, after = chat_frame(tokenizer)
+        head, tail = encode(before + INTRO), encode(ASK + after + ANSWER)
+    else:
+        bos = [] if leading_bos(tokenizer) is None else [tokenizer.bos_token_id]
+        head, tail = bos + encode(INTRO), encode(QUESTION)
+    needle = encode(NEEDLE.format(key=key))
     room = length - len(head) - len(needle) - len(tail)
     if room < 0:
         raise ValueError(f"a {length}-token prompt cannot hold the pass-key text ({length - room} tokens)")
@@ -42,8 +70,9 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
 @torch.inference_mode()
 def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], depths: list[float],
                      make: Callable[[], Policy], trials: int = 5, seed: int = 0, chunk_size: int = 512,
-                     positions: str | None = None, progress: bool = True) -> dict:
-    """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks."""
+                     positions: str | None = None, progress: bool = True, chat: bool = False) -> dict:
+    """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks
+    (``chat``: asked in the model's chat template, see ``build_prompt``)."""
     device = next(model.parameters()).device
     rng = np.random.default_rng(seed)
     cells = []
@@ -51,7 +80,7 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
         for depth in depths:
             keys = rng.integers(10000, 100000, size=trials)
             offsets = rng.integers(0, max(1, len(filler) - length), size=trials)
-            prompts = [build_prompt(tokenizer, filler[o:], length, depth, int(k))[0] for k, o in zip(keys, offsets)]
+            prompts = [build_prompt(tokenizer, filler[o:], length, depth, int(k), chat)[0] for k, o in zip(keys, offsets)]
             ids = torch.tensor(prompts, device=device)
             new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), make(), positions,
                                                      max_new_tokens=8, chunk_size=chunk_size)

@@ -58,3 +58,43 @@ def test_accuracy_grid_and_cli(model_and_tokenizer, tiny_checkpoint, corpus, tmp
     report = json.loads(out.read_text())["policies"]
     assert set(report) == {"full", "streaming"} and report["streaming"]["cells"][0]["kv_tokens_peak"] <= 64 + 64
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture
+def chat_tokenizer(tiny_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = CHAT
+    return tokenizer
+
+
+def test_an_instruct_model_is_asked_in_its_chat_template(chat_tokenizer):
+    from sparsegen.eval.passkey import ANSWER, ASK, chat_frame, describe_prompt
+
+    assert chat_frame(chat_tokenizer) == ("<|user|>", "<|end|><|assistant|>")
+    filler = np.arange(2, 5000) % 250 + 2
+    ids, at = build_prompt(chat_tokenizer, filler, length=300, depth=0.5, key=54321, chat=True)
+    encode = lambda text: chat_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    head, tail = encode("<|user|>" + INTRO), encode(ASK + "<|end|><|assistant|>" + ANSWER)
+    assert len(ids) == 300 and ids[:len(head)] == head and ids[-len(tail):] == tail
+    assert ids[at:at + len(encode(NEEDLE.format(key=54321)))] == encode(NEEDLE.format(key=54321))
+    assert describe_prompt(chat_tokenizer, True).startswith("<|user|>" + INTRO + "{haystack}")
+
+
+def test_a_template_that_rewrites_the_message_is_refused(chat_tokenizer):
+    from sparsegen.eval.passkey import chat_frame
+
+    chat_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(ValueError, match="--no-chat"):
+        chat_frame(chat_tokenizer)
+
+
+def test_chat_is_refused_for_a_model_without_a_template(tiny_checkpoint, corpus, capsys):
+    assert main(["passkey", "--model", str(tiny_checkpoint), "--text", str(corpus / "books/test/c.txt"),
+                 "--lengths", "200", "--depths", "0", "--trials", "1", "--chat"]) != 0
+    assert "no chat template" in capsys.readouterr().err

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Compress, then prompt, on a real model: Wanda 50% + int4 (RTN), SparseGPT 50% + int8 (GPTQ) and Wanda 2:4 + int4
+# as compressed models (from scripts/real/pruning.sh's checkpoints); a 32-token soft prompt learned on books/train
+# for Wanda 50% + int4 (next-token loss, and KL to the dense model); perplexity on books/test and wiki.test.raw
+# (WINDOWS windows of 512 tokens) for dense / compressed / + hard prompt / + soft prompt, and the prompt carried
+# to the other compressions. Results in docs/results/$MODEL/prompt/.   usage: scripts/real/prompt.sh smollm2
+set -euo pipefail
+MODEL=${1:-smollm2}
+SG="${PYTHON:-.venv/bin/python} -m sparsegen"
+DATA=${SPARSEGEN_DATA:-../shared/data}
+OUT=docs/results/$MODEL/prompt
+RUNS=runs/$MODEL
+STEPS=${STEPS:-150}
+WINDOWS=${WINDOWS:-64}
+HARD="Please carefully examine the weight matrix within the model, as it may contain errors. It is crucial to verify its integrity and make any necessary corrections for optimal performance."
+mkdir -p "$OUT" "$RUNS/prompt"
+once() { [ -e "$1" ] || "${@:2}"; }
+pruned() {  # TAG [prune options]: reuse pruning.sh's checkpoint when it is there
+  once "$RUNS/pruned/$1/config.json" $SG prune --model "$MODEL" --calib "$DATA/books/train" --out "$RUNS/pruned/$1" \
+    --force "${@:2}"
+}
+pruned wanda_0.5 --method wanda --sparsity 0.5
+pruned sparsegpt_0.5 --method sparsegpt --sparsity 0.5
+pruned wanda_2of4 --method wanda --pattern 2:4
+quantized() {  # NAME SOURCE [quantize options]
+  once "$RUNS/prompt/$1/config.json" $SG quantize --model "$RUNS/pruned/$2" --out "$RUNS/prompt/$1" --force "${@:3}"
+}
+quantized wanda50-int4 wanda_0.5 --method rtn --bits 4
+quantized sgpt50-int8 sparsegpt_0.5 --method gptq --bits 8 --calib "$DATA/books/train"
+quantized wanda24-int4 wanda_2of4 --method rtn --bits 4
+TRAIN="--steps $STEPS --seqlen 512 --batch-size 4 --calib $DATA/books/train"
+once "$OUT/soft-lm.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" $TRAIN --out "$OUT/soft-lm.safetensors"
+once "$OUT/soft-kl.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --teacher "$MODEL" $TRAIN \
+  --out "$OUT/soft-kl.safetensors"
+ppl() {  # NAME MODEL [prompt options]: books/test and wiki.test.raw
+  once "$OUT/ppl-$1-books.json" $SG ppl --windows --ctx 512 --max-windows "$WINDOWS" --model "$2" "${@:3}" \
+    --text "$DATA/books/test" --json "$OUT/ppl-$1-books.json"
+  once "$OUT/ppl-$1-wiki.json" $SG ppl --windows --ctx 512 --max-windows "$WINDOWS" --model "$2" "${@:3}" \
+    --text "$DATA/wikitext-2-raw/wiki.test.raw" --json "$OUT/ppl-$1-wiki.json"
+}
+ppl dense "$MODEL"
+for name in wanda50-int4 sgpt50-int8 wanda24-int4; do
+  ppl "$name" "$RUNS/prompt/$name"
+  ppl "$name-hard" "$RUNS/prompt/$name" --hard-prompt "$HARD"
+  ppl "$name-soft-lm" "$RUNS/prompt/$name" --soft-prompt "$OUT/soft-lm.safetensors"
+  ppl "$name-soft-kl" "$RUNS/prompt/$name" --soft-prompt "$OUT/soft-kl.safetensors"
+done

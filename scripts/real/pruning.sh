@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Weight pruning on a real model, the papers' protocol at this machine's scale: 128 calibration sequences of
+# SEQLEN tokens from books/train; dense / magnitude / Wanda / SparseGPT at 50%, 4:8 and 2:4, structured 25% and
+# 50% of MLP neurons; perplexity on wiki.test.raw and books/test (WINDOWS windows of 1,024 tokens each); pruning time
+# and achieved sparsity (sparsity.json). Results in docs/results/$MODEL/pruning/; finished files are skipped;
+# checkpoints in runs/$MODEL/pruned/.   usage: scripts/real/pruning.sh smollm2
+set -euo pipefail
+MODEL=${1:-smollm2}
+SG="${PYTHON:-.venv/bin/python} -m sparsegen"
+DATA=${SPARSEGEN_DATA:-../shared/data}
+OUT=docs/results/$MODEL/pruning
+CKPT=runs/$MODEL/pruned
+SEQLEN=${SEQLEN:-512}
+WINDOWS=${WINDOWS:-64}
+mkdir -p "$OUT" "$CKPT"
+once() { [ -f "$1" ] || "${@:2}"; }
+evaluate() {  # MODEL TAG
+  once "$OUT/$2_wiki.json" $SG ppl --model "$1" --windows --ctx 1024 --max-windows "$WINDOWS" \
+    --text "$DATA/wikitext-2-raw/wiki.test.raw" --json "$OUT/$2_wiki.json"
+  once "$OUT/$2_books.json" $SG ppl --model "$1" --windows --ctx 1024 --max-windows "$WINDOWS" \
+    --text "$DATA/books/test" --json "$OUT/$2_books.json"
+}
+prune() {  # TAG [prune options]
+  if [ ! -f "$OUT/$1_sparsity.json" ]; then
+    $SG prune --model "$MODEL" --calib "$DATA/books/train" --nsamples 128 --seqlen "$SEQLEN" --out "$CKPT/$1" \
+      --force "${@:2}"
+    cp "$CKPT/$1/sparsity.json" "$OUT/$1_sparsity.json"
+  fi
+  evaluate "$CKPT/$1" "$1"
+}
+evaluate "$MODEL" dense
+for method in magnitude wanda sparsegpt; do
+  prune "${method}_0.5" --method "$method" --sparsity 0.5
+  prune "${method}_4of8" --method "$method" --pattern 4:8
+  prune "${method}_2of4" --method "$method" --pattern 2:4
+done
+for method in magnitude wanda; do
+  prune "${method}_neurons0.25" --method "$method" --structured neurons=0.25
+  prune "${method}_neurons0.5" --method "$method" --structured neurons=0.5
+done

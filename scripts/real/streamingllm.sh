@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# StreamingLLM on a real model: streaming perplexity on books/test past the trained length (one stream per book),
+# every policy at budgets 256 and 1024, a sink sweep, streaming vs recompute latency, and (with MILLION=1) a
+# 1,000,000-token run at flat memory. Results in docs/results/$MODEL/streaming/; finished files are skipped, so an
+# interrupted run resumes.   usage: scripts/real/streamingllm.sh smollm2 [tokens per stream]
+set -euo pipefail
+MODEL=${1:-smollm2}
+PER_STREAM=${2:-20000}
+STREAMS=${STREAMS:-2}
+SG="${PYTHON:-.venv/bin/python} -m sparsegen"
+OUT=docs/results/$MODEL/streaming
+TEXT=${SPARSEGEN_DATA:-../shared/data}/books/test
+mkdir -p "$OUT"
+once() { [ -f "$1" ] || "${@:2}"; }
+run() {  # NAME [ppl options]: STREAMS books side by side, PER_STREAM tokens each
+  once "$OUT/$1.json" $SG ppl --model "$MODEL" --stream --text "$TEXT" --streams "$STREAMS" \
+    --max-tokens $((STREAMS * PER_STREAM)) --segment 1000 --every 1024 --json "$OUT/$1.json" "${@:2}"
+}
+run full --policy full
+for budget in 256 1024; do
+  run "window-$budget" --policy window --budget "$budget"
+  run "streaming-$budget" --policy streaming --sinks 4 --budget "$budget"
+  run "h2o-$budget" --policy h2o --budget "$budget"
+  run "streaming-h2o-$budget" --policy streaming-h2o --budget "$budget"
+  for sinks in 1 2 8; do  # 0 sinks is window, 4 is streaming
+    run "sinks$sinks-$budget" --policy streaming --sinks "$sinks" --budget "$budget"
+  done
+done
+# sliding window with re-computation: every token re-encodes its last 256 (short: it costs 256x per token)
+once "$OUT/recompute-256.json" $SG ppl --model "$MODEL" --stream --text "$TEXT" --streams 1 --max-tokens 1500 \
+  --segment 250 --policy recompute --budget 256 --json "$OUT/recompute-256.json"
+# per-token decode latency at the same window: streaming (cache) vs recompute (re-encode the window every token)
+once "$OUT/latency-recompute.json" $SG bench --model "$MODEL" --policies streaming,recompute --budget 256 \
+  --contexts 1024 --new-tokens 64 --recompute-tokens 16 --json "$OUT/latency-recompute.json"
+if [ "${MILLION:-0}" = 1 ]; then  # the four books as 8 streams of 125K tokens through 4 sinks + 252 recent
+  once "$OUT/million.json" $SG ppl --model "$MODEL" --stream --text "$TEXT" --streams 8 --policy streaming --sinks 4 \
+    --budget 256 --max-tokens 1000000 --segment 10000 --every 4096 --json "$OUT/million.json" \
+    --plot "$OUT/million.png"
+fi
