@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from sparsegen.bench.memory import current_rss
 from sparsegen.data import text_files
 from sparsegen.kv import EvictionCache, Policy
 from sparsegen.models.spec import kv_bytes_per_token
@@ -70,6 +71,8 @@ class StreamResult:
     nll: torch.Tensor  # [streams, predicted tokens], fp64
     kv_tokens: list[int] = field(default_factory=list)  # held per layer (max), sampled every `every` steps
     kv_bytes: list[int] = field(default_factory=list)
+    rss_bytes: list[int] = field(default_factory=list)  # the process's resident memory at the same samples
+    elapsed: list[float] = field(default_factory=list)  # seconds since the start at the same samples
     every: int = 1
     seconds: float = 0.0
     cache: dict = field(default_factory=dict)
@@ -92,6 +95,8 @@ class StreamResult:
             "tokens_per_s": round(self.nll.numel() / self.seconds, 1) if self.seconds else None,
             "segments": segments,
             "cache": self.cache,
+            "trace": {"every": self.every, "kv_bytes": self.kv_bytes, "rss_bytes": self.rss_bytes,
+                      "seconds": [round(t, 2) for t in self.elapsed]},
         }
 
 
@@ -123,6 +128,8 @@ def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None 
             held = max(cache.held_tokens())
             result.kv_tokens.append(held)
             result.kv_bytes.append(cache.held_bytes())
+            result.rss_bytes.append(current_rss() or 0)
+            result.elapsed.append(time.perf_counter() - t0)
             next_sample += every
         bar.update(end - start)
         bar.set_postfix(tok_s=f"{streams * end / (time.perf_counter() - t0):,.0f}", kv=max(cache.held_tokens()))
@@ -162,6 +169,8 @@ def recompute_nll(model, data: torch.Tensor, window: int, batch_size: int = 16, 
                 held = min(t + 1, window)
                 result.kv_tokens.append(held)
                 result.kv_bytes.append(held * bytes_per_token * streams)
+                result.rss_bytes.append(current_rss() or 0)
+                result.elapsed.append(time.perf_counter() - t0)
         bar.update(len(targets))
         bar.set_postfix(tok_s=f"{streams * (targets[-1] + 1) / (time.perf_counter() - t0):,.0f}")
     bar.close()
