@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Contextual sparsity on a real model: TEAL thresholds at 25/40/50/65% (every decoder linear, and MLP only) and
-# Deja Vu predictors (MLP neurons at 50% and 75%, and 25% of heads), fit on books/train; perplexity on books/test
+# Deja Vu predictors (MLP neurons at 50% and 75%, and 25% of heads; recall per layer in the fit report), fit on books/train; perplexity on books/test
 # (WINDOWS windows of 1,024 tokens) and batch-1 decode ms/token dense vs sparse. Results in
 # docs/results/$MODEL/contextual/; plans in runs/$MODEL/contextual/.   usage: scripts/real/contextual.sh smollm2
 set -euo pipefail
@@ -29,9 +29,12 @@ for pct in 25 40 50 65; do
   ppl "teal$pct" --contextual "$PLANS/teal$pct"
   ppl "teal$pct-mlp" --contextual "$PLANS/teal$pct-mlp"
 done
-fit dejavu50 --method dejavu --sparsity 0.5
-fit dejavu75 --method dejavu --sparsity 0.75
-fit dejavu50-heads25 --method dejavu --sparsity 0.5 --heads 0.25
+# Deja Vu keeps every layer's inputs and MLP activations of the calibration text in memory for training (fp32:
+# layers x tokens x (hidden + intermediate) x 4 bytes, 4.2 GB for smollm2 at 16K tokens), hence 32 windows
+DV="--method dejavu --nsamples 32"
+fit dejavu50 $DV --sparsity 0.5
+fit dejavu75 $DV --sparsity 0.75
+fit dejavu50-heads25 $DV --sparsity 0.5 --heads 0.25
 for plan in dejavu50 dejavu75 dejavu50-heads25; do ppl "$plan" --contextual "$PLANS/$plan"; done
 once "$OUT/bench.json" $SG bench --model "$MODEL" --policies full --contexts 512 --batch 1 --prefill synthetic \
   --new-tokens 64 --repeats 3 --json "$OUT/bench.json" \

@@ -34,6 +34,9 @@ def test_decode_bytes_and_bound():
     assert math.isclose(roofline_tokens_per_s(3.35e12, step, batch=8), 8 * 3.35e12 / step)
 
 
-def test_bandwidth_is_a_plausible_number():
-    bandwidth = measure_bandwidth("cpu", megabytes=16, repeats=2)
-    assert 1e8 < bandwidth < 1e13
+def test_bandwidth_counts_read_and_write_of_the_fastest_copy(monkeypatch):
+    import sparsegen.bench.roofline as roofline
+
+    clock = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.4])  # copies of 0.5 s, 0.25 s and 0.4 s
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(clock))
+    assert measure_bandwidth("cpu", megabytes=4, repeats=3) == 2 * 4 * 2**20 / 0.25

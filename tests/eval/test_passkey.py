@@ -35,6 +35,31 @@ def test_depth_is_proportional(tiny_tokenizer):
     assert positions[1] - positions[0] == pytest.approx((positions[2] - positions[0]) / 2, abs=1)
 
 
+def test_accuracy_counts_answers_that_hold_the_hidden_key(model_and_tokenizer, monkeypatch):
+    """A stand-in model that reads the key out of each prompt and answers it in every other row: half right."""
+    import re
+
+    import torch
+
+    import sparsegen.eval.passkey as passkey
+
+    model, tokenizer = model_and_tokenizer
+
+    def answer(model, ids, *args, **kwargs):
+        keys = [re.search(r"pass key is (\d{5})", tokenizer.decode(row)).group(1) for row in ids.tolist()]
+        texts = [f" {key}." if i % 2 == 0 else f" {int(key) % 99999 + 1:05d}." for i, key in enumerate(keys)]
+        width = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+        new = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        new = torch.tensor([row + [tokenizer.eos_token_id] * (width - len(row)) for row in new])
+        return new, None, {"kv_tokens_peak": ids.shape[1]}
+
+    monkeypatch.setattr(passkey, "generate_tokens", answer)
+    filler = np.arange(2, 5000) % 250 + 2
+    result = passkey_accuracy(model, tokenizer, filler, [200], [0.0, 0.5, 1.0], lambda: make_policy("full"),
+                              trials=4, progress=False)
+    assert [c["accuracy"] for c in result["cells"]] == [0.5, 0.5, 0.5] and result["accuracy"] == 0.5
+
+
 def test_bad_requests(tiny_tokenizer):
     with pytest.raises(ValueError, match="depth"):
         build_prompt(tiny_tokenizer, np.arange(1000), 300, 1.5, 12345)
@@ -50,7 +75,7 @@ def test_accuracy_grid_and_cli(model_and_tokenizer, tiny_checkpoint, corpus, tmp
     result = passkey_accuracy(model, tokenizer, filler, [200, 260], [0.0, 1.0], lambda: make_policy("full"),
                               trials=2, progress=False)
     assert [(c["length"], c["depth"]) for c in result["cells"]] == [(200, 0.0), (200, 1.0), (260, 0.0), (260, 1.0)]
-    assert all(0 <= c["accuracy"] <= 1 and len(c["answers"]) == 2 for c in result["cells"])
+    assert all(len(c["answers"]) == 2 and len(c["keys"]) == 2 for c in result["cells"])
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     assert main(["passkey", "--model", str(tiny_checkpoint), "--text", str(corpus / "books/test/c.txt"),
                  "--policy", "full", "--policy", "streaming", "--budget", "64", "--lengths", "200", "--chunk-size", "64",

@@ -34,8 +34,9 @@ def test_round_trip_error_is_at_most_half_the_group_scale_and_zeros_stay_zero(bi
     scale = quantizer.expand(quantizer.scales, 200)
     assert ((restored - weight).abs() <= scale / 2 * (1 + 1e-5)).all()
     assert (restored[weight == 0] == 0).all()
-    assert int(linear.qweight.max()) <= (255 if bits == 8 else 255) and linear.qweight.dtype == torch.uint8
-    assert linear.qweight.shape[1] == (200 if bits == 8 else 100)
+    assert linear.qweight.dtype == torch.uint8 and linear.qweight.shape[1] == (200 if bits == 8 else 100)
+    codes = linear.qweight if bits == 8 else unpack(linear.qweight, 4, 200)
+    assert int(codes.min()) == 0 and int(codes.max()) == 2**bits - 1  # min-max grids span every code
 
 
 def test_four_bit_packing_round_trips_odd_widths():

@@ -1,0 +1,266 @@
+"""Markdown tables and plots from what scripts/real/*.sh wrote under docs/results/MODEL/ (missing runs are skipped).
+
+usage: python scripts/real/report.py smollm2 [gemma3-270m ...] > tables.md
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from sparsegen.eval.plots import plt
+
+MiB = 2**20
+
+
+def read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def after(result: dict, start: int) -> float:
+    """PPL over the segments that begin at or after ``start`` tokens (equal-length segments)."""
+    tail = [s["ppl"] for s in result["segments"] if s["start"] >= start]
+    return math.exp(sum(math.log(p) for p in tail) / len(tail)) if tail else float("nan")
+
+
+def streaming(root: Path, model: str, trained: int) -> str:
+    out = [f"### StreamingLLM on {model}\n"]
+    rows, curves = [], []
+    for name in ["full"] + [f"{p}-{b}" for b in (256, 1024) for p in ("window", "streaming", "h2o", "streaming-h2o")]:
+        r = read(root / f"{name}.json")
+        if r is None:
+            continue
+        label = name if name == "full" else f"{name.rsplit('-', 1)[0]}, {name.rsplit('-', 1)[1]}"
+        rows.append([label, f"{r['ppl']:.2f}", f"{after(r, trained):.2f}",
+                     f"{r['kv_tokens_peak']:,}", f"{r['kv_bytes_peak'] / MiB:.1f}", f"{r['tokens_per_s']:,.0f}"])
+        curves.append((label, r))
+    if rows:
+        first = read(root / "full.json") or curves[0][1]
+        out.append(f"{first['streams']} books streamed side by side, {first['tokens'] // first['streams']:,} tokens "
+                   f"each; PPL after {trained:,} = tokens past the trained length.\n")
+        out.append(table(["policy, budget", "PPL", f"PPL after {trained:,}", "KV tokens peak", "KV MiB peak",
+                          "tokens/s"], rows))
+        plot_curves(curves, root / "policies.png", f"{model}: streaming perplexity per 1,000 tokens, and KV held")
+        out.append(f"![policies]({model}/streaming/policies.png)\n")
+    sweep = []
+    for budget in (256, 1024):
+        cells = []
+        for sinks in (0, 1, 2, 4, 8):
+            name = {0: f"window-{budget}", 4: f"streaming-{budget}"}.get(sinks, f"sinks{sinks}-{budget}")
+            r = read(root / f"{name}.json")
+            cells.append(f"{r['ppl']:.2f} / {after(r, trained):.2f}" if r else "-")
+        sweep.append([budget] + cells)
+    if any(c != "-" for row in sweep for c in row[1:]):
+        out.append("\nSink sweep (PPL over the stream / after the trained length):\n")
+        out.append(table(["budget", "0 sinks (window)", "1", "2", "4", "8"], sweep))
+    recompute, latency = read(root / "recompute-256.json"), read(root / "latency-recompute.json")
+    if recompute:
+        out.append(f"\nSliding window with re-computation (window 256, one stream of {recompute['tokens']:,} tokens): "
+                   f"PPL {recompute['ppl']:.2f} at {recompute['tokens_per_s']:,.1f} tokens/s.\n")
+    if latency:
+        ms = {row["policy"]: row["ms_per_token"] for row in latency["rows"]}
+        if {"streaming", "recompute"} <= set(ms):
+            out.append(f"\nDecode latency at the same window (256) after a 1,024-token context: streaming "
+                       f"{ms['streaming']:.1f} ms/token, recompute {ms['recompute']:.1f} ms/token "
+                       f"(**{ms['recompute'] / ms['streaming']:.1f}×**).\n")
+    million = read(root / "million.json")
+    if million:
+        trace = million["trace"]
+        rss = [b / MiB for b in trace["rss_bytes"] if b]
+        out.append(f"\nOne million tokens: {million['streams']} streams, {million['tokens']:,} tokens predicted in "
+                   f"{million['seconds'] / 60:.0f} min ({million['tokens_per_s']:,.0f} tokens/s); PPL "
+                   f"{million['ppl']:.2f}; KV held {max(trace['kv_bytes']) / MiB:.1f} MiB throughout; process RSS "
+                   f"{min(rss):,.0f}–{max(rss):,.0f} MiB.\n")
+    return "\n".join(out)
+
+
+def plot_curves(curves: list[tuple[str, dict]], path: Path, title: str) -> None:
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[3, 2])
+    for label, r in curves:
+        xs = [(s["start"] + s["end"]) / 2 for s in r["segments"]]
+        line, = top.plot(xs, [math.log(s["ppl"]) for s in r["segments"]], lw=1, label=f"{label} ({r['ppl']:.1f})")
+        trace = r.get("trace")
+        if trace:
+            bottom.plot([i * trace["every"] for i in range(len(trace["kv_bytes"]))],
+                        [b / MiB / r["streams"] for b in trace["kv_bytes"]], lw=1, color=line.get_color())
+        else:
+            bottom.axhline(r["kv_bytes_peak"] / MiB / r["streams"], lw=1, color=line.get_color(), ls=":")
+    top.set_ylabel("log PPL per segment")
+    top.legend(fontsize=7, ncol=2)
+    top.grid(alpha=0.3)
+    top.set_title(title, fontsize=10)
+    bottom.set_ylabel("KV held per stream (MiB)")
+    bottom.set_xlabel("tokens into the stream")
+    bottom.set_yscale("log")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def h2o(root: Path, model: str) -> str:
+    full = read(root / "ppl-full.json")
+    if full is None:
+        return ""
+    out = [f"### H2O on {model}\n", f"8 streams of {full['tokens'] // full['streams'] + 1:,} tokens; full cache PPL "
+           f"**{full['ppl']:.2f}**. Fidelity: 8 prompts of half that length from Dracula, 64 greedy tokens, against "
+           f"the full cache (budget a fraction of the prompt).\n"]
+    rows = []
+    for pct in (50, 20, 10):
+        fidelity = read(root / f"fidelity-{pct}pct.json")
+        scores = {f["policy"]: f for f in fidelity["policies"]} if fidelity else {}
+        for policy in ("h2o", "streaming-h2o", "window", "streaming"):
+            r, f = read(root / f"ppl-{policy}-{pct}pct.json"), scores.get(policy)
+            if r is None:
+                continue
+            rows.append([f"{pct}%", policy, f"{r['ppl']:.2f}", f"{r['ppl'] / full['ppl'] - 1:+.1%}",
+                         f"{f['rouge_l']:.3f}" if f else "-", f"{f['tokens_to_divergence']:.1f}" if f else "-",
+                         f"{f['kl']:.3f}" if f else "-"])
+    out.append(table(["budget", "policy", "PPL", "vs full", "ROUGE-L", "tokens to divergence", "KL(full‖policy)"],
+                     rows))
+    return "\n".join(out)
+
+
+PRUNED = (["dense"] + [f"{m}_{a}" for m in ("magnitude", "wanda", "sparsegpt") for a in ("0.5", "4of8", "2of4")]
+          + [f"{m}_neurons{a}" for m in ("magnitude", "wanda") for a in ("0.25", "0.5")])
+
+
+def pruning(root: Path, model: str) -> str:
+    rows = []
+    for tag in PRUNED:
+        wiki, books = read(root / f"{tag}_wiki.json"), read(root / f"{tag}_books.json")
+        if wiki is None or books is None:
+            continue
+        info = read(root / f"{tag}_sparsity.json")
+        if info is None:
+            amount, seconds = "-", "-"
+        else:
+            amount = f"{info['achieved']:.3f}" if "achieved" in info else f"{info['removed']:.1%} of parameters"
+            seconds = f"{info['seconds']:.0f}"
+        rows.append([tag.replace("of", ":").replace("_", " "), f"{wiki['ppl']:.2f}", f"{books['ppl']:.2f}", amount,
+                     seconds])
+    if not rows:
+        return ""
+    dense = read(root / "dense_wiki.json")
+    return (f"### Pruning {model}\n\n128 calibration sequences of 512 tokens from books/train; perplexity over "
+            f"{dense['windows']} windows of {dense['ctx']:,} tokens.\n\n"
+            + table(["model", "wiki.test.raw PPL", "books/test PPL", "zeros in pruned linears", "pruning s"], rows))
+
+
+def contextual(root: Path, model: str) -> str:
+    dense = read(root / "ppl-dense.json")
+    if dense is None:
+        return ""
+    rows = [["dense", "-", f"{dense['ppl']:.2f}", "-"]]
+    for pct in (25, 40, 50, 65):
+        for suffix, targets in (("", "all linears"), ("-mlp", "MLP")):
+            r, fit = read(root / f"ppl-teal{pct}{suffix}.json"), read(root / f"teal{pct}{suffix}.fit.json")
+            if r is None:
+                continue
+            achieved = sum(fit["achieved_on_calibration"].values()) / len(fit["achieved_on_calibration"])
+            rows.append([f"TEAL {pct}%", f"{targets} ({achieved:.0%})", f"{r['ppl']:.2f}",
+                         f"{r['ppl'] / dense['ppl'] - 1:+.1%}"])
+    for tag in ("dejavu50", "dejavu75", "dejavu50-heads25"):
+        r, fit = read(root / f"ppl-{tag}.json"), read(root / f"{tag}.fit.json")
+        if r is None:
+            continue
+        mlp = [layer["mlp"] for layer in fit["report"]]
+        what = f"MLP {sum(m['sparsity'] for m in mlp) / len(mlp):.0%}"
+        if fit["heads_skipped"]:
+            what += f", heads {fit['heads_skipped']:.0%}"
+        rows.append(["Deja Vu", what, f"{r['ppl']:.2f}", f"{r['ppl'] / dense['ppl'] - 1:+.1%}"])
+    out = [f"### Contextual sparsity on {model}\n", f"Perplexity over {dense['windows']} windows of "
+           f"{dense['ctx']:,} tokens of books/test (TEAL: sparsity reached on the calibration text).\n",
+           table(["method", "sparsified", "PPL", "vs dense"], rows)]
+    recall = []
+    for tag in ("dejavu50", "dejavu75", "dejavu50-heads25"):
+        fit = read(root / f"{tag}.fit.json")
+        if fit is None:
+            continue
+        for kind in ("mlp", "heads"):
+            layers = [layer[kind] for layer in fit["report"] if kind in layer]
+            if layers:
+                mean = lambda key: sum(layer[key] for layer in layers) / len(layers)  # noqa: E731
+                recall.append([tag, kind, f"{mean('k'):.0f} of {layers[0]['units']}", f"{mean('recall'):.3f}",
+                               f"{min(layer['recall'] for layer in layers):.3f}", f"{mean('mass_recall'):.3f}"])
+    if recall:
+        out.append("\nDeja Vu predictors, a layer ahead, on held-out calibration windows (mean over layers):\n")
+        out.append(table(["plan", "units", "K kept", "recall", "worst layer", "mass recall"], recall))
+    bench = read(root / "bench.json")
+    if bench:
+        rows = [[Path(row["contextual"]).name if row.get("contextual") else "dense", f"{row['ms_per_token']:.2f}",
+                 f"{row.get('mlp_ms_per_token') or float('nan'):.2f}"] for row in bench["rows"]]
+        out.append("\nBatch-1 decode after a 512-token context (ms/token, whole step and MLP blocks):\n")
+        out.append(table(["plan", "ms/token", "MLP ms/token"], rows))
+    return "\n".join(out)
+
+
+def prompt(root: Path, model: str) -> str:
+    dense = read(root / "ppl-dense-books.json")
+    if dense is None:
+        return ""
+    rows = []
+    names = {"wanda50-int4": "Wanda 50% + int4", "sgpt50-int8": "SparseGPT 50% + int8", "wanda24-int4": "2:4 + int4"}
+    wiki_dense = read(root / "ppl-dense-wiki.json")
+    for name, title in names.items():
+        base_books, base_wiki = read(root / f"ppl-{name}-books.json"), read(root / f"ppl-{name}-wiki.json")
+        if base_books is None:
+            continue
+        for suffix, how in (("", "compressed"), ("-hard", "+ hard prompt"), ("-soft-lm", "+ soft prompt (next-token)"),
+                            ("-soft-kl", "+ soft prompt (KL to dense)")):
+            books, wiki = read(root / f"ppl-{name}{suffix}-books.json"), read(root / f"ppl-{name}{suffix}-wiki.json")
+            if books is None:
+                continue
+
+            def cell(r, base, reference):
+                if r is None:
+                    return "-"
+                if not suffix:
+                    return f"{r['ppl']:.2f}"
+                gap = base["ppl"] - reference["ppl"]
+                return f"{r['ppl']:.2f} ({(base['ppl'] - r['ppl']) / gap:+.0%})"
+            rows.append([title, how, cell(books, base_books, dense), cell(wiki, base_wiki, wiki_dense)])
+    return (f"### Compress, then prompt on {model}\n\nPerplexity over {dense['windows']} windows of {dense['ctx']} "
+            f"tokens; in brackets the share of the compression's gap recovered. Dense: books {dense['ppl']:.2f}, "
+            f"wiki {wiki_dense['ppl']:.2f}. The soft prompts are trained on Wanda 50% + int4 only.\n\n"
+            + table(["compression", "", "books/test PPL", "wiki.test.raw PPL"], rows))
+
+
+def passkey(root: Path, model: str) -> str:
+    results = {p: read(root / f"{p}.json") for p in ("full", "streaming", "h2o")}
+    results = {p: r for p, r in results.items() if r}
+    if not results:
+        return ""
+    any_result = next(iter(results.values()))
+    rows = []
+    for policy, r in results.items():
+        cells = r["policies"][policy]
+        per_length = {n: [c["accuracy"] for c in cells["cells"] if c["length"] == n] for n in cells["lengths"]}
+        budget = cells.get("budget") or "-"
+        rows.append([policy, budget] + [f"{sum(a) / len(a):.0%}" for a in per_length.values()]
+                    + [f"{cells['accuracy']:.0%}"])
+    lengths = next(iter(results.values()))["policies"][next(iter(results))]["lengths"]
+    prompt_text = any_result["prompt"].replace("\n", "\\n")
+    return (f"### Pass-key retrieval on {model}\n\nAccuracy over depths 0–100% (5 depths × 5 keys per length). "
+            f"Prompt: `{prompt_text}`\n\n"
+            + table(["policy", "budget"] + [f"{n:,}" for n in lengths] + ["all"], rows))
+
+
+TRAINED = {"smollm2": 8192, "gemma3-270m": 32768}
+
+if __name__ == "__main__":
+    for model in sys.argv[1:] or ["smollm2"]:
+        base = Path("docs/results") / model
+        for part in (streaming(base / "streaming", model, TRAINED.get(model, 8192)), h2o(base / "h2o", model),
+                     passkey(base / "passkey", model), pruning(base / "pruning", model),
+                     contextual(base / "contextual", model), prompt(base / "prompt", model)):
+            if part:
+                print(part)
