@@ -2,7 +2,8 @@
 # Contextual sparsity on a real model: TEAL thresholds at 25/40/50/65% (every decoder linear, and MLP only) and
 # Deja Vu predictors (MLP neurons at 50% and 75%, and 25% of heads; recall per layer in the fit report), fit on books/train; perplexity on books/test
 # (WINDOWS windows of 1,024 tokens) and batch-1 decode ms/token dense vs sparse. Results in
-# docs/results/$MODEL/contextual/; plans in runs/$MODEL/contextual/.   usage: scripts/real/contextual.sh smollm2
+# docs/results/$MODEL/contextual/; plans in runs/$MODEL/contextual/. TEAL picks levels, DEJAVU=0 skips Deja Vu.
+# usage: scripts/real/contextual.sh smollm2
 set -euo pipefail
 MODEL=${1:-smollm2}
 SG="${PYTHON:-.venv/bin/python} -m sparsegen"
@@ -23,7 +24,7 @@ ppl() {  # TAG [ppl options]
     --text "$DATA/books/test" --json "$OUT/ppl-$1.json" "${@:2}"
 }
 ppl dense
-for pct in 25 40 50 65; do
+for pct in ${TEAL:-25 40 50 65}; do
   fit "teal$pct" --method teal --sparsity "0.$pct"
   fit "teal$pct-mlp" --method teal --sparsity "0.$pct" --targets mlp
   ppl "teal$pct" --contextual "$PLANS/teal$pct"
@@ -31,6 +32,7 @@ for pct in 25 40 50 65; do
 done
 # Deja Vu keeps every layer's inputs and MLP activations of the calibration text in memory for training (fp32:
 # layers x tokens x (hidden + intermediate) x 4 bytes, 4.2 GB for smollm2 at 16K tokens), hence 32 windows
+[ "${DEJAVU:-1}" = 1 ] || exit 0
 DV="--method dejavu --nsamples 32"
 fit dejavu50 $DV --sparsity 0.5
 fit dejavu75 $DV --sparsity 0.75

@@ -3,7 +3,8 @@
 # SEQLEN tokens from books/train; dense / magnitude / Wanda / SparseGPT at 50%, 4:8 and 2:4, structured 25% and
 # 50% of MLP neurons; perplexity on wiki.test.raw and books/test (WINDOWS windows of 1,024 tokens each); pruning time
 # and achieved sparsity (sparsity.json). Results in docs/results/$MODEL/pruning/; finished files are skipped;
-# checkpoints in runs/$MODEL/pruned/.   usage: scripts/real/pruning.sh smollm2
+# checkpoints in runs/$MODEL/pruned/. METHODS, AMOUNTS (0.5 4:8 2:4) and STRUCTURED=0 pick a subset.
+# usage: scripts/real/pruning.sh smollm2
 set -euo pipefail
 MODEL=${1:-smollm2}
 SG="${PYTHON:-.venv/bin/python} -m sparsegen"
@@ -29,11 +30,15 @@ prune() {  # TAG [prune options]
   evaluate "$CKPT/$1" "$1"
 }
 evaluate "$MODEL" dense
-for method in magnitude wanda sparsegpt; do
-  prune "${method}_0.5" --method "$method" --sparsity 0.5
-  prune "${method}_4of8" --method "$method" --pattern 4:8
-  prune "${method}_2of4" --method "$method" --pattern 2:4
+for method in ${METHODS:-magnitude wanda sparsegpt}; do
+  for amount in ${AMOUNTS:-0.5 4:8 2:4}; do
+    case $amount in
+      *:*) prune "${method}_${amount/:/of}" --method "$method" --pattern "$amount" ;;
+      *) prune "${method}_$amount" --method "$method" --sparsity "$amount" ;;
+    esac
+  done
 done
+[ "${STRUCTURED:-1}" = 1 ] || exit 0
 for method in magnitude wanda; do
   prune "${method}_neurons0.25" --method "$method" --structured neurons=0.25
   prune "${method}_neurons0.5" --method "$method" --structured neurons=0.5
