@@ -22,9 +22,9 @@ evaluate() {  # MODEL TAG
     --text "$DATA/books/test" --json "$OUT/$2_books.json"
 }
 prune() {  # TAG [prune options]
-  if [ ! -f "$OUT/$1_sparsity.json" ]; then
-    $SG prune --model "$MODEL" --calib "$DATA/books/train" --nsamples 128 --seqlen "$SEQLEN" --out "$CKPT/$1" \
-      --force "${@:2}"
+  if [ ! -f "$OUT/$1_sparsity.json" ]; then  # (scripts/real/prompt.sh may have pruned it already)
+    [ -f "$CKPT/$1/sparsity.json" ] || $SG prune --model "$MODEL" --calib "$DATA/books/train" --nsamples 128 \
+      --seqlen "$SEQLEN" --out "$CKPT/$1" --force "${@:2}"
     cp "$CKPT/$1/sparsity.json" "$OUT/$1_sparsity.json"
   fi
   evaluate "$CKPT/$1" "$1"
