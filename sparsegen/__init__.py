@@ -1,7 +1,18 @@
-"""sparsegen: sparse, long-sequence inference for Hugging Face causal LMs."""
+"""sparsegen: sparse, long-sequence inference for Hugging Face causal LMs.
 
+The public API: load a model, generate through an evicting KV cache, prune, quantize, fit contextual sparsity,
+tune a soft prompt. Importing the package also registers how pruned and quantized checkpoints are rebuilt.
+"""
+
+from sparsegen.contextual import Contextual
 from sparsegen.generation import Generation, generate
+from sparsegen.kv import EvictionCache, Policy, TokenView, make_policy
 from sparsegen.models import ModelLoadError, ModelSpec, load, model_spec
+from sparsegen.prompt import PromptPrefix, TuneConfig, tune_prompt
+from sparsegen.pruning import PruneConfig, prune_model, save_pruned
+from sparsegen.quant import QuantizeConfig, quantize_model
 
 __version__ = "0.1.0"
-__all__ = ["Generation", "ModelLoadError", "ModelSpec", "generate", "load", "model_spec", "__version__"]
+__all__ = ["Contextual", "EvictionCache", "Generation", "ModelLoadError", "ModelSpec", "Policy", "PromptPrefix",
+           "PruneConfig", "QuantizeConfig", "TokenView", "TuneConfig", "generate", "load", "make_policy", "model_spec",
+           "prune_model", "quantize_model", "save_pruned", "tune_prompt", "__version__"]

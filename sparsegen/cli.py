@@ -212,9 +212,9 @@ def cmd_ppl(args: argparse.Namespace) -> None:
         from sparsegen.data import tokenize_files
         from sparsegen.eval.perplexity import window_perplexity
 
-        from sparsegen.prompt import prefix_length
+        from sparsegen.models.anatomy import pinned_tokens
 
-        ctx = args.ctx or model.config.max_position_embeddings - prefix_length(model)  # the prompt's positions too
+        ctx = args.ctx or model.config.max_position_embeddings - pinned_tokens(model)  # the prompt's positions too
         result = window_perplexity(model, tokenize_files(text, tokenizer), ctx, bos, max_windows=args.max_windows)
         report = {**meta, **result, "ctx": ctx, "kv_tokens_peak": ctx, "segments": []}
         print(f"PPL {report['ppl']:.3f} over {report['tokens']:,} tokens ({report['windows']} windows of {ctx})")
@@ -411,7 +411,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
     for name in names_of_models:
         if is_random(name):
-            model = random_model(name, device, resolve_dtype(args.dtype, load_config(name), device), args.seed)
+            config = load_config(name)
+            model = random_model(config, device, resolve_dtype(args.dtype, config, device), args.seed)
         else:
             model, tokenizer = load(name, device=device, dtype=args.dtype)
         attach_prompt(args, model, None if is_random(name) else tokenizer)
@@ -470,7 +471,7 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
 def _calibration(args: argparse.Namespace, tokenizer, books: str):
     """``(ids, source)``: ``--nsamples`` windows of ``--seqlen`` tokens from ``--calib`` (default books/BOOKS)."""
     from sparsegen.data import data_dir, leading_bos, tokenize_files
-    from sparsegen.pruning import calibration_ids
+    from sparsegen.models.calibration import calibration_ids
 
     source = args.calib or data_dir() / "books" / books
     ids = calibration_ids(tokenize_files(source, tokenizer), args.nsamples, args.seqlen, args.seed,
@@ -715,7 +716,8 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
         from sparsegen.models.loading import check_device, load_config, resolve_dtype
 
         device = check_device(args.device)
-        model = random_model(args.model, device, resolve_dtype(args.dtype, load_config(args.model), device), args.seed)
+        shape = load_config(args.model)
+        model = random_model(shape, device, resolve_dtype(args.dtype, shape, device), args.seed)
         generator = torch.Generator().manual_seed(args.seed)
         ids = torch.randint(model.config.vocab_size, (args.nsamples, args.seqlen), generator=generator)
         calib = "random token ids"

@@ -134,8 +134,7 @@ class MLPTimer:
 
     def __init__(self, model: torch.nn.Module):
         from sparsegen.contextual.runtime import attached_plan
-        from sparsegen.pruning.prune import decoder_layers
-        from sparsegen.pruning.structured import mlp_layout
+        from sparsegen.models.anatomy import decoder_layers, mlp_layout
 
         self.steps: list[float] = []
         self._spent, self._started, self.handles = 0.0, 0.0, []

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sparsegen.pruning.prune import decoder_layers
-from sparsegen.pruning.structured import mlp_layout
+from sparsegen.models.anatomy import decoder_layers, mlp_layout
 
 
 @dataclass

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsegen.contextual.layers import ColumnSparseLinear, RowSparseLinear
-from sparsegen.pruning.prune import decoder_layers
-from sparsegen.pruning.structured import HEAD_FAMILIES, mlp_layout, neuron_count
+from sparsegen.models.anatomy import HEAD_FAMILIES, decoder_layers, mlp_layout, neuron_count
 
 METHODS = ("dejavu", "teal")
 CONFIG = "contextual.json"

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from sparsegen.pruning.prune import decoder_layers
-from sparsegen.pruning.structured import mlp_layout
+from sparsegen.models.anatomy import decoder_layers, mlp_layout
 
 
 def needed_fraction(values: torch.Tensor, mass: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 
 from sparsegen.contextual.collect import capture
 from sparsegen.contextual.runtime import Contextual, model_info
-from sparsegen.pruning.structured import mlp_layout
+from sparsegen.models.anatomy import mlp_layout
 
 TARGETS = ("all", "mlp")
 

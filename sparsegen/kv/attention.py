@@ -1,4 +1,4 @@
-"""Hooking a Hugging Face model so an ``EvictionCache`` can evict: attention function, rotary helper, step hook.
+"""Hooking a Hugging Face model so an ``EvictionCache`` can evict: attention function and step hook.
 
 ``prepare(model)`` switches the model to the attention implementation ``sparsegen_sdpa`` or
 ``sparsegen_eager`` (registered with transformers' ``AttentionInterface``). With any other cache these
@@ -11,7 +11,6 @@ decoder tells the cache what each call brings (padding, positions) before any la
 from __future__ import annotations
 
 import importlib
-import inspect
 import threading
 
 import torch
@@ -21,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sparsegen.kv.policy import TokenView
+from sparsegen.kv.rotary import Rotary
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "phi3", "opt")
 BACKENDS = ("sdpa", "eager")
@@ -29,111 +29,6 @@ _ACTIVE = threading.local()
 
 def active_cache():
     return getattr(_ACTIVE, "cache", None)
-
-
-class Rotary:
-    """The model's own rotary embedding, used to move keys and queries between positions exactly as it would."""
-
-    def __init__(self, module: torch.nn.Module, layer_type: str | None = None):
-        self.module = module
-        self.layer_type = layer_type  # models with one rotary module for several layer types (Gemma 3) take it
-        scale = getattr(module, f"{layer_type}_attention_scaling", None) if layer_type else None
-        self.scale = float(scale if scale is not None else getattr(module, "attention_scaling", 1.0))
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._turns: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, layer_idx: int = 0) -> Rotary:
-        """The rotary embedding layer ``layer_idx`` uses (sliding and global layers may rotate differently)."""
-        module = getattr(model.get_decoder(), "rotary_emb", None)
-        if module is None:
-            raise ValueError(
-                f"rolling positions need rotary position embeddings (RoPE), but {model.config.model_type} uses learned "
-                f"absolute positions; use positions='original' (--positions original)"
-            )
-        layer_types = getattr(model.config.get_text_config(), "layer_types", None)
-        layer_type = layer_types[layer_idx] if layer_types else None
-        local = getattr(model.get_decoder(), "rotary_emb_local", None)  # older Gemma 3 code: a module for local layers
-        if local is not None and layer_type == "sliding_attention":
-            module = local
-        if "layer_type" not in inspect.signature(module.forward).parameters:
-            layer_type = None
-        rope_type = getattr(module, "rope_type", "default")
-        rope_type = str(rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type)
-        if "dynamic" in rope_type or "longrope" in rope_type:
-            raise ValueError(f"rolling positions do not support the length-dependent RoPE type {rope_type!r}; "
-                             f"use positions='original'")
-        return cls(module, layer_type)
-
-    def _angles(self, x: torch.Tensor, positions: torch.Tensor):
-        if self.layer_type is None:
-            return self.module(x, positions)
-        return self.module(x, positions, self.layer_type)
-
-    def cos_sin(self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None):
-        """``cos, sin`` of shape ``positions.shape + (dim,)``. With ``bound`` (all positions are below it) they come
-        from a table computed once, the same numbers the module gives position by position."""
-        if bound is None:
-            cos, sin = self._angles(x, positions.reshape(-1, positions.shape[-1]))
-            return cos.reshape(*positions.shape, -1), sin.reshape(*positions.shape, -1)
-        table = self._table
-        if table is None or table[0].shape[0] < bound or table[0].device != x.device or table[0].dtype != x.dtype:
-            cos, sin = self._angles(x, torch.arange(bound, device=x.device)[None])
-            table = self._table = (cos[0], sin[0])
-        return F.embedding(positions, table[0]), F.embedding(positions, table[1])
-
-    def turns(self, x: torch.Tensor, bound: int) -> torch.Tensor:
-        """The rotation to each position below ``bound`` as complex numbers ``[bound, dim/2]``, one per pair of
-        rotated dimensions (HF's halves layout): rotating a vector made ``complex_pairs`` is then one product."""
-        table = self._turns
-        if table is None or table.shape[0] < bound or table.device != x.device:
-            cos, sin = self.cos_sin(x.float(), torch.arange(bound, device=x.device), bound)
-            half = cos.shape[-1] // 2
-            if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
-                raise ValueError("this model's rotary embedding does not rotate dimension i with i + dim/2; "
-                                 "use positions='original'")
-            table = self._turns = torch.complex(cos[:, :half], sin[:, :half])
-        return table
-
-    @staticmethod
-    def complex_pairs(x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The first ``dim`` dimensions of ``x`` as ``dim/2`` complex numbers (i with i + dim/2), in fp32."""
-        x = x.float()
-        return torch.complex(x[..., : dim // 2], x[..., dim // 2 : dim])
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None, inverse: bool = False,
-               bound: int | None = None, angles: tuple[torch.Tensor, torch.Tensor] | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate ``x[..., L, D]`` to ``positions[..., L]`` (broadcast over x's leading dims), or undo that.
-        ``angles``: the ``cos_sin`` of those positions, when already computed; ``out``: where to write."""
-        cos, sin = angles if angles is not None else self.cos_sin(x, positions, bound)
-        while cos.dim() < x.dim():
-            cos, sin = cos.unsqueeze(-4), sin.unsqueeze(-4)
-        dim = cos.shape[-1]
-        rot, rest = x[..., :dim], x[..., dim:]
-        if out is not None and not inverse:  # the same sums, written in place (no temporaries the size of x)
-            half = dim // 2
-            x1, x2 = rot[..., :half], rot[..., half:]
-            torch.mul(x1, cos[..., :half], out=out[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
-            torch.mul(x2, cos[..., half:], out=out[..., half:dim]).addcmul_(x1, sin[..., half:])
-            out[..., dim:] = rest
-            return out
-        half = torch.cat((-rot[..., dim // 2 :], rot[..., : dim // 2]), dim=-1)
-        if inverse:
-            out = (rot * cos - half * sin) / (self.scale * self.scale)
-        else:
-            out = rot * cos + half * sin
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
-
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
-        """Undo the model's rotation of new tokens: ``x[B, H, q, D]`` at ``positions[B, q]`` (``memo``: a dict
-        shared by the layers of one step, so the angles are computed once)."""
-        if memo is None:
-            return self.rotate(x, positions[:, None, :], inverse=True)
-        angles = memo.get(("model positions", self.layer_type))
-        if angles is None:
-            angles = memo[("model positions", self.layer_type)] = self.cos_sin(x, positions[:, None, :])
-        return self.rotate(x, None, inverse=True, angles=angles)
 
 
 def slot_ranks(index: torch.Tensor, valid: torch.Tensor, sinks: int | None = None) -> torch.Tensor:
@@ -346,9 +241,7 @@ for _backend in BACKENDS:
 
 def _begin(module, args, kwargs):
     cache = kwargs.get("past_key_values")
-    from sparsegen.kv.cache import EvictionCache
-
-    if not isinstance(cache, EvictionCache):
+    if not getattr(cache, "evicting", False):  # any other cache: transformers' own attention, unchanged
         _ACTIVE.cache = None
         return
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")

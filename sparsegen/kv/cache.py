@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from sparsegen.kv.attention import prepare
+from sparsegen.kv.policies.window import Window
 from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.rotary import Rotary
+from sparsegen.models.anatomy import pinned_tokens
 
 DEFAULT_CHUNK = 512
 BUFFERS = ("keys", "values", "index", "valid", "attention")  # per-slot state, all [batch, kv_heads, slots, ...]
@@ -233,6 +237,8 @@ class EvictionLayer(CacheLayerMixin):
 class EvictionCache(Cache):
     """Pass as ``past_key_values`` to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it)."""
 
+    evicting = True  # how the prepared model's attention tells this cache from transformers' own caches
+
     def __init__(self, model: torch.nn.Module, policy: Policy, positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None, stepwise: bool = False):
         """``expected_length``: tokens per row the caller will feed in all, if known; an unbounded (``full``)
@@ -242,8 +248,6 @@ class EvictionCache(Cache):
         call would leave it, evictions between tokens included (what streaming perplexity measures). Order
         policies do so anyway; attention policies (H2O) then replay the per-token steps inside each layer. Without
         it, a prefill chunk's queries see the held tokens and the whole chunk causally, and eviction follows."""
-        from sparsegen.kv.attention import prepare
-
         prepare(model)
         positions = positions or policy.default_positions
         if positions not in ("original", "rolling"):
@@ -252,9 +256,7 @@ class EvictionCache(Cache):
         if chunk_size < 1:
             raise ValueError("chunk_size must be at least 1")
         self.policy, self.positions, self.chunk_size, self.stepwise = policy, positions, chunk_size, stepwise
-        from sparsegen.prompt.prefix import prefix_length
-
-        self.pinned = prefix_length(model)  # the first tokens of every sequence are a prompt prefix: never evicted
+        self.pinned = pinned_tokens(model)  # the first tokens of every sequence are a prompt prefix: never evicted
         if policy.budget is not None and policy.budget <= self.pinned:
             raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
                              f"prefix (never evicted) and any text; raise the budget above {self.pinned}")
@@ -270,9 +272,6 @@ class EvictionCache(Cache):
     def _layers(self, model: torch.nn.Module) -> list[EvictionLayer]:
         """One layer each; sliding-window layers of a model that mixes them with global ones keep their window
         (and rotate with their own RoPE, which may differ from the global layers')."""
-        from sparsegen.kv.attention import Rotary
-        from sparsegen.kv.policies import Window
-
         config = model.config.get_text_config()
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         mixed = "sliding_attention" in layer_types and getattr(config, "sliding_window", None)

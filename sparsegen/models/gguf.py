@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
+from sparsegen.models.errors import ModelLoadError
+
 CACHE_ENV = "SPARSEGEN_CACHE"
 BLOCK = 1 << 24
 
@@ -61,7 +63,6 @@ def is_gguf(name_or_path: str | Path) -> bool:
 
 
 def _error(message: str) -> Exception:
-    from sparsegen.models.loading import ModelLoadError
 
     return ModelLoadError(message)
 

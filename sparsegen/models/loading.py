@@ -11,6 +11,10 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from sparsegen.models.errors import ModelLoadError
+from sparsegen.models.rebuild import rebuild, recorded
+from sparsegen.models.synthetic import PREFIX, PRESETS, is_random, preset_config
+
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 BUNDLED = ("reference", "reference-relu", "reference-large")
 
@@ -19,10 +23,6 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message says why and what to do."""
 
 
 def resolve(name_or_path: str | Path) -> str:
@@ -69,10 +69,11 @@ def _hub_unreachable_reason() -> str | None:
 def load_config(name_or_path: str | Path, **kwargs) -> PretrainedConfig:
     """The model's config from a local folder, the HF cache, or (if reachable) the hub: one clear error otherwise.
     ``random:NAME`` gives a synthetic model's config (``sparsegen.models.synthetic``)."""
-    from sparsegen.models.synthetic import is_random, random_config
-
-    if is_random(name_or_path):
-        return random_config(name_or_path)
+    if is_random(name_or_path):  # a preset shape, or any checkpoint's config (its weights ignored)
+        key = str(name_or_path).removeprefix(PREFIX)
+        config = preset_config(key) if key in PRESETS else load_config(key, **kwargs)
+        config.name_or_path = PREFIX + key
+        return config
     source = resolve(name_or_path)
     if Path(source).exists():
         if not (Path(source) / "config.json").exists():
@@ -135,8 +136,6 @@ def load(
     The model is in eval mode on ``device``. ``dtype`` defaults to float32 on CPU and the checkpoint's
     dtype on accelerators.
     """
-    from sparsegen.models.synthetic import is_random
-
     if is_random(name_or_path):
         raise ModelLoadError(f"{name_or_path!r} has random weights and no tokenizer: it is for `sparsegen bench` and "
                              f"`sparsegen info` only; pass a real checkpoint to run text through a model")
@@ -150,7 +149,7 @@ def load(
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer of {source!r}: {err}") from None
     try:
-        if any(getattr(config, key, None) for key in REBUILT):  # layers differ from what the config alone builds
+        if recorded(config):  # layers differ from what the config alone builds
             model = _load_rebuilt(source, config, resolve_dtype(dtype, config, device), attn_implementation)
         else:
             model = AutoModelForCausalLM.from_pretrained(
@@ -176,9 +175,6 @@ def load(
     return model.to(device).eval(), tokenizer
 
 
-REBUILT = ("sparsegen_structure", "sparsegen_quantization")  # config keys of checkpoints sparsegen reshaped
-
-
 def _load_rebuilt(folder: str, config: PretrainedConfig, dtype: torch.dtype,
                   attn_implementation: str | None) -> torch.nn.Module:
     """A checkpoint sparsegen reshaped (structurally pruned and/or quantized): the architecture rebuilt as recorded
@@ -188,14 +184,7 @@ def _load_rebuilt(folder: str, config: PretrainedConfig, dtype: torch.dtype,
 
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    if getattr(config, "sparsegen_structure", None):
-        from sparsegen.pruning.structured import rebuild
-
-        rebuild(model, config.sparsegen_structure)
-    if getattr(config, "sparsegen_quantization", None):
-        from sparsegen.quant.quantize import rebuild
-
-        rebuild(model, config.sparsegen_quantization)
+    rebuild(model, config)
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no .safetensors weights")

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from sparsegen.models.loading import DTYPES, load_config
+from sparsegen.models.rebuild import rebuild
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,7 @@ def count_params(config: PretrainedConfig) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         model.tie_weights()  # transformers 5.0 does not tie in from_config
-        structure = getattr(config, "sparsegen_structure", None)
-        if structure:  # structurally pruned: every layer at its recorded size
-            from sparsegen.pruning.structured import rebuild
-
-            rebuild(model, structure)
+        rebuild(model, config, only="sparsegen_structure")  # structurally pruned: every layer at its recorded size
     return sum(p.numel() for p in model.parameters())
 
 

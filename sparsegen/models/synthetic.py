@@ -51,27 +51,19 @@ def is_random(name: str) -> bool:
     return str(name).startswith(PREFIX)
 
 
-def random_config(name: str) -> PretrainedConfig:
-    """The config behind ``random:NAME`` (a preset, or any checkpoint's config)."""
-    from sparsegen.models.loading import load_config
-
-    key = str(name).removeprefix(PREFIX)
-    if key in PRESETS:
-        model_type, settings = PRESETS[key]
-        config = AutoConfig.for_model(model_type, dtype="bfloat16", **settings)  # as published
-    else:
-        config = load_config(key)
-    config.name_or_path = PREFIX + key
-    return config
+def preset_config(key: str) -> PretrainedConfig:
+    """The config of a preset shape (``PRESETS``), in the dtype it is published in."""
+    model_type, settings = PRESETS[key]
+    return AutoConfig.for_model(model_type, dtype="bfloat16", **settings)
 
 
-def random_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+def random_model(config: PretrainedConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> torch.nn.Module:
-    """Build ``random:NAME`` on ``device`` without running the (slow) weight initialisation, then fill it cheaply:
-    normal(0, 0.02) matrices, unit norms, zero biases. Buffers (rotary frequencies) are computed as usual."""
+    """Build the model ``config`` describes (``load_config("random:NAME")``) on ``device`` without running the (slow)
+    weight initialisation, then fill it cheaply: normal(0, 0.02) matrices, unit norms, zero biases. Buffers (rotary
+    frequencies) are computed as usual."""
     from transformers.initialization import no_init_weights
 
-    config = random_config(name)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

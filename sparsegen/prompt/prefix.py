@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sparsegen.models.anatomy import PINNED
+
 FORMAT = "sparsegen-prompt"
 _STATE = threading.local()  # per-thread stack: whether each running decoder forward put the prefix in front
 
@@ -95,11 +97,6 @@ def prefix_of(model: nn.Module) -> PromptPrefix | None:
     return getattr(model.get_decoder(), "_sparsegen_prefix", None)
 
 
-def prefix_length(model: nn.Module) -> int:
-    prefix = prefix_of(model)
-    return 0 if prefix is None else prefix.length
-
-
 def _starts_sequence(cache) -> bool:
     return cache is None or cache.get_seq_length() == 0
 
@@ -162,6 +159,7 @@ def attach(model: nn.Module, prefix: PromptPrefix) -> nn.Module:
         raise ValueError(f"the prompt has {prefix.embeddings.shape[1]}-dimensional embeddings but the model's are "
                          f"{hidden}-dimensional: it was trained for another model")
     decoder._sparsegen_prefix = prefix
+    setattr(decoder, PINNED, prefix.length)
     decoder._sparsegen_prefix_hooks = (
         decoder.register_forward_pre_hook(_before, with_kwargs=True, prepend=True),
         decoder.register_forward_hook(_after, with_kwargs=True, prepend=True, always_call=True),
@@ -175,4 +173,5 @@ def detach(model: nn.Module) -> nn.Module:
         handle.remove()
     decoder._sparsegen_prefix = None
     decoder._sparsegen_prefix_hooks = ()
+    setattr(decoder, PINNED, 0)
     return model

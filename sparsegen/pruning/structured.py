@@ -8,17 +8,19 @@ The shrunk sizes of every layer are written to ``config.sparsegen_structure`` so
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-# (names of the layers whose output rows are neurons, the layer whose input columns are neurons)
-MLP_LAYOUTS = {
-    "gpt_neox": (("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h"),
-    "opt": (("fc1",), "fc2"),
-    "phi3": (("mlp.gate_up_proj",), "mlp.down_proj"),
-}
-LLAMA_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")
+from sparsegen.models.anatomy import (HEAD_FAMILIES, attention_heads, decoder_layers, group_count, mlp_layout,
+                                      neuron_count)
+from sparsegen.models.calibration import calibrated_layers
+from sparsegen.models.rebuild import register_rebuilder
+
+if TYPE_CHECKING:
+    from sparsegen.pruning.prune import PruneConfig
 
 
 def parse_structured(text: str) -> dict[str, float]:
@@ -37,10 +39,6 @@ def parse_structured(text: str) -> dict[str, float]:
     return amounts
 
 
-def mlp_layout(model_type: str):
-    return MLP_LAYOUTS.get(model_type, LLAMA_MLP)
-
-
 def _module(layer: nn.Module, path: str) -> nn.Linear:
     return layer.get_submodule(path)
 
@@ -57,10 +55,6 @@ def _keep_columns(linear: nn.Linear, columns: torch.Tensor) -> None:
     linear.in_features = len(columns)
 
 
-def neuron_count(layer: nn.Module, model_type: str) -> int:
-    return _module(layer, mlp_layout(model_type)[1]).in_features
-
-
 def keep_neurons(layer: nn.Module, model_type: str, keep: torch.Tensor) -> None:
     """Keep the MLP neurons ``keep`` (sorted indices) of a decoder layer."""
     producers, consumer = mlp_layout(model_type)
@@ -72,20 +66,10 @@ def keep_neurons(layer: nn.Module, model_type: str, keep: torch.Tensor) -> None:
     _keep_columns(_module(layer, consumer), keep.to(_module(layer, consumer).weight.device))
 
 
-def _heads(attention: nn.Module) -> tuple[int, int, int]:
-    """``(query heads, KV heads, head_dim)`` of an attention module, from its projections."""
-    head_dim = attention.head_dim
-    return attention.q_proj.out_features // head_dim, attention.k_proj.out_features // head_dim, head_dim
-
-
-def group_count(layer: nn.Module) -> int:
-    return _heads(layer.self_attn)[1]
-
-
 def keep_groups(layer: nn.Module, keep: torch.Tensor) -> None:
     """Keep the KV groups ``keep`` (sorted) of a decoder layer: their K/V heads and all their query heads."""
     attention = layer.self_attn
-    q_heads, kv_heads, head_dim = _heads(attention)
+    q_heads, kv_heads, head_dim = attention_heads(attention)
     group = q_heads // kv_heads
     device = attention.q_proj.weight.device
     kv_rows = (keep[:, None] * head_dim + torch.arange(head_dim)).flatten().to(device)
@@ -103,7 +87,7 @@ def neuron_scores(layer: nn.Module, model_type: str, input_sq_sum: torch.Tensor)
 
 
 def group_scores(layer: nn.Module, input_sq_sum: torch.Tensor) -> torch.Tensor:
-    q_heads, kv_heads, head_dim = _heads(layer.self_attn)
+    q_heads, kv_heads, head_dim = attention_heads(layer.self_attn)
     column = layer.self_attn.o_proj.weight.detach().abs().float().sum(0) * input_sq_sum.float().sqrt()
     return column.view(kv_heads, -1).sum(-1)
 
@@ -133,10 +117,53 @@ def record(config, layers: nn.ModuleList) -> None:
 
 def rebuild(model: nn.Module, structure: dict) -> None:
     """Shrink a freshly built model to the recorded sizes (the weights are loaded afterwards)."""
-    from sparsegen.pruning.prune import decoder_layers
-
     model_type = model.config.model_type
     for index, layer in enumerate(decoder_layers(model)):
         keep_neurons(layer, model_type, torch.arange(structure["neurons"][index]))
         if structure.get("kv_groups"):
             keep_groups(layer, torch.arange(structure["kv_groups"][index]))
+
+
+register_rebuilder("sparsegen_structure", rebuild, order=0)
+
+
+def prune_structured(model: nn.Module, config: PruneConfig, ids: torch.Tensor | None, progress: bool) -> dict:
+    """Remove the lowest-scoring MLP neurons and KV groups of every layer, shrinking the matrices in place."""
+    model_type = model.config.model_type
+    check_supported(model_type, config.amounts)
+    needs_data = config.method == "wanda"
+    if needs_data and ids is None:
+        raise ValueError("wanda needs calibration data")
+    t0 = time.perf_counter()
+    before = sum(p.numel() for p in model.parameters())
+    report_layers = []
+    consumer = mlp_layout(model_type)[1]
+    walk = calibrated_layers(model, ids, "norms" if needs_data else None, config.batch_size,
+                             f"prune ({config.method}, structured)", progress)
+    for index, layer, _, stats in walk:
+        def input_norms(path: str) -> torch.Tensor:  # magnitude: every input counts the same
+            if stats:
+                return stats[path].sq_sum
+            linear = layer.get_submodule(path)
+            return torch.ones(linear.in_features, dtype=torch.float64, device=linear.weight.device)
+
+        entry = {"layer": index, "neurons_before": neuron_count(layer, model_type)}
+        keep = lowest_kept(neuron_scores(layer, model_type, input_norms(consumer)), config.amounts.get("neurons", 0.0),
+                           "MLP neurons")
+        keep_neurons(layer, model_type, keep)
+        entry["neurons"] = len(keep)
+        if config.amounts.get("heads"):
+            entry["kv_groups_before"] = group_count(layer)
+            keep = lowest_kept(group_scores(layer, input_norms("self_attn.o_proj")), config.amounts["heads"],
+                               "KV groups")
+            keep_groups(layer, keep)
+            entry["kv_groups"] = len(keep)
+        report_layers.append(entry)
+    record(model.config, decoder_layers(model))
+    after = sum(p.numel() for p in model.parameters())
+    return {
+        "method": config.method, "structured": config.amounts, "params_before": before, "params_after": after,
+        "removed": 1 - after / before, "nsamples": config.nsamples if needs_data else 0,
+        "seqlen": config.seqlen if needs_data else None, "seed": config.seed,
+        "seconds": round(time.perf_counter() - t0, 2), "layers": report_layers,
+    }

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparsegen.pruning.prune import calibrated_layers, decoder_layers
+from sparsegen.models.anatomy import decoder_layers
+from sparsegen.models.calibration import calibrated_layers
+from sparsegen.models.rebuild import register_rebuilder
 from sparsegen.pruning.sparsegpt import sparsegpt_prune
 from sparsegen.quant.groups import check_bits, round_to_nearest, GroupQuantizer
 from sparsegen.quant.linear import QuantLinear
@@ -108,3 +110,6 @@ def rebuild(model: torch.nn.Module, recorded: dict) -> None:
         layer.set_submodule(name, QuantLinear(linear.in_features, linear.out_features, recorded["bits"],
                                               recorded["group_size"], linear.bias is not None, linear.weight.dtype,
                                               linear.weight.device))
+
+
+register_rebuilder(CONFIG_KEY, rebuild, order=1)  # after structured pruning has sized the linears

@@ -124,9 +124,9 @@ class Engine:
         self.positions, self.chunk_size, self.max_sessions = positions, chunk_size, max_sessions
         self.template = template or ChatTemplate(tokenizer)
         self.device = next(model.parameters()).device
-        from sparsegen.prompt import prefix_length
+        from sparsegen.models.anatomy import pinned_tokens
 
-        self.offset = prefix_length(model)  # a prompt prefix sits in every cache before position 0 of the text
+        self.offset = pinned_tokens(model)  # a prompt prefix sits in every cache before position 0 of the text
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.counters = {"requests": 0, "prefill_tokens": 0, "decode_tokens": 0, "reencoded_sessions": 0,
                          "evicted_sessions": 0}

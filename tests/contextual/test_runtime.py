@@ -9,8 +9,7 @@ from sparsegen.contextual import Contextual, attach, detach
 from sparsegen.contextual.runtime import LowRankPredictor, model_info, predictor_name
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.pruning.prune import decoder_layers
-from sparsegen.pruning.structured import HEAD_FAMILIES, mlp_layout
+from sparsegen.models.anatomy import HEAD_FAMILIES, decoder_layers, mlp_layout
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))

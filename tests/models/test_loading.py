@@ -65,3 +65,15 @@ def test_cuda_without_gpu_is_a_clear_error(tiny_checkpoint):
         pytest.skip("a GPU is present")
     with pytest.raises(ModelLoadError, match="no CUDA GPU"):
         sparsegen.load(tiny_checkpoint, device="cuda")
+
+
+def test_a_reshaping_this_version_cannot_rebuild_is_refused(tiny_checkpoint, tmp_path):
+    import json
+
+    folder = tmp_path / "future"
+    shutil.copytree(tiny_checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["sparsegen_hypernetwork"] = {"layers": [0]}  # written by some later version
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sparsegen_hypernetwork, which this version of sparsegen cannot rebuild"):
+        sparsegen.load(folder)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sparsegen.models import ModelLoadError, load, model_spec
+from sparsegen.models import ModelLoadError, load, load_config, model_spec
 from sparsegen.models.synthetic import PRESETS, random_model
 
 # parameter counts of the public checkpoints each preset copies
@@ -19,14 +19,14 @@ def test_presets_have_the_public_shapes(name):
 
 
 def test_random_model_from_a_checkpoint_config(tiny_checkpoint):
-    model = random_model(f"random:{tiny_checkpoint}", seed=1)
+    model = random_model(load_config(f"random:{tiny_checkpoint}"), seed=1)
     weights = dict(model.named_parameters())
     assert all(torch.isfinite(p).all() for p in weights.values())
     assert torch.equal(weights["model.norm.weight"], torch.ones_like(weights["model.norm.weight"]))
     assert 0.015 < weights["model.layers.0.mlp.up_proj.weight"].std().item() < 0.025
     ids = torch.tensor([[1, 2, 3]])
     assert torch.isfinite(model(ids).logits).all()
-    again = random_model(f"random:{tiny_checkpoint}", seed=1)
+    again = random_model(load_config(f"random:{tiny_checkpoint}"), seed=1)
     assert torch.equal(again.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
 
 

@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from sparsegen.cli import main
 from sparsegen.pruning import PruneConfig, prune_model
-from sparsegen.pruning.prune import _first_layer_inputs, _run_layer, decoder_layers, prunable_linears
+from sparsegen.models.anatomy import decoder_layers, linears
+from sparsegen.models.calibration import first_layer_inputs, run_layer
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 
@@ -21,9 +22,9 @@ def test_every_family_prunes_every_linear_to_the_requested_sparsity(family, meth
     embeddings = model.get_input_embeddings().weight.clone()
     head = model.get_output_embeddings().weight.clone()
     report = prune_model(model, PruneConfig(method=method, sparsity=0.5, batch_size=4), _ids(), progress=False)
-    linears = [lin for layer in decoder_layers(model) for lin in prunable_linears(layer).values()]
-    assert len(report["layers"]) == len(linears) >= 2 * 4
-    for linear in linears:
+    pruned = [lin for layer in decoder_layers(model) for lin in linears(layer).values()]
+    assert len(report["layers"]) == len(pruned) >= 2 * 4
+    for linear in pruned:
         assert (linear.weight == 0).float().mean().item() == pytest.approx(0.5, abs=0.01)
     assert report["achieved"] == pytest.approx(0.5, abs=0.005)
     assert torch.equal(model.get_input_embeddings().weight, embeddings)
@@ -36,10 +37,10 @@ def test_layer_by_layer_forward_reproduces_the_model(family):
     model = tiny_model(family)
     ids = _ids(4)
     hidden = model(ids, output_hidden_states=True).hidden_states
-    [(x, kwargs)] = _first_layer_inputs(model, ids, batch_size=4)
+    [(x, kwargs)] = first_layer_inputs(model, ids, batch_size=4)
     assert torch.equal(x, hidden[0])
     for index, layer in enumerate(decoder_layers(model)[:-1]):  # the last output is normed by the model
-        x = _run_layer(layer, x, kwargs[index])
+        x = run_layer(layer, x, kwargs[index])
         torch.testing.assert_close(x, hidden[index + 1], rtol=0, atol=1e-6)
 
 
@@ -47,7 +48,7 @@ def test_n_m_pattern_on_a_model():
     model = tiny_model("qwen2")
     report = prune_model(model, PruneConfig(method="wanda", pattern="2:4"), _ids(), progress=False)
     for layer in decoder_layers(model):
-        for linear in prunable_linears(layer).values():
+        for linear in linears(layer).values():
             groups = (linear.weight == 0).view(linear.weight.shape[0], -1, 4)
             assert bool((groups.sum(-1) >= 2).all())
     assert report["requested"] == 0.5

@@ -8,7 +8,7 @@ import sparsegen
 from sparsegen.cli import main
 from sparsegen.pruning import PruneConfig, prune_model
 from sparsegen.pruning import structured
-from sparsegen.pruning.prune import decoder_layers
+from sparsegen.models.anatomy import HEAD_FAMILIES, attention_heads, decoder_layers, mlp_layout
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -17,7 +17,7 @@ IDS = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0
 def _mask_like_pruning(model, amounts):
     """Zero, in the dense model, exactly what magnitude structured pruning removes."""
     model_type = model.config.model_type
-    producers, consumer = structured.mlp_layout(model_type)
+    producers, consumer = mlp_layout(model_type)
     with torch.no_grad():
         for layer in decoder_layers(model):
             down = layer.get_submodule(consumer)
@@ -28,7 +28,7 @@ def _mask_like_pruning(model, amounts):
             down.weight[:, gone] = 0
             if "heads" in amounts:
                 attention = layer.self_attn
-                q_heads, kv_heads, head_dim = structured._heads(attention)
+                q_heads, kv_heads, head_dim = attention_heads(attention)
                 scores = structured.group_scores(layer, torch.ones(attention.o_proj.in_features))
                 kept = structured.lowest_kept(scores, amounts["heads"], "")
                 removed = [g for g in range(kv_heads) if g not in kept.tolist()]
@@ -40,7 +40,7 @@ def _mask_like_pruning(model, amounts):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_shrunk_model_equals_the_masked_dense_model(family):
-    amounts = {"neurons": 0.5, "heads": 0.5} if family in structured.HEAD_FAMILIES else {"neurons": 0.5}
+    amounts = {"neurons": 0.5, "heads": 0.5} if family in HEAD_FAMILIES else {"neurons": 0.5}
     spec = ",".join(f"{k}={v}" for k, v in amounts.items())
     model = tiny_model(family)
     masked = copy.deepcopy(model)

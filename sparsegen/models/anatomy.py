@@ -1,0 +1,58 @@
+"""Where things are inside a decoder-only model, per family: its decoder layers, their linears, the MLP's neuron
+layout and the attention's head layout. Every kind of sparsity finds the parts it changes here."""
+
+from __future__ import annotations
+
+from torch import nn
+
+# families whose attention sizes come from the projections (so KV groups can be removed)
+HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# (names of the layers whose output rows are neurons, the layer whose input columns are neurons)
+MLP_LAYOUTS = {
+    "gpt_neox": (("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h"),
+    "opt": (("fc1",), "fc2"),
+    "phi3": (("mlp.gate_up_proj",), "mlp.down_proj"),
+}
+LLAMA_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; sparsegen supports decoder-only "
+                         f"LMs whose decoder has a .layers list (Llama, Mistral, Qwen, Gemma 3, GPT-NeoX, Phi-3, OPT)")
+    return layers
+
+
+def linears(layer: nn.Module) -> dict[str, nn.Linear]:
+    """Every linear of a decoder layer, by its path inside the layer."""
+    return {name: module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
+
+
+def mlp_layout(model_type: str) -> tuple[tuple[str, ...], str]:
+    return MLP_LAYOUTS.get(model_type, LLAMA_MLP)
+
+
+def neuron_count(layer: nn.Module, model_type: str) -> int:
+    """MLP neurons of a decoder layer (the input width of its output projection)."""
+    return layer.get_submodule(mlp_layout(model_type)[1]).in_features
+
+
+def attention_heads(attention: nn.Module) -> tuple[int, int, int]:
+    """``(query heads, KV heads, head_dim)`` of an attention module, from its projections."""
+    head_dim = attention.head_dim
+    return attention.q_proj.out_features // head_dim, attention.k_proj.out_features // head_dim, head_dim
+
+
+def group_count(layer: nn.Module) -> int:
+    """KV head groups of a decoder layer."""
+    return attention_heads(layer.self_attn)[1]
+
+
+PINNED = "sparsegen_pinned_tokens"  # set on the decoder by whatever puts a prefix before every sequence
+
+
+def pinned_tokens(model: nn.Module) -> int:
+    """Positions a prompt prefix takes before every sequence (0 without one): caches never evict them, and the
+    text's positions start after them."""
+    return getattr(model.get_decoder(), PINNED, 0)

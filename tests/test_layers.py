@@ -1,0 +1,54 @@
+"""The package's layering: ``models`` is the base every kind of sparsity builds on, ``kv`` stands beside it, and no
+module imports, even lazily inside a function, a module that imports it back."""
+
+import ast
+from pathlib import Path
+
+import sparsegen
+
+PACKAGE = Path(sparsegen.__file__).parent
+UPPER = ("pruning", "quant", "prompt", "contextual", "eval", "bench", "serve", "cli", "generation")
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every sparsegen module -> the sparsegen modules it imports (at the top or inside functions)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(("sparsegen",) + path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparsegen"):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name.startswith("sparsegen")}
+        graph[name] = found
+    return graph
+
+
+def test_models_and_kv_import_no_kind_of_sparsity_or_anything_above():
+    wrong = {(module, target) for module, targets in _imports().items()
+             if module.startswith(("sparsegen.models", "sparsegen.kv")) for target in targets
+             if target.split(".")[1] in UPPER}
+    assert not wrong, wrong
+
+
+def test_no_import_cycles():
+    graph = _imports()
+    modules = {m: {t for t in targets if t in graph and t != m and not m.startswith(t + ".")}
+               for m, targets in graph.items()}  # a module importing its own package's __init__ is not a cycle
+    visiting, done, cycles = set(), set(), []
+
+    def visit(module, path):
+        visiting.add(module)
+        for target in modules[module]:
+            if target in visiting:
+                cycles.append(path[path.index(target):] + [target] if target in path else [module, target])
+            elif target not in done:
+                visit(target, path + [target])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in sorted(modules):
+        if module not in done:
+            visit(module, [module])
+    assert not cycles, cycles
