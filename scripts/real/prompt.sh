@@ -25,9 +25,11 @@ pruned wanda_2of4 --method wanda --pattern 2:4
 quantized() {  # NAME SOURCE [quantize options]
   once "$RUNS/prompt/$1/config.json" $SG quantize --model "$RUNS/pruned/$2" --out "$RUNS/prompt/$1" --force "${@:3}"
 }
-quantized wanda50-int4 wanda_0.5 --method rtn --bits 4
-quantized sgpt50-int8 sparsegpt_0.5 --method gptq --bits 8 --calib "$DATA/books/train"
-quantized wanda24-int4 wanda_2of4 --method rtn --bits 4
+# groups of 64 columns: vLLM's kernels and compressed-tensors need the group to divide every linear's inputs
+# (smollm2's hidden size is 576 = 9 x 64)
+quantized wanda50-int4 wanda_0.5 --method rtn --bits 4 --group-size 64
+quantized sgpt50-int8 sparsegpt_0.5 --method gptq --bits 8 --group-size 64 --calib "$DATA/books/train"
+quantized wanda24-int4 wanda_2of4 --method rtn --bits 4 --group-size 64
 TRAIN="--steps $STEPS --seqlen 512 --batch-size 4 --calib $DATA/books/train"
 once "$OUT/soft-lm.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" $TRAIN --out "$OUT/soft-lm.safetensors"
 once "$OUT/soft-kl.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --teacher "$MODEL" $TRAIN \
