@@ -5,26 +5,30 @@ rebuild that shape on a freshly built model, so loading needs no knowledge of an
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig
 
-Rebuild = Callable[[nn.Module, dict], None]
-_REBUILDERS: dict[str, tuple[int, Rebuild]] = {}
+Rebuild = Callable[[nn.Module, Any], None]
+_REBUILDERS: dict[str, tuple[int, Rebuild, Callable[[Any], bool]]] = {}
 
 
-def register_rebuilder(key: str, rebuild: Rebuild, order: int) -> None:
-    """``rebuild(model, config[key])`` reshapes a fresh model as recorded; lower ``order`` runs first."""
-    _REBUILDERS[key] = (order, rebuild)
+def register_rebuilder(key: str, rebuild: Rebuild, order: int, claims: Callable[[Any], bool] = bool) -> None:
+    """``rebuild(model, config.<key>)`` reshapes a fresh model as recorded, for the values ``claims`` accepts (a
+    shared key such as ``quantization_config`` may hold formats that transformers loads itself); lower ``order``
+    runs first."""
+    _REBUILDERS[key] = (order, rebuild, claims)
 
 
 def recorded(config: PretrainedConfig) -> list[str]:
     """The reshaping keys ``config`` records, in the order they are rebuilt."""
-    keys = [key for key, value in config.to_dict().items() if key.startswith("sparsegen_") and value]
-    unknown = [key for key in keys if key not in _REBUILDERS]
+    values = {key: getattr(config, key, None) for key in config.to_dict()}
+    unknown = [key for key, value in values.items() if key.startswith("sparsegen_") and value and key not in _REBUILDERS]
     if unknown:
         raise ValueError(f"config.json records {', '.join(unknown)}, which this version of sparsegen cannot "
                          f"rebuild; upgrade sparsegen")
+    keys = [key for key, (_, _, claims) in _REBUILDERS.items() if values.get(key) and claims(values[key])]
     return sorted(keys, key=lambda key: _REBUILDERS[key][0])
 
 

@@ -106,13 +106,26 @@ def check_supported(model_type: str, amounts: dict[str, float]) -> None:
                          f"attention from the config. Use --structured neurons=F for it")
 
 
+MLP_SIZE = {"opt": "ffn_dim"}  # the config field of the MLP width (intermediate_size elsewhere)
+
+
 def record(config, layers: nn.ModuleList) -> None:
-    """Write every layer's kept sizes into the config, where ``rebuild`` finds them."""
+    """Write the kept sizes into the config. Every layer the same size (what pruning a fraction of each gives) is a
+    plain config: any tool builds the shrunk model from it. Otherwise the per-layer sizes go to
+    ``config.sparsegen_structure``, where ``rebuild`` finds them (plain transformers then refuses the weights'
+    shapes rather than loading random ones)."""
     model_type = config.model_type
-    config.sparsegen_structure = {
-        "neurons": [neuron_count(layer, model_type) for layer in layers],
-        "kv_groups": [group_count(layer) for layer in layers] if model_type in HEAD_FAMILIES else None,
-    }
+    neurons = [neuron_count(layer, model_type) for layer in layers]
+    groups = [group_count(layer) for layer in layers] if model_type in HEAD_FAMILIES else None
+    text = config.get_text_config()
+    if len(set(neurons)) > 1 or (groups and len(set(groups)) > 1):
+        config.sparsegen_structure = {"neurons": neurons, "kv_groups": groups}
+        return
+    setattr(text, MLP_SIZE.get(model_type, "intermediate_size"), neurons[0])
+    if groups and groups[0] != text.num_key_value_heads:
+        queries_per_group = text.num_attention_heads // text.num_key_value_heads
+        text.head_dim = attention_heads(layers[0].self_attn)[2]  # explicit: it no longer follows from the width
+        text.num_key_value_heads, text.num_attention_heads = groups[0], groups[0] * queries_per_group
 
 
 def rebuild(model: nn.Module, structure: dict) -> None:

@@ -1,9 +1,10 @@
-"""Asymmetric integer grids per group of input columns: the numbers every weight-only quantizer here shares.
+"""Symmetric integer grids per group of input columns: the numbers every weight-only quantizer here shares.
 
-A row's columns are cut into groups of ``group_size``; each group gets a scale (stored in float16) and an
-integer zero point, and its weights become codes in ``[0, 2**bits - 1]`` with ``w ~ (code - zero) * scale``.
-The grid always contains 0 (the range is widened to include it), so weights a pruner set to zero stay
-exactly zero after quantization.
+A row's columns are cut into groups of ``group_size``; each group gets a scale (stored in float16), and its
+weights become signed integers ``q`` in ``[-2**(bits-1), 2**(bits-1) - 1]`` with ``w ~ q * scale``. Symmetric
+grids are what llm-compressor's W4A16/W8A16 schemes write and vLLM's kernels read; they contain 0, so weights a
+pruner set to zero stay exactly zero after quantization. Codes are stored offset to ``[0, 2**bits - 1]``
+(``code = q + 2**(bits-1)``), the zero point every grid shares.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ def check_bits(bits: int, group_size: int) -> None:
         raise ValueError(f"group size must be a positive number of columns (or 0 for one group per row), got {group_size}")
 
 
+def check_groups(columns: int, group_size: int) -> None:
+    """Groups must tile a row exactly (compressed-tensors and vLLM's kernels need it); one wider than the row is the
+    whole row."""
+    if columns % group_width(group_size, columns):
+        raise ValueError(f"a linear with {columns} inputs cannot be cut into groups of {group_size} columns; use a "
+                         f"group size that divides every linear's inputs (e.g. 64 or 32), or 0 (per row)")
+
+
 def group_width(group_size: int, columns: int) -> int:
     """Columns per group; 0 means one group for the whole row."""
     return columns if group_size == 0 else min(group_size, columns)
@@ -29,25 +38,22 @@ def group_width(group_size: int, columns: int) -> int:
 
 @dataclass
 class Grid:
-    """Scale and zero point of one group of columns, per row: ``[rows, 1]`` each."""
+    """Scale of one group of columns, per row (``[rows, 1]``), and the grid's shared zero point."""
 
     scale: torch.Tensor  # fp32 holding float16-representable values
-    zero: torch.Tensor  # fp32 holding whole numbers in [0, maxq]
+    zero: int  # the code of 0: 2**(bits-1)
     maxq: int
 
     @classmethod
     def fit(cls, weights: torch.Tensor, bits: int) -> Grid:
-        """The min-max grid of ``weights`` ``[rows, columns]``, widened to hold 0."""
+        """The grid whose extreme codes reach the largest magnitude in each row of ``weights`` ``[rows, columns]``."""
         maxq = 2**bits - 1
-        w = weights.float()
-        low = w.min(dim=1, keepdim=True).values.clamp(max=0)
-        high = w.max(dim=1, keepdim=True).values.clamp(min=0)
-        scale = (high - low) / maxq
-        # stored as float16: round up by one float16 ulp so the range still covers [low, high]
+        reach = weights.float().abs().amax(dim=1, keepdim=True)
+        scale = 2 * reach / maxq
+        # stored as float16: round up by one float16 ulp so the range still covers the weights
         scale = (scale * (1 + 2**-10)).half().float()
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
-        zero = torch.round(-low / scale).clamp(0, maxq)
-        return cls(scale, zero, maxq)
+        return cls(scale, 2 ** (bits - 1), maxq)
 
     def codes(self, weights: torch.Tensor) -> torch.Tensor:
         return (torch.round(weights.float() / self.scale) + self.zero).clamp(0, self.maxq)
@@ -72,7 +78,7 @@ class GroupQuantizer:
         self.bits, self.width = bits, group_width(group_size, columns)
         groups = -(-columns // self.width)
         self.scales = torch.zeros(rows, groups, device=device)
-        self.zeros = torch.zeros(rows, groups, device=device)
+        self.zero = 2 ** (bits - 1)
         self.grid: Grid | None = None
 
     def column(self, block: torch.Tensor, block_start: int, i: int, pruned: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,12 +94,11 @@ class GroupQuantizer:
     def fit_group(self, weights: torch.Tensor, group: int) -> None:
         self.grid = Grid.fit(weights, self.bits)
         self.scales[:, group] = self.grid.scale[:, 0]
-        self.zeros[:, group] = self.grid.zero[:, 0]
 
     def codes(self, weight: torch.Tensor) -> torch.Tensor:
         """Integer codes ``[rows, columns]`` of weights already on the fitted grids."""
-        scale, zero = self.expand(self.scales, weight.shape[1]), self.expand(self.zeros, weight.shape[1])
-        return (torch.round(weight.float() / scale) + zero).clamp(0, 2**self.bits - 1).to(torch.uint8)
+        scale = self.expand(self.scales, weight.shape[1])
+        return (torch.round(weight.float() / scale) + self.zero).clamp(0, 2**self.bits - 1).to(torch.uint8)
 
     def expand(self, per_group: torch.Tensor, columns: int) -> torch.Tensor:
         return per_group.repeat_interleave(self.width, dim=1)[:, :columns]

@@ -1,8 +1,11 @@
-"""A linear layer whose weight is stored as 4- or 8-bit codes with per-group float16 scales and zero points.
+"""A linear layer whose weight is stored as 4- or 8-bit symmetric integers with per-group float16 scales, laid out
+as compressed-tensors' ``pack-quantized`` format (the one llm-compressor writes and vLLM serves): ``weight_packed``
+(int32 words, each holding 32 / bits consecutive codes of a row, the first in the lowest bits, codes offset to be
+non-negative), ``weight_scale`` (``[out, groups]``) and ``weight_shape``. A model's ``state_dict`` is therefore
+already the checkpoint other tools read.
 
-The weight is dequantized at each forward (``F.linear`` then runs in the input's dtype): the model is smaller
-in memory and on disk, not faster — weight-only quantization pays off in speed only with fused low-bit
-kernels, which PyTorch does not ship for CPU and CUDA alike.
+The weight is dequantized at each forward (``F.linear`` then runs in the input's dtype): the model is smaller in
+memory and on disk, not faster.
 """
 
 from __future__ import annotations
@@ -11,38 +14,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.quant.groups import GroupQuantizer, check_bits, group_width
+from sparsegen.quant.groups import GroupQuantizer, check_bits, check_groups, group_width
+
+WORD = 32
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``uint8 [rows, columns]`` codes -> bytes: 8-bit as is, 4-bit two per byte (even column in the low nibble)."""
-    if bits == 8:
-        return codes.contiguous()
-    if codes.shape[1] % 2:
-        codes = F.pad(codes, (0, 1))
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    """``uint8 [rows, columns]`` codes -> ``int32 [rows, ceil(columns * bits / 32)]``, first code in the low bits."""
+    per_word = WORD // bits
+    rows, columns = codes.shape
+    padded = F.pad(codes.to(torch.int64), (0, -columns % per_word)).view(rows, -1, per_word)
+    shifts = torch.arange(0, WORD, bits, device=codes.device)
+    words = (padded << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
 
 
 def unpack(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
-    if bits == 8:
-        return packed
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)[:, :columns]
+    """The inverse of ``pack``: ``uint8 [rows, columns]`` codes."""
+    shifts = torch.arange(0, WORD, bits, device=packed.device)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    codes = (words.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return codes.flatten(1)[:, :columns].to(torch.uint8)
 
 
 class QuantLinear(nn.Module):
-    """``y = x W^T + b`` with ``W = (codes - zeros) * scales`` per group of ``group_size`` input columns."""
+    """``y = x W^T + b`` with ``W = (codes - 2**(bits-1)) * scale`` per group of ``group_size`` input columns."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         check_bits(bits, group_size)
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        check_groups(in_features, group_size)
         self.group_size = group_width(group_size, in_features)
-        groups = -(-in_features // self.group_size)
-        packed_columns = in_features if bits == 8 else -(-in_features // 2)
-        self.register_buffer("qweight", torch.zeros(out_features, packed_columns, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16, device=device))
-        self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.uint8, device=device))
+        words = -(-in_features * bits // WORD)
+        self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, in_features // self.group_size,
+                                                        dtype=torch.float16, device=device))
+        self.register_buffer("weight_shape", torch.tensor([out_features, in_features], device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
     @classmethod
@@ -50,18 +59,18 @@ class QuantLinear(nn.Module):
         """Store ``weight`` (already on ``quantizer``'s grids) in place of ``linear``."""
         module = cls(linear.in_features, linear.out_features, quantizer.bits, quantizer.width,
                      linear.bias is not None, linear.weight.dtype, linear.weight.device)
-        module.qweight.copy_(pack(quantizer.codes(weight), quantizer.bits))
-        module.scales.copy_(quantizer.scales.half())
-        module.zeros.copy_(quantizer.zeros.to(torch.uint8))
+        module.weight_packed.copy_(pack(quantizer.codes(weight), quantizer.bits))
+        module.weight_scale.copy_(quantizer.scales.half())
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.data)
         return module
 
+    def codes(self) -> torch.Tensor:
+        return unpack(self.weight_packed, self.bits, self.in_features)
+
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        codes = unpack(self.qweight, self.bits, self.in_features).float()
-        scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
-        zeros = self.zeros.float().repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
-        return ((codes - zeros) * scales).to(dtype or self.scales.dtype)
+        scales = self.weight_scale.float().repeat_interleave(self.group_size, dim=1)
+        return ((self.codes().float() - 2 ** (self.bits - 1)) * scales).to(dtype or self.weight_scale.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)

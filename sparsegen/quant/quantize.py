@@ -3,8 +3,8 @@
 Every ``nn.Linear`` inside a decoder layer becomes a ``QuantLinear`` (embeddings and the output layer stay in
 float, as in GPTQ). GPTQ reuses SparseGPT's sweep with a quantizer and no pruning, feeding each layer the
 outputs of the already-quantized layers before it. Zeros of a pruned checkpoint stay zero under both methods.
-The layout (bits, group size, which linears) is written to ``config.sparsegen_quantization`` so
-``sparsegen.load`` rebuilds the model before reading its weights.
+The checkpoint is in compressed-tensors' ``pack-quantized`` format (``config.quantization_config``): vLLM serves
+it, transformers loads it with the ``compressed-tensors`` package, and ``sparsegen.load`` rebuilds it without.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparsegen.models.anatomy import decoder_layers
+from sparsegen.models.anatomy import decoder_layers, linears
 from sparsegen.models.calibration import calibrated_layers
 from sparsegen.models.rebuild import register_rebuilder
 from sparsegen.pruning.sparsegpt import sparsegpt_prune
-from sparsegen.quant.groups import check_bits, round_to_nearest, GroupQuantizer
+from sparsegen.quant.groups import GroupQuantizer, check_bits, check_groups, round_to_nearest
 from sparsegen.quant.linear import QuantLinear
 
 METHODS = ("rtn", "gptq")
-CONFIG_KEY = "sparsegen_quantization"
+CONFIG_KEY = "quantization_config"
 
 
 @dataclass
@@ -69,18 +69,21 @@ def quantize_model(model: torch.nn.Module, config: QuantizeConfig, ids: torch.Te
         raise ValueError("this model is already quantized; quantize its float checkpoint instead")
     if config.method == "gptq" and ids is None:
         raise ValueError("gptq needs calibration data")
+    for layer in decoder_layers(model):  # refused before any layer changes
+        for linear in linears(layer).values():
+            check_groups(linear.in_features, config.group_size)
     t0 = time.perf_counter()
     layers = []
     statistic = "hessian" if config.method == "gptq" else None
-    for index, layer, linears, stats in calibrated_layers(model, ids, statistic, config.batch_size,
+    for index, layer, found, stats in calibrated_layers(model, ids, statistic, config.batch_size,
                                                           f"quantize ({config.method}, int{config.bits})", progress):
-        for name, linear in linears.items():
+        for name, linear in found.items():
             quantized = _quantize_linear(linear, config, stats[name].hessian() if name in stats else None)
             layer.set_submodule(name, quantized)
             error = (quantized.dequantized(torch.float32) - linear.weight.float()).pow(2).mean().item()
             layers.append({"name": f"layers.{index}.{name}", "shape": list(linear.weight.shape),
                            "bytes_before": _bytes(linear), "bytes_after": _bytes(quantized), "mse": error})
-    model.config.update({CONFIG_KEY: layout(model, config)})
+    model.config.quantization_config = compressed_tensors_config(model, config.bits, config.group_size)
     return {
         "method": config.method, "bits": config.bits, "group_size": config.group_size,
         "nsamples": config.nsamples if statistic else 0, "seqlen": config.seqlen if statistic else None,
@@ -92,24 +95,49 @@ def quantize_model(model: torch.nn.Module, config: QuantizeConfig, ids: torch.Te
     }
 
 
-def layout(model: torch.nn.Module, config: QuantizeConfig) -> dict:
-    names = [f"{index}.{name}" for index, layer in enumerate(decoder_layers(model))
-             for name, module in layer.named_modules() if isinstance(module, QuantLinear)]
-    return {"method": config.method, "bits": config.bits, "group_size": config.group_size, "linears": names}
+def compressed_tensors_config(model: torch.nn.Module, bits: int, group_size: int) -> dict:
+    """``quantization_config`` of a model whose decoder linears are ``QuantLinear``s: one symmetric int-weight scheme
+    (W4A16 or W8A16) for every ``Linear``, and the ones left in float (the output layer) ignored."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False, "observer": "minmax",
+               "strategy": "group" if group_size else "channel", "group_size": group_size or None}
+    ignore = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}},
+            "ignore": ignore}
+
+
+def _scheme(recorded: dict) -> dict:
+    """The weight scheme of a compressed-tensors config sparsegen can rebuild, or a clear error."""
+    groups = list((recorded.get("config_groups") or {}).values())
+    weights = groups[0].get("weights") or {} if len(groups) == 1 else {}
+    if not (weights.get("type") == "int" and weights.get("symmetric") and weights.get("num_bits") in (4, 8)
+            and weights.get("strategy") in ("group", "channel") and not groups[0].get("input_activations")):
+        raise ValueError("sparsegen rebuilds compressed-tensors checkpoints with one symmetric 4- or 8-bit integer "
+                         "weight scheme (W4A16, W8A16); load this one with transformers and the compressed-tensors "
+                         "package")
+    return weights
+
+
+def ours(recorded) -> bool:
+    """Whether a ``quantization_config`` is one ``rebuild`` reads (compressed-tensors, pack-quantized)."""
+    return (isinstance(recorded, dict) and recorded.get("quant_method") == "compressed-tensors"
+            and recorded.get("format") == "pack-quantized")
 
 
 def rebuild(model: torch.nn.Module, recorded: dict) -> None:
-    """Swap the recorded linears of a freshly built model for empty ``QuantLinear``s, ready for the saved weights."""
-    layers = decoder_layers(model)
-    for entry in recorded["linears"]:
-        index, _, name = entry.partition(".")
-        layer = layers[int(index)]
-        linear = layer.get_submodule(name)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"config.json records {entry} as quantized, but the model has no linear layer there")
-        layer.set_submodule(name, QuantLinear(linear.in_features, linear.out_features, recorded["bits"],
-                                              recorded["group_size"], linear.bias is not None, linear.weight.dtype,
-                                              linear.weight.device))
+    """Swap the linears a compressed-tensors config quantizes for empty ``QuantLinear``s, ready for the weights."""
+    weights = _scheme(recorded)
+    group_size = weights["group_size"] if weights["strategy"] == "group" else 0
+    ignore = set(recorded.get("ignore") or ())
+    if any(name.startswith("re:") for name in ignore):
+        raise ValueError("sparsegen does not read regular-expression ignore lists; load this checkpoint with "
+                         "transformers and the compressed-tensors package")
+    for name, linear in list(model.named_modules()):
+        if type(linear) is nn.Linear and name not in ignore:
+            model.set_submodule(name, QuantLinear(linear.in_features, linear.out_features, weights["num_bits"],
+                                                  group_size, linear.bias is not None, linear.weight.dtype,
+                                                  linear.weight.device))
 
 
-register_rebuilder(CONFIG_KEY, rebuild, order=1)  # after structured pruning has sized the linears
+register_rebuilder(CONFIG_KEY, rebuild, order=1, claims=ours)  # after structured pruning has sized the linears

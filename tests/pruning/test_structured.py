@@ -3,12 +3,12 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import sparsegen
 from sparsegen.cli import main
-from sparsegen.pruning import PruneConfig, prune_model
-from sparsegen.pruning import structured
 from sparsegen.models.anatomy import HEAD_FAMILIES, attention_heads, decoder_layers, mlp_layout
+from sparsegen.pruning import PruneConfig, prune_model, save_pruned, structured
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -64,7 +64,9 @@ def test_structured_checkpoint_round_trip(tiny_checkpoint, corpus, tmp_path):
     report = json.loads((out / "sparsity.json").read_text())
     assert report["structured"] == {"neurons": 0.25, "heads": 0.5} and report["removed"] > 0.1
     model, tokenizer = sparsegen.load(out)
-    assert model.config.sparsegen_structure == {"neurons": [48, 48], "kv_groups": [1, 1]}
+    config = json.loads((out / "config.json").read_text())  # uniform sizes: a plain config any tool builds from
+    assert (config["intermediate_size"], config["num_key_value_heads"], config["num_attention_heads"]) == (48, 1, 2)
+    assert "sparsegen_structure" not in config
     spec = sparsegen.model_spec(out)
     assert spec.params == report["params_after"] == sum(p.numel() for p in model.parameters())
     assert spec.kv_bytes_per_token == 2 * 2 * 1 * 8 * 4  # K and V, 2 layers, 1 KV group of 8 dims, fp32
@@ -75,6 +77,21 @@ def test_structured_checkpoint_round_trip(tiny_checkpoint, corpus, tmp_path):
     streamed = sparsegen.generate(model, tokenizer, "it was the", policy="streaming", budget=8, max_new_tokens=5,
                                   stop_at_eos=False)
     assert streamed.new_tokens == [5]
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_per_layer_sizes_load_in_sparsegen_and_plain_transformers_refuses_them(tiny_checkpoint, tmp_path):
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    structured.keep_neurons(decoder_layers(model)[0], "llama", torch.arange(40))  # layer 0 narrower than layer 1
+    structured.record(model.config, decoder_layers(model))
+    assert model.config.sparsegen_structure == {"neurons": [40, 64], "kv_groups": [2, 2]}
+    save_pruned(model, tokenizer, tmp_path / "uneven", {})
+    again, _ = sparsegen.load(tmp_path / "uneven")
+    ids = torch.tensor([[0, 5, 6, 7, 8]])
+    torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+    with pytest.raises(Exception, match="mismatch"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "uneven")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -90,3 +107,13 @@ def test_bad_structured_configs(kwargs, message):
 def test_heads_on_a_fused_attention_family_is_refused():
     with pytest.raises(ValueError, match="neurons=F"):
         prune_model(tiny_model("gpt_neox"), PruneConfig(method="magnitude", structured="heads=0.5"), progress=False)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_shrunk_uniformly_is_a_plain_checkpoint(family, tmp_path):
+    model = tiny_model(family)
+    amounts = "neurons=0.5,heads=0.5" if family in HEAD_FAMILIES else "neurons=0.5"
+    prune_model(model, PruneConfig(method="magnitude", structured=amounts), progress=False)
+    save_pruned(model, None, tmp_path / family, {})
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / family)
+    torch.testing.assert_close(plain(IDS).logits, model(IDS).logits, rtol=0, atol=1e-6)

@@ -24,25 +24,27 @@ def _ids(n=8, length=24, seed=0):
 @pytest.mark.parametrize("group_size", [0, 32, 128])
 def test_round_trip_error_is_at_most_half_the_group_scale_and_zeros_stay_zero(bits, group_size):
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(16, 200, generator=generator) * torch.rand(16, 1, generator=generator)
-    weight[torch.rand(16, 200, generator=generator) < 0.5] = 0  # a pruned layer
+    weight = torch.randn(16, 256, generator=generator) * torch.rand(16, 1, generator=generator)
+    weight[torch.rand(16, 256, generator=generator) < 0.5] = 0  # a pruned layer
     weight[3] = 0  # an all-zero row
     weight[4] = weight[4].abs()  # a row whose range does not reach below 0
     quantizer = round_to_nearest(weight, bits, group_size)
-    linear = QuantLinear.from_linear(torch.nn.Linear(200, 16, bias=False), weight, quantizer)
+    linear = QuantLinear.from_linear(torch.nn.Linear(256, 16, bias=False), weight, quantizer)
     restored = linear.dequantized(torch.float32)
-    scale = quantizer.expand(quantizer.scales, 200)
+    scale = quantizer.expand(quantizer.scales, 256)
     assert ((restored - weight).abs() <= scale / 2 * (1 + 1e-5)).all()
     assert (restored[weight == 0] == 0).all()
-    assert linear.qweight.dtype == torch.uint8 and linear.qweight.shape[1] == (200 if bits == 8 else 100)
-    codes = linear.qweight if bits == 8 else unpack(linear.qweight, 4, 200)
-    assert int(codes.min()) == 0 and int(codes.max()) == 2**bits - 1  # min-max grids span every code
+    assert linear.weight_packed.dtype == torch.int32 and linear.weight_packed.shape[1] == 256 * bits // 32
+    codes = linear.codes()
+    # the largest magnitude of each sign reaches the grid's last code (q = -7 and 7 at 4 bits, the -8 code unused)
+    assert int(codes.min()) == 1 and int(codes.max()) == 2**bits - 1
 
 
-def test_four_bit_packing_round_trips_odd_widths():
-    codes = torch.randint(0, 16, (5, 7), dtype=torch.uint8)
-    assert torch.equal(unpack(pack(codes, 4), 4, 7), codes)
-    assert pack(codes, 4).shape == (5, 4)
+@pytest.mark.parametrize("bits, words", [(4, 1), (8, 2)])
+def test_packing_round_trips_odd_widths(bits, words):
+    codes = torch.randint(0, 2**bits, (5, 7), dtype=torch.uint8)
+    assert torch.equal(unpack(pack(codes, bits), bits, 7), codes)
+    assert pack(codes, bits).shape == (5, words) and pack(codes, bits).dtype == torch.int32
 
 
 def test_quant_linear_forward_is_a_linear_with_the_dequantized_weight():
@@ -114,7 +116,38 @@ def test_pruned_then_quantized_checkpoint_saves_and_loads_exactly(tiny_checkpoin
     for layer in loaded.get_decoder().layers:  # the pruned half stays zero after quantization
         zeros = (layer.mlp.down_proj.dequantized(torch.float32) == 0).float().mean().item()
         assert zeros >= 0.5
-    assert json.loads((tmp_path / "q" / "config.json").read_text())["sparsegen_quantization"]["bits"] == 4
+    recorded = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert recorded["config_groups"]["group_0"]["weights"]["num_bits"] == 4 and recorded["ignore"] == ["lm_head"]
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 16), (8, 0)])
+def test_plain_transformers_with_compressed_tensors_reads_the_checkpoint(tiny_checkpoint, tmp_path, bits, group_size):
+    """The checkpoint is compressed-tensors' pack-quantized format: the codes pack as its own packer packs them, its
+    config validates, and plain AutoModelForCausalLM gives sparsegen.load's logits."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    report = quantize_model(model, QuantizeConfig(bits=bits, group_size=group_size, method="rtn"), progress=False)
+    save_pruned(model, tokenizer, tmp_path / "q", report, "quantization.json")
+    ours, _ = sparsegen.load(tmp_path / "q")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    assert type(plain.hf_quantizer).__name__ == "CompressedTensorsHfQuantizer"  # (on CPU it decompresses to Linear)
+    ids = _ids()
+    assert torch.allclose(plain(ids).logits, ours(ids).logits, atol=1e-4)
+    linear = ours.model.layers[0].self_attn.q_proj
+    signed = (linear.codes().to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
+    assert torch.equal(pack_to_int32(signed, bits), linear.weight_packed)
+    QuantizationConfig.model_validate(json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"])
+
+
+def test_groups_must_divide_every_linear(tiny_checkpoint):
+    model, _ = sparsegen.load(tiny_checkpoint)
+    with pytest.raises(ValueError, match="cannot be cut into groups of 24 columns"):
+        quantize_model(model, QuantizeConfig(method="rtn", group_size=24), progress=False)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # refused before any layer changed
 
 
 def test_corrupted_or_mismatched_quantized_checkpoints_get_clear_errors(tiny_checkpoint, tmp_path):
@@ -125,13 +158,18 @@ def test_corrupted_or_mismatched_quantized_checkpoints_get_clear_errors(tiny_che
     weights = folder / "model.safetensors"
     state = load_file(weights)
     config = json.loads((folder / "config.json").read_text())
-    config["sparsegen_quantization"]["bits"] = 8  # the recorded layout no longer matches the tensors
+    weights_scheme = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights_scheme["num_bits"] = 8  # the recorded scheme no longer matches the tensors
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="could not be read"):
         sparsegen.load(folder)
-    config["sparsegen_quantization"]["bits"] = 4
+    weights_scheme["num_bits"], weights_scheme["symmetric"] = 4, False  # a scheme sparsegen does not rebuild
     (folder / "config.json").write_text(json.dumps(config))
-    save_file({k: v for k, v in state.items() if "scales" not in k}, weights)
+    with pytest.raises(ValueError, match="symmetric 4- or 8-bit"):
+        sparsegen.load(folder)
+    weights_scheme["symmetric"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v for k, v in state.items() if "weight_scale" not in k}, weights)
     with pytest.raises(ValueError, match="do not match the layers"):
         sparsegen.load(folder)
     weights.write_bytes(weights.read_bytes()[:100])
