@@ -410,12 +410,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
     plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
     for name in names_of_models:
+        tokenizer = None
         if is_random(name):
             config = load_config(name)
             model = random_model(config, device, resolve_dtype(args.dtype, config, device), args.seed)
-        else:
-            model, tokenizer = load(name, device=device, dtype=args.dtype)
-        attach_prompt(args, model, None if is_random(name) else tokenizer)
+        else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
+            needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None
+            model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
+        attach_prompt(args, model, tokenizer)
         if args.compile:
             decode.compile_mlps(model)
         for variant in variants:
@@ -626,18 +628,29 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from sparsegen.pruning import save_pruned
     from sparsegen.quant import QuantizeConfig, quantize_model
 
+    from sparsegen.models.synthetic import is_random, random_model
+
     config = QuantizeConfig(bits=args.bits, group_size=args.group_size, method=args.method, nsamples=args.nsamples,
                             seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size)
-    source = Path(resolve(args.model))
+    source = None if is_random(args.model) else Path(resolve(args.model))
     out = check_output(args.out, source, args.force)
-    model, tokenizer = load_model(args)
+    if source is None:  # a model shape with random weights, to measure quantized decode speed at that size
+        from sparsegen.models.loading import check_device, load_config, resolve_dtype
+
+        if config.method != "rtn":
+            raise ValueError(f"{args.model} has no tokenizer to calibrate GPTQ with; use --method rtn")
+        device, shape = check_device(args.device), load_config(args.model)
+        model = random_model(shape, device, resolve_dtype(args.dtype, shape, device), args.seed)
+        tokenizer = None
+    else:
+        model, tokenizer = load_model(args)
     ids, calib = _calibration(args, tokenizer, "train") if config.method == "gptq" else (None, None)
     loaded = model.dtype
     report = {"model": args.model, "calibration": str(calib) if calib else None, **quantize_model(model, config, ids)}
-    pruned = source / "sparsity.json"  # a pruned checkpoint: its pruning report travels with it
-    extra = {pruned.name: json.loads(pruned.read_text())} if pruned.exists() else None
+    pruned = source / "sparsity.json" if source else None  # a pruned checkpoint: its pruning report travels with it
+    extra = {pruned.name: json.loads(pruned.read_text())} if pruned and pruned.exists() else None
     save_pruned(model, tokenizer, out, report, "quantization.json", _saved_dtype(args.model, model), args.force, extra)
-    before = sum(f.stat().st_size for f in source.glob("*.safetensors")) if source.exists() else None
+    before = sum(f.stat().st_size for f in source.glob("*.safetensors")) if source and source.exists() else None
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     linear = report["linear_bytes_before"] / report["linear_bytes_after"]
     print(f"{config.method} int{config.bits}, group {config.group_size or 'row'}: {len(report['layers'])} linear layers "

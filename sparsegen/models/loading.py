@@ -129,12 +129,14 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
+    tokenizer: bool = True,
 ) -> tuple[torch.nn.Module, object]:
     """Return ``(model, tokenizer)`` for a hub id, a local checkpoint folder, a ``.gguf`` file, a packaged model
     (``smollm2``, ``gemma3-270m``) or a bundled one (``reference``).
 
     The model is in eval mode on ``device``. ``dtype`` defaults to float32 on CPU and the checkpoint's
-    dtype on accelerators.
+    dtype on accelerators. ``tokenizer=False`` loads the model only (the tokenizer comes back as None), e.g. a
+    checkpoint compressed from a ``random:`` shape, which has none.
     """
     if is_random(name_or_path):
         raise ModelLoadError(f"{name_or_path!r} has random weights and no tokenizer: it is for `sparsegen bench` and "
@@ -145,7 +147,7 @@ def load(
     local = Path(source).exists() or _is_cached(source)
     kwargs = {"local_files_only": True} if local and not Path(source).exists() else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs) if tokenizer else None
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer of {source!r}: {err}") from None
     try:
@@ -170,7 +172,7 @@ def load(
                 f"corrupted: re-download or re-save it"
             ) from None
         raise ModelLoadError(f"cannot load {source!r}: {err}") from None
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+    if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
 

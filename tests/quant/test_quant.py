@@ -199,3 +199,33 @@ def test_cli_quantize(tiny_checkpoint, corpus, tmp_path, capsys, monkeypatch):
     assert "PPL" in capsys.readouterr().out
     assert main(["quantize", "--model", str(tiny_checkpoint), "--bits", "3", "--out", str(tmp_path / "x")]) == 2
     assert "bits must be one of 4, 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("group_size", [32, 0])  # 0: one group of the row's 128 columns
+def test_bfloat16_int4_forward_uses_the_packed_kernel_and_matches_the_dequantized_weight(group_size, monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(128, 48, bias=True)
+    quantized = QuantLinear.from_linear(linear, linear.weight.data, round_to_nearest(linear.weight.data, 4, group_size))
+    x = torch.randn(2, 3, 128, generator=generator).bfloat16()
+    reference = F.linear(x.float(), quantized.dequantized(torch.float32), linear.bias)
+    calls = []
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(1) or kernel(*a))
+    out = quantized(x)
+    assert calls and out.dtype == torch.bfloat16 and out.shape == (2, 3, 48)
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+    quantized.weight_scale.mul_(2)  # new weights (a checkpoint loaded in place): the kernel's copy follows
+    torch.testing.assert_close(quantized(x).float(), 2 * reference - linear.bias.detach(), rtol=2e-2, atol=4e-2)
+
+
+def test_cli_quantizes_a_random_shape_for_speed_measurements(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", f"random:{tiny_checkpoint}", "--method", "rtn", "--group-size", "16",
+                 "--out", str(out)]) == 0
+    model, _ = sparsegen.load(out) if (out / "tokenizer.json").exists() else (None, None)
+    assert model is None and json.loads((out / "config.json").read_text())["quantization_config"]
+    assert main(["bench", "--model", str(out), "--dtype", "bfloat16", "--policies", "full", "--contexts", "16",
+                 "--prefill", "synthetic", "--new-tokens", "2", "--warmup", "1"]) == 0  # no tokenizer needed
+    assert main(["quantize", "--model", f"random:{tiny_checkpoint}", "--method", "gptq", "--out",
+                 str(tmp_path / "g")]) == 2
+    assert "use --method rtn" in capsys.readouterr().err
