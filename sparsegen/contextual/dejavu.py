@@ -94,8 +94,9 @@ def train_predictor(x: torch.Tensor, labels: torch.Tensor, rank: int, config: De
                     progress: tqdm | None = None) -> LowRankPredictor:
     """Fit ``x [N, hidden] -> labels [N, units]`` with class-balanced BCE."""
     generator = torch.Generator().manual_seed(config.seed)
-    torch.manual_seed(config.seed)
-    predictor = LowRankPredictor(x.shape[1], rank, labels.shape[1])
+    with torch.random.fork_rng(devices=[]):  # seeded initialisation, the caller's random state untouched
+        torch.manual_seed(config.seed)
+        predictor = LowRankPredictor(x.shape[1], rank, labels.shape[1])
     positives = labels.float().sum(0)
     pos_weight = ((len(labels) - positives + 1) / (positives + 1)).clamp(max=1e3)
     optimizer = torch.optim.Adam(predictor.parameters(), lr=config.lr)

@@ -158,7 +158,9 @@ def attach(model: nn.Module, prefix: PromptPrefix) -> nn.Module:
     if prefix.embeddings.shape[1] != hidden:
         raise ValueError(f"the prompt has {prefix.embeddings.shape[1]}-dimensional embeddings but the model's are "
                          f"{hidden}-dimensional: it was trained for another model")
-    decoder._sparsegen_prefix = prefix
+    # kept beside the decoder, not registered in it: the prompt is not part of the model's state_dict or
+    # parameters (the hook moves it to the model's device and dtype at each call)
+    vars(decoder)["_sparsegen_prefix"] = prefix
     setattr(decoder, PINNED, prefix.length)
     decoder._sparsegen_prefix_hooks = (
         decoder.register_forward_pre_hook(_before, with_kwargs=True, prepend=True),
@@ -171,7 +173,7 @@ def detach(model: nn.Module) -> nn.Module:
     decoder = model.get_decoder()
     for handle in getattr(decoder, "_sparsegen_prefix_hooks", ()):
         handle.remove()
-    decoder._sparsegen_prefix = None
+    vars(decoder).pop("_sparsegen_prefix", None)
     decoder._sparsegen_prefix_hooks = ()
     setattr(decoder, PINNED, 0)
     return model

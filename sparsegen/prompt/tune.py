@@ -59,7 +59,6 @@ def tune_prompt(model: torch.nn.Module, ids: torch.Tensor, config: TuneConfig, t
         raise ValueError(f"{len(ids)} calibration windows leave none to train on after {config.eval_windows} held out; "
                          f"use more (--nsamples)")
     device = next(model.parameters()).device
-    torch.manual_seed(config.seed)
     held_out, train = ids[: config.eval_windows].to(device), ids[config.eval_windows:].to(device)
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for param, _ in frozen:

@@ -149,3 +149,24 @@ def test_padded_batch_with_explicit_positions_sees_the_prefix_before_its_first_r
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     for row in range(2):
         assert torch.allclose(logits[row, mask[row].bool()], reference[row], atol=1e-5)
+
+
+def test_an_attached_prompt_is_not_part_of_the_model_and_follows_it_across_dtypes():
+    model = tiny_model("llama")
+    keys, count = set(model.state_dict()), sum(1 for _ in model.parameters())
+    prefix = _prefix(model)
+    attach(model, prefix)
+    assert set(model.state_dict()) == keys and sum(1 for _ in model.parameters()) == count
+    with torch.no_grad():
+        assert model.to(torch.float64)(input_ids=_ids()).logits.dtype == torch.float64  # the hook casts the prompt
+    detach(model)
+    assert set(model.state_dict()) == keys
+
+
+def test_fitting_a_predictor_leaves_the_global_random_state_alone():
+    from sparsegen.contextual.dejavu import DejaVuConfig, train_predictor
+
+    x, labels = torch.randn(64, 8), torch.rand(64, 16) > 0.5
+    state = torch.random.get_rng_state()
+    train_predictor(x, labels, 2, DejaVuConfig(sparsity=0.5, epochs=1))
+    assert torch.equal(torch.random.get_rng_state(), state)
