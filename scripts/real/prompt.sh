@@ -3,7 +3,8 @@
 # as compressed models (from scripts/real/pruning.sh's checkpoints); a 32-token soft prompt learned on books/train
 # for Wanda 50% + int4 (next-token loss, and KL to the dense model); perplexity on books/test and wiki.test.raw
 # (WINDOWS windows of 512 tokens) for dense / compressed / + hard prompt / + soft prompt, and the prompt carried
-# to the other compressions. Results in docs/results/$MODEL/prompt/.   usage: scripts/real/prompt.sh smollm2
+# to the other compressions. Results in docs/results/$MODEL/prompt/; PROMPTS (lm kl) picks the prompts trained.
+# usage: scripts/real/prompt.sh smollm2
 set -euo pipefail
 MODEL=${1:-smollm2}
 SG="${PYTHON:-.venv/bin/python} -m sparsegen"
@@ -31,9 +32,12 @@ quantized wanda50-int4 wanda_0.5 --method rtn --bits 4 --group-size 64
 quantized sgpt50-int8 sparsegpt_0.5 --method gptq --bits 8 --group-size 64 --calib "$DATA/books/train"
 quantized wanda24-int4 wanda_2of4 --method rtn --bits 4 --group-size 64
 TRAIN="--steps $STEPS --seqlen 512 --batch-size 4 --calib $DATA/books/train"
-once "$OUT/soft-lm.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" $TRAIN --out "$OUT/soft-lm.safetensors"
-once "$OUT/soft-kl.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --teacher "$MODEL" $TRAIN \
-  --out "$OUT/soft-kl.safetensors"
+PROMPTS=${PROMPTS:-lm kl}  # next-token loss, KL to the dense model
+for kind in $PROMPTS; do
+  teacher=(); [ "$kind" = kl ] && teacher=(--teacher "$MODEL")
+  once "$OUT/soft-$kind.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" "${teacher[@]}" $TRAIN \
+    --out "$OUT/soft-$kind.safetensors"
+done
 ppl() {  # NAME MODEL [prompt options]: books/test and wiki.test.raw
   once "$OUT/ppl-$1-books.json" $SG ppl --windows --ctx 512 --max-windows "$WINDOWS" --model "$2" "${@:3}" \
     --text "$DATA/books/test" --json "$OUT/ppl-$1-books.json"
@@ -44,6 +48,5 @@ ppl dense "$MODEL"
 for name in wanda50-int4 sgpt50-int8 wanda24-int4; do
   ppl "$name" "$RUNS/prompt/$name"
   ppl "$name-hard" "$RUNS/prompt/$name" --hard-prompt "$HARD"
-  ppl "$name-soft-lm" "$RUNS/prompt/$name" --soft-prompt "$OUT/soft-lm.safetensors"
-  ppl "$name-soft-kl" "$RUNS/prompt/$name" --soft-prompt "$OUT/soft-kl.safetensors"
+  for kind in $PROMPTS; do ppl "$name-soft-$kind" "$RUNS/prompt/$name" --soft-prompt "$OUT/soft-$kind.safetensors"; done
 done
