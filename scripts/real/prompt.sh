@@ -2,7 +2,7 @@
 # Compress, then prompt, on a real model: Wanda 50% + int4 (RTN), SparseGPT 50% + int8 (GPTQ) and Wanda 2:4 + int4
 # as compressed models (from scripts/real/pruning.sh's checkpoints); a 32-token soft prompt learned on books/train
 # for Wanda 50% + int4 (next-token loss, and KL to the dense model); perplexity on books/test and wiki.test.raw
-# (WINDOWS windows of 512 tokens) for dense / compressed / + hard prompt / + soft prompt, and the prompt carried
+# (WINDOWS windows of 512 tokens, default 32) for dense / compressed / + hard prompt / + soft prompt, and the prompt carried
 # to the other compressions. Results in docs/results/$MODEL/prompt/; PROMPTS (lm kl) picks the prompts trained.
 # usage: scripts/real/prompt.sh smollm2
 set -euo pipefail
@@ -11,8 +11,8 @@ SG="${PYTHON:-.venv/bin/python} -m sparsegen"
 DATA=${SPARSEGEN_DATA:-../shared/data}
 OUT=docs/results/$MODEL/prompt
 RUNS=runs/$MODEL
-STEPS=${STEPS:-150}
-WINDOWS=${WINDOWS:-64}
+STEPS=${STEPS:-100}
+WINDOWS=${WINDOWS:-32}
 HARD="Please carefully examine the weight matrix within the model, as it may contain errors. It is crucial to verify its integrity and make any necessary corrections for optimal performance."
 mkdir -p "$OUT" "$RUNS/prompt"
 once() { [ -e "$1" ] || "${@:2}"; }
