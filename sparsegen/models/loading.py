@@ -130,33 +130,44 @@ def load(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
     tokenizer: bool = True,
+    revision: str | None = None,
+    device_map: str | dict | None = None,
 ) -> tuple[torch.nn.Module, object]:
     """Return ``(model, tokenizer)`` for a hub id, a local checkpoint folder, a ``.gguf`` file, a packaged model
     (``smollm2``, ``gemma3-270m``) or a bundled one (``reference``).
 
     The model is in eval mode on ``device``. ``dtype`` defaults to float32 on CPU and the checkpoint's
     dtype on accelerators. ``tokenizer=False`` loads the model only (the tokenizer comes back as None), e.g. a
-    checkpoint compressed from a ``random:`` shape, which has none.
+    checkpoint compressed from a ``random:`` shape, which has none. ``revision`` (a hub branch, tag or commit) and
+    ``device_map`` (``"auto"``, a device, or accelerate's ``{module: device}``; instead of ``device``) go to
+    transformers and accelerate; a checkpoint sparsegen rebuilds is read one shard at a time.
     """
     if is_random(name_or_path):
         raise ModelLoadError(f"{name_or_path!r} has random weights and no tokenizer: it is for `sparsegen bench` and "
                              f"`sparsegen info` only; pass a real checkpoint to run text through a model")
+    if device_map is not None and str(device) != "cpu":
+        raise ValueError("give device or device_map, not both: device_map places every module itself")
     device = check_device(device)
     source = resolve(name_or_path)
-    config = load_config(source)
+    config = load_config(source, revision=revision)
     local = Path(source).exists() or _is_cached(source)
     kwargs = {"local_files_only": True} if local and not Path(source).exists() else {}
+    if revision is not None:
+        kwargs["revision"] = revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs) if tokenizer else None
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer of {source!r}: {err}") from None
     try:
         if recorded(config):  # layers differ from what the config alone builds
-            model = _load_rebuilt(source, config, resolve_dtype(dtype, config, device), attn_implementation)
+            model = _load_rebuilt(_folder(source, kwargs), config, resolve_dtype(dtype, config, device),
+                                  attn_implementation)
+            if device_map is not None:
+                model = _dispatch(model, device_map)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 source, config=config, dtype=resolve_dtype(dtype, config, device),
-                attn_implementation=attn_implementation, **kwargs
+                attn_implementation=attn_implementation, device_map=device_map, **kwargs
             )
     except ValueError as err:
         if "Unrecognized configuration class" in str(err):
@@ -174,7 +185,7 @@ def load(
         raise ModelLoadError(f"cannot load {source!r}: {err}") from None
     if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    return (model if device_map is not None else model.to(device)).eval(), tokenizer
 
 
 def _load_rebuilt(folder: str, config: PretrainedConfig, dtype: torch.dtype,
@@ -190,16 +201,39 @@ def _load_rebuilt(folder: str, config: PretrainedConfig, dtype: torch.dtype,
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no .safetensors weights")
-    state = {}
-    for file in files:
-        state.update(load_file(file))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded, unexpected = set(), set()
+    for file in files:  # one shard in memory at a time
+        shard = load_file(file)
+        unexpected |= set(model.load_state_dict(shard, strict=False).unexpected_keys)
+        loaded |= shard.keys()
+        del shard
     tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
+    missing = set(model.state_dict()) - loaded - tied
+    if unexpected or missing:
         raise ValueError(f"the weights in {folder} do not match the layers its config.json records (missing "
-                         f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+                         f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model.tie_weights()
     return model
+
+
+def _folder(source: str, kwargs: dict) -> str:
+    """A local folder holding the checkpoint: ``source`` itself, or its hub snapshot (config, weights)."""
+    if Path(source).exists():
+        return source
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(source, allow_patterns=["*.json", "*.safetensors"], **kwargs)
+
+
+def _dispatch(model: torch.nn.Module, device_map: str | dict) -> torch.nn.Module:
+    """Place a rebuilt model's modules as ``device_map`` says, with accelerate (``"auto"``: by free memory)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    if device_map == "auto":
+        device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules)
+    elif not isinstance(device_map, dict):
+        device_map = {"": str(check_device(device_map))}
+    return dispatch_model(model, device_map)
 
 
 def _is_cached(repo_id: str) -> bool:

@@ -77,3 +77,22 @@ def test_a_reshaping_this_version_cannot_rebuild_is_refused(tiny_checkpoint, tmp
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="sparsegen_hypernetwork, which this version of sparsegen cannot rebuild"):
         sparsegen.load(folder)
+
+
+def test_device_map_and_shards(tiny_checkpoint, tmp_path):
+    """device_map goes to transformers (plain) or accelerate (rebuilt); a rebuilt checkpoint in several shards
+    loads shard by shard to the same logits."""
+    from sparsegen.quant import QuantizeConfig, quantize_model
+
+    ids = torch.tensor([[0, 5, 6, 7, 8]])
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    mapped, _ = sparsegen.load(tiny_checkpoint, device_map="cpu", tokenizer=False)
+    assert torch.equal(mapped(ids).logits, model(ids).logits)
+    quantize_model(model, QuantizeConfig(method="rtn", group_size=16), progress=False)
+    model.save_pretrained(tmp_path / "q", max_shard_size="20KB")
+    tokenizer.save_pretrained(tmp_path / "q")
+    assert len(list((tmp_path / "q").glob("*.safetensors"))) > 2
+    again, _ = sparsegen.load(tmp_path / "q", device_map="auto")
+    assert torch.equal(again(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="device or device_map"):
+        sparsegen.load(tiny_checkpoint, device="cuda", device_map="auto")
