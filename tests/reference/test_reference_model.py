@@ -42,10 +42,10 @@ def test_greedy_generation_is_deterministic_and_matches_argmax_decoding():
     assert len(first.split()) >= 10  # real words, not an empty or special-token continuation
 
 
-def test_report_is_present_and_says_what_the_readme_says():
+def test_report_is_present_and_says_what_the_docs_say():
     report = json.loads((REFERENCE / "report.json").read_text())
     training = json.loads((REFERENCE / "training.json").read_text())
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "reference-model.md").read_text()
 
     def quoted(row: str) -> str:
         return re.search(re.escape(row) + r"[^|\n]*\| \*\*([\d.,M]+)", readme).group(1)
@@ -67,7 +67,7 @@ def test_info_reference(capsys):
 
 @pytest.mark.slow
 def test_report_reproduces():
-    """Recompute the README's numbers from the checkpoint (minutes on CPU)."""
+    """Recompute the documented numbers from the checkpoint (minutes on CPU)."""
     from sparsegen.reference.report import reference_report
 
     saved = json.loads((REFERENCE / "report.json").read_text())
