@@ -4,7 +4,7 @@ The public API: load a model, generate through an evicting KV cache, prune, quan
 tune a soft prompt. Importing the package also registers how pruned and quantized checkpoints are rebuilt.
 """
 
-from sparsegen.contextual import Contextual
+from sparsegen.contextual import Contextual, DejaVuConfig, fit_dejavu, fit_teal
 from sparsegen.generation import Generation, generate
 from sparsegen.kv import EvictionCache, Policy, TokenView, make_policy
 from sparsegen.models import ModelLoadError, ModelSpec, load, model_spec
@@ -13,6 +13,6 @@ from sparsegen.pruning import PruneConfig, prune_model, save_pruned
 from sparsegen.quant import QuantizeConfig, quantize_model
 
 __version__ = "0.1.0"
-__all__ = ["Contextual", "EvictionCache", "Generation", "ModelLoadError", "ModelSpec", "Policy", "PromptPrefix",
-           "PruneConfig", "QuantizeConfig", "TokenView", "TuneConfig", "generate", "load", "make_policy", "model_spec",
+__all__ = ["Contextual", "DejaVuConfig", "EvictionCache", "Generation", "ModelLoadError", "ModelSpec", "Policy", "PromptPrefix",
+           "PruneConfig", "QuantizeConfig", "TokenView", "TuneConfig", "fit_dejavu", "fit_teal", "generate", "load", "make_policy", "model_spec",
            "prune_model", "quantize_model", "save_pruned", "tune_prompt", "__version__"]

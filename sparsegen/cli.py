@@ -481,13 +481,6 @@ def _calibration(args: argparse.Namespace, tokenizer, books: str):
     return ids, source
 
 
-def _saved_dtype(name: str, model):
-    """The dtype the source checkpoint was saved in (what a compressed copy of it is saved in)."""
-    from sparsegen.models.loading import load_config, resolve_dtype
-
-    return resolve_dtype("auto", load_config(name), model.device)
-
-
 def cmd_prune(args: argparse.Namespace) -> None:
     from sparsegen.models.loading import resolve
     from sparsegen.output import check_output
@@ -503,7 +496,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
         ids, calib = _calibration(args, tokenizer, "train")
     report = {"model": args.model, "calibration": str(calib) if calib else None,
               **prune_model(model, config, ids)}
-    save_pruned(model, tokenizer, out, report, dtype=_saved_dtype(args.model, model), overwrite=args.force)
+    save_pruned(model, tokenizer, out, report, overwrite=args.force)
     if config.amounts is not None:
         print(f"{config.method}, structured {config.structured}: {report['params_before']:,} -> "
               f"{report['params_after']:,} parameters ({report['removed']:.1%} removed); {report['seconds']:.1f} s; "
@@ -649,7 +642,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     report = {"model": args.model, "calibration": str(calib) if calib else None, **quantize_model(model, config, ids)}
     pruned = source / "sparsity.json" if source else None  # a pruned checkpoint: its pruning report travels with it
     extra = {pruned.name: json.loads(pruned.read_text())} if pruned and pruned.exists() else None
-    save_pruned(model, tokenizer, out, report, "quantization.json", _saved_dtype(args.model, model), args.force, extra)
+    save_pruned(model, tokenizer, out, report, "quantization.json", overwrite=args.force, extra=extra)
     before = sum(f.stat().st_size for f in source.glob("*.safetensors")) if source and source.exists() else None
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     linear = report["linear_bytes_before"] / report["linear_bytes_after"]

@@ -96,6 +96,12 @@ def load_config(name_or_path: str | Path, **kwargs) -> PretrainedConfig:
         raise ModelLoadError(f"cannot load {source!r} from the hub: {err}") from None
 
 
+def saved_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored in (float32 if its config does not say)."""
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return saved if isinstance(saved, torch.dtype) else DTYPES.get(str(saved).removeprefix("torch."), torch.float32)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """None picks float32 on CPU (half precision is slow and inexact there) and the checkpoint's dtype elsewhere."""
     if isinstance(dtype, torch.dtype):
@@ -105,10 +111,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, dev
             return torch.float32
         dtype = "auto"
     if dtype == "auto":
-        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(saved, str):
-            saved = DTYPES.get(saved)
-        return saved if isinstance(saved, torch.dtype) else torch.float32
+        return saved_dtype(config)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -150,6 +153,7 @@ def load(
     device = check_device(device)
     source = resolve(name_or_path)
     config = load_config(source, revision=revision)
+    source_dtype = saved_dtype(config)  # read before loading, which records the dtype it loads in
     local = Path(source).exists() or _is_cached(source)
     kwargs = {"local_files_only": True} if local and not Path(source).exists() else {}
     if revision is not None:
@@ -185,6 +189,7 @@ def load(
         raise ModelLoadError(f"cannot load {source!r}: {err}") from None
     if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    model.source_dtype = source_dtype  # what a compressed copy is saved in (sparsegen.pruning.save_pruned)
     return (model if device_map is not None else model.to(device)).eval(), tokenizer
 
 

@@ -64,10 +64,12 @@ def random_model(config: PretrainedConfig, device: str | torch.device = "cpu", d
     frequencies) are computed as usual."""
     from transformers.initialization import no_init_weights
 
+    published = getattr(config, "dtype", None)  # what compressed copies are saved in
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # transformers 5.0 does not tie in from_config
+    model.source_dtype = getattr(torch, str(published).removeprefix("torch."), dtype) if published else dtype
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param.dim() >= 2:

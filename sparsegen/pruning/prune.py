@@ -124,10 +124,12 @@ def save_pruned(model, tokenizer, out: str | Path, report: dict, report_name: st
                 dtype: torch.dtype | None = None, overwrite: bool = False, extra: dict[str, dict] | None = None) -> Path:
     """A loadable checkpoint (weights, config, tokenizer) plus the report of what was done to it (``extra``: more
     JSON reports by file name), written all at once (``sparsegen.output.new_folder``). ``dtype``: cast the float
-    parameters to it first (the source checkpoint's own, so a float16 model is not saved at twice its size because
-    it ran in float32); quantized codes and scales are buffers and keep theirs."""
+    parameters to it first; by default the dtype of the checkpoint ``sparsegen.load`` read (so a float16 model is
+    not saved at twice its size because it ran in float32); quantized codes and scales are buffers and keep
+    theirs."""
     from sparsegen.output import new_folder
 
+    dtype = dtype or getattr(model, "source_dtype", None)
     if dtype is not None:
         for param in model.parameters():
             if param.is_floating_point():

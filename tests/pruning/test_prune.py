@@ -86,3 +86,28 @@ def test_cli_prune_saves_a_loadable_checkpoint(tiny_checkpoint, corpus, tmp_path
     assert main(args + ["--force"]) == 0
     assert main([*args[:-2], "--out", str(tiny_checkpoint)]) == 2
     assert "input model's own folder" in capsys.readouterr().err
+
+
+def test_the_python_api_saves_what_the_cli_saves(tiny_checkpoint, corpus, tmp_path):
+    """Same dtype (the source checkpoint's, not the float32 it ran in) and the same files."""
+    import json
+
+    import sparsegen
+    from sparsegen.cli import main
+    from sparsegen.pruning import PruneConfig, prune_model, save_pruned
+
+    half = tmp_path / "half"
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    model.half().save_pretrained(half)
+    tokenizer.save_pretrained(half)
+    assert main(["prune", "--model", str(half), "--method", "magnitude", "--sparsity", "0.5", "--out",
+                 str(tmp_path / "cli")]) == 0
+    model, tokenizer = sparsegen.load(half)
+    assert model.dtype == torch.float32 and model.source_dtype == torch.float16
+    report = prune_model(model, PruneConfig(method="magnitude", sparsity=0.5), progress=False)
+    save_pruned(model, tokenizer, tmp_path / "api", report)
+    files = lambda folder: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    assert files(tmp_path / "api") == files(tmp_path / "cli")
+    for folder in ("api", "cli"):
+        assert json.loads((tmp_path / folder / "config.json").read_text())["dtype"] == "float16"
+    assert (tmp_path / "api" / "model.safetensors").stat().st_size == (tmp_path / "cli" / "model.safetensors").stat().st_size
