@@ -1,8 +1,8 @@
 """KV-cache eviction: policies that say which tokens to keep, and a cache that really drops the rest."""
 
-from sparsegen.kv.attention import SUPPORTED, prepare
+from sparsegen.kv.attention import SUPPORTED, prepare, release
 from sparsegen.kv.cache import EvictionCache
 from sparsegen.kv.policies import POLICIES, make_policy, resolve_budget
 from sparsegen.kv.policy import Policy, TokenView
 
-__all__ = ["POLICIES", "SUPPORTED", "EvictionCache", "Policy", "TokenView", "make_policy", "prepare", "resolve_budget"]
+__all__ = ["POLICIES", "SUPPORTED", "EvictionCache", "Policy", "TokenView", "make_policy", "prepare", "release", "resolve_budget"]

@@ -271,7 +271,18 @@ def prepare(model: torch.nn.Module) -> None:
                              f"attn_implementation='sdpa' or 'eager'")
         model.set_attn_implementation(f"sparsegen_{current}")
     decoder = model.get_decoder()
-    if not getattr(decoder, "_sparsegen_hooked", False):
-        decoder.register_forward_pre_hook(_begin, with_kwargs=True)
-        decoder.register_forward_hook(_end, with_kwargs=True, always_call=True)
-        decoder._sparsegen_hooked = True
+    if not getattr(decoder, "_sparsegen_hooks", None):
+        decoder._sparsegen_hooks = (decoder.register_forward_pre_hook(_begin, with_kwargs=True),
+                                    decoder.register_forward_hook(_end, with_kwargs=True, always_call=True))
+
+
+def release(model: torch.nn.Module) -> None:
+    """Undo ``prepare``: the model's own attention implementation back, the decoder hooks removed. (A prepared
+    model already behaves exactly as transformers' with any other cache; this leaves no trace at all.)"""
+    current = model.config._attn_implementation
+    if current.startswith("sparsegen_"):
+        model.set_attn_implementation(current.removeprefix("sparsegen_"))
+    decoder = model.get_decoder()
+    for handle in getattr(decoder, "_sparsegen_hooks", None) or ():
+        handle.remove()
+    decoder._sparsegen_hooks = None

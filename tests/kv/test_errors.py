@@ -52,3 +52,21 @@ def test_other_caches_keep_transformers_behaviour():
         assert torch.equal(plain(ids).logits, prepared(ids).logits)
         assert torch.equal(plain.generate(ids, max_new_tokens=5, do_sample=False),
                            prepared.generate(ids, max_new_tokens=5, do_sample=False))
+
+
+def test_release_leaves_no_trace_and_the_cache_prepares_again():
+    from sparsegen.kv import release
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    before = model(ids).logits
+    EvictionCache(model, make_policy("window", 8))
+    decoder = model.get_decoder()
+    assert model.config._attn_implementation.startswith("sparsegen_") and decoder._forward_pre_hooks
+    release(model)
+    assert model.config._attn_implementation in ("sdpa", "eager")
+    assert not decoder._forward_pre_hooks and not decoder._forward_hooks
+    assert torch.equal(model(ids).logits, before)
+    cache = EvictionCache(model, make_policy("window", 8))
+    model(ids, past_key_values=cache)
+    assert max(cache.held_tokens()) == 8
