@@ -6,9 +6,9 @@ import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
 
 
-def test_streaming_100k_tokens_holds_exactly_the_budget():
+def test_streaming_40k_tokens_holds_exactly_the_budget():
     model, _ = sparsegen.load("reference")
-    budget, chunk, total = 256, 1000, 100_000
+    budget, chunk, total = 256, 1000, 40_000  # 78x the trained length; the million-token run is a benchmark
     cache = EvictionCache(model, make_policy("streaming", budget), chunk_size=chunk)
     ids = torch.randint(2, model.config.vocab_size, (1, total), generator=torch.Generator().manual_seed(0))
     shapes = set()

@@ -60,8 +60,8 @@ def test_fixed_greedy_answer(real):
 @pytest.mark.parametrize("policy", ["full", "window", "streaming", "h2o", "streaming-h2o"])
 def test_every_policy_at_full_budget_equals_dynamic_cache(real, policy):
     _, model, tokenizer = real
-    ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :48]
-    chunks = [20, 20] + [1] * (ids.shape[1] - 40)
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :44]
+    chunks = [20, 20] + [1] * (ids.shape[1] - 40)  # chunked prefill, then decode steps
     cache = EvictionCache(model, make_policy(policy, None if policy == "full" else 64), chunk_size=20)
     dense = DynamicCache(config=model.config)
     worst = 0.0
