@@ -7,6 +7,10 @@ import json
 import sys
 import time
 
+from sparsegen.kv.policies import POLICIES
+
+POLICY_NAMES = list(POLICIES)
+
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
@@ -74,7 +78,7 @@ def _budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="full", help="full, window, streaming, h2o, streaming-h2o (default full)")
+    p.add_argument("--policy", default="full", help=f"{', '.join(POLICY_NAMES)} (default full)")
     _budget_args(p, "KV tokens kept per layer, or a fraction of the input length (0.2)")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
 
@@ -89,7 +93,7 @@ def _calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
 
 
 def _conversation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="streaming", help="full, window, streaming, h2o, streaming-h2o (default streaming)")
+    p.add_argument("--policy", default="streaming", help=f"{', '.join(POLICY_NAMES)} (default streaming)")
     _budget_args(p, "KV tokens kept per conversation (default 1024)")
     p.set_defaults(budget="1024")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
@@ -805,7 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--stream", action="store_true", help="one token at a time through the policy's cache")
     mode.add_argument("--windows", action="store_true", help="non-overlapping windows of --ctx tokens, dense")
     p.add_argument("--policy", action="append", default=None,
-                   help="full, window, streaming, h2o, streaming-h2o or recompute; repeat to compare (default full)")
+                   help=f"{', '.join(POLICY_NAMES)} or recompute; repeat to compare (default full)")
     _budget_args(p, "KV tokens per layer (recompute: its window)")
     p.add_argument("--max-tokens", type=int, default=20000, help="tokens predicted, over all streams (default 20000)")
     p.add_argument("--streams", type=int, default=None, help="independent streams in one batch (default: files, up to 4)")

@@ -144,8 +144,11 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         scores = _scores(query, key, scaling)
         probs = torch.softmax(scores if mask is None else scores.masked_fill(~mask[:, :, None], -torch.inf), dim=-1)
         if layer.attention is not None:
-            from_real_queries = probs if unmasked else probs.masked_fill(~step.new_valid[:, None, None, :, None], 0)
-            layer.attention[:, :, :total] += from_real_queries.sum(dim=(2, 3))
+            if layer.policy.attention_decay == 0:  # the latest query's attention only (left padding: it is real)
+                layer.attention[:, :, :total] = probs[:, :, :, -1].sum(2)
+            else:
+                from_real_queries = probs if unmasked else probs.masked_fill(~step.new_valid[:, None, None, :, None], 0)
+                layer.attention[:, :, :total] += from_real_queries.sum(dim=(2, 3))
         grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
         out = (grouped @ value).view(batch, q_heads, q, -1)
     else:
@@ -188,7 +191,9 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     index = layer.index[:, :, :total]
     alive = layer.valid[:, :, :total].clone()
     alive[:, :, start:] = False
-    attention = layer.attention[:, :, :total]
+    attention = None if layer.attention is None else layer.attention[:, :, :total]
+    keys_held = layer.keys[:, :, :total] if layer.policy.needs_keys else None
+    decay = layer.policy.attention_decay
     probs = query.new_zeros(batch, kv_heads, group, q, total, dtype=torch.float32)
     for i in range(q):
         alive[:, :, start + i] = True
@@ -207,8 +212,12 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
             row = logits[:, :, :, i]
         p = torch.softmax(row.masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
         probs[:, :, :, i] = p
-        attention += p.sum(2)
-        view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i), attention=attention)
+        if attention is not None:
+            if decay == 0:
+                attention.zero_()
+            attention += p.sum(2)
+        view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i), attention=attention,
+                         keys=keys_held)
         alive = layer.drop_lowest(view, alive.sum(-1, keepdim=True) > budget)  # at most one over, as after a decode
     out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
     layer.pending = 0

@@ -141,6 +141,7 @@ class EvictionLayer(CacheLayerMixin):
         return TokenView(
             index=self.index[:, :, :t], valid=self.valid[:, :, :t], seen=seen,
             attention=None if self.attention is None else self.attention[:, :, :t],
+            keys=self.keys[:, :, :t] if self.policy.needs_keys else None,
         )
 
     def evict(self, seen: torch.Tensor) -> None:

@@ -14,6 +14,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from sparsegen.kv.policies.knorm import RESOLUTION
+from sparsegen.kv.policies.random import MULTIPLIER, SPAN
+
 _STATE = {}
 
 
@@ -30,8 +33,9 @@ def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], see
         kept = {t for t in candidates if t < sinks}
         rest = sorted(t for t in candidates if t >= sinks)
         return kept | set(rest[len(rest) - (budget - len(kept)):])
-    # h2o / streaming-h2o: protected sinks and recent tokens, then the largest scores (ties: the newer one)
-    protected = {t for t in candidates if t < sinks or t >= seen - policy["recent"]}
+    # h2o / streaming-h2o: protected sinks and recent tokens, then the largest scores (ties: the newer one);
+    # tova, knorm, random: the largest scores alone
+    protected = {t for t in candidates if t < sinks or t >= seen - policy.get("recent", 0)}
     others = sorted((t for t in candidates if t not in protected), key=lambda t: (scores[t], t))
     return protected | set(others[len(others) - (budget - len(protected)):])
 
@@ -75,11 +79,17 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                     k = _rotate(k, rank - torch.tensor(visible), inv_freq)
                     qh = _rotate(qh[:, None], torch.tensor([len(visible) - 1 - t]), inv_freq)[:, 0]
                 probs = torch.softmax((qh.float() @ k.float().T) * scaling, dim=-1)
+                if policy["policy"] == "tova":  # the latest query's attention only
+                    scores.clear()
                 for tok, p in zip(visible, probs.sum(0).tolist()):
                     scores[tok] = scores.get(tok, 0.0) + p
                 out[b, h * group:(h + 1) * group, i] = (probs.to(value.dtype) @ value[b, h, visible])
-            state["kept"][layer][b][h] = keep_rule(policy, sorted(kept | set(range(start, total))), scores,
-                                                   seen=total)
+            candidates = sorted(kept | set(range(start, total)))
+            if policy["policy"] == "knorm":  # the smallest key norms (a rotation keeps a norm)
+                scores.update({t: -round(key[b, h, t].float().norm().item() / RESOLUTION) for t in candidates})
+            elif policy["policy"] == "random":  # a fixed hash of the position
+                scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
+            state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,13 @@
+from sparsegen.kv.policy import Policy, TokenView
+
+
+class TOVA(Policy):
+    """Token Omission Via Attention (Oren et al., "Transformers are Multi-State RNNs", 2024): keep the tokens the
+    current query attends to most (summed over the KV head's query heads); nothing accumulates."""
+
+    name = "tova"
+    needs_attention = True
+    attention_decay = 0
+
+    def priority(self, view: TokenView):
+        return view.attention
