@@ -91,6 +91,9 @@ def plot_curves(curves: list[tuple[str, dict]], path: Path, title: str) -> None:
         if trace:
             bottom.plot([i * trace["every"] for i in range(len(trace["kv_bytes"]))],
                         [b / MiB / r["streams"] for b in trace["kv_bytes"]], lw=1, color=line.get_color())
+        elif r["cache"].get("budget") is None:  # a run from before traces were written: full grows linearly
+            length = r["tokens"] // r["streams"]
+            bottom.plot([0, length], [0, r["kv_bytes_peak"] / MiB / r["streams"]], lw=1, color=line.get_color())
         else:
             bottom.axhline(r["kv_bytes_peak"] / MiB / r["streams"], lw=1, color=line.get_color(), ls=":")
     top.set_ylabel("log PPL per segment")
@@ -99,7 +102,6 @@ def plot_curves(curves: list[tuple[str, dict]], path: Path, title: str) -> None:
     top.set_title(title, fontsize=10)
     bottom.set_ylabel("KV held per stream (MiB)")
     bottom.set_xlabel("tokens into the stream")
-    bottom.set_yscale("log")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
