@@ -286,7 +286,8 @@ class EvictionCache(Cache):
                 window = Window(config.sliding_window - 1)
                 layers.append(EvictionLayer(self, i, window, pinned=0, rotary=rotary, is_sliding=True))
             else:
-                layers.append(EvictionLayer(self, i, self.policy, self.pinned, rotary))
+                layers.append(EvictionLayer(self, i, self.policy.for_layer(i, len(layer_types)), self.pinned,
+                                            rotary))
         return layers
 
     def workspace(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:

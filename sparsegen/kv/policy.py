@@ -55,5 +55,10 @@ class Policy:
         None when the kept set depends on attention."""
         return None
 
+    def for_layer(self, index: int, layers: int) -> Policy:
+        """The policy layer ``index`` of ``layers`` runs (itself; PyramidKV-style policies give each layer its own
+        budget, and the layer's storage is sized by it)."""
+        return self
+
     def describe(self) -> dict:
         return {"policy": self.name, "budget": self.budget}

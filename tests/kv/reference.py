@@ -100,7 +100,8 @@ AttentionMaskInterface.register("reference_masked", sdpa_mask)
 class ReferenceRun:
     """Feed chunks through ``model`` with the reference eviction; returns logits like the model would."""
 
-    def __init__(self, model, policy: dict, rolling: bool, batch: int):
+    def __init__(self, model, policy: dict | list[dict], rolling: bool, batch: int):
+        """``policy``: one rule for every layer, or one per layer (policies that size layers differently)."""
         self.model = model
         config = model.config.get_text_config()
         layers, kv_heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -111,7 +112,8 @@ class ReferenceRun:
         window = {"policy": "window", "budget": (getattr(config, "sliding_window", None) or 0) - 1}
         mixed = "sliding_attention" in types and "full_attention" in types
         self.state = {
-            "policy": [window if mixed and kind == "sliding_attention" else policy for kind in types],
+            "policy": list(policy) if isinstance(policy, list) else
+                      [window if mixed and kind == "sliding_attention" else policy for kind in types],
             "rolling": rolling,
             "inv_freq": [None if rotary is None else getattr(rotary, f"{kind}_inv_freq", None)
                          if hasattr(rotary, f"{kind}_inv_freq") else rotary.inv_freq for kind in types],

@@ -9,7 +9,7 @@ from tests.kv.families import FAMILIES, ROPE_FAMILIES, VOCAB, tiny_model
 from tests.kv.reference import ReferenceRun
 
 TOL = 1e-5
-POLICY_NAMES = ["full", "window", "streaming", "h2o", "streaming-h2o", "tova", "knorm", "random"]
+POLICY_NAMES = ["full", "window", "streaming", "h2o", "streaming-h2o", "tova", "knorm", "random", "pyramid"]
 
 
 def _policy(name, budget, **options):
@@ -55,7 +55,9 @@ def test_full_budget_equals_dynamic_cache(family, name, attn):
     model = tiny_model(family, attn)
     ids, mask = _padded_batch([28, 20, 13], 28)
     expected = _run_chunks(model, DynamicCache(config=model.config), ids, mask, CHUNKS)
-    cache = EvictionCache(model, _policy(name, 64), positions=_positions(family, name), chunk_size=8)
+    # pyramid's budget is the mean per layer and its last layer holds 1/20 of it: every layer holds 28 at 20 x 64
+    budget = 64 * 20 if name == "pyramid" else 64
+    cache = EvictionCache(model, _policy(name, budget), positions=_positions(family, name), chunk_size=8)
     got = _run_chunks(model, cache, ids, mask, CHUNKS)
     real = mask.bool()
     assert (got - expected)[real].abs().max() <= TOL
@@ -77,7 +79,12 @@ def test_generate_with_full_budget_equals_plain_generate(family, name):
 
 
 SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streaming-h2o": {"recent": 4, "sinks": 1},
-         "tova": {}, "knorm": {}, "random": {}}
+         "tova": {}, "knorm": {}, "random": {}, "pyramid": {}}
+
+
+def _rules(cache):
+    """Each layer's rule as the reference reads it (sliding layers: their window; pyramid: the layer's budget)."""
+    return [layer.policy.describe() for layer in cache.layers]
 
 
 def _kept_by_engine(cache, layer, row, head):
@@ -99,7 +106,7 @@ def test_below_budget_matches_reference(family, name):
     ids, mask = _padded_batch([28, 28], 28, seed=2)
     cache = EvictionCache(model, policy, positions=positions, chunk_size=8)
     got = _run_chunks(model, cache, ids, mask, CHUNKS)
-    reference = ReferenceRun(model, policy.describe(), rolling=cache.rolling, batch=2)
+    reference = ReferenceRun(model, _rules(cache), rolling=cache.rolling, batch=2)
     expected = reference.feed(ids, CHUNKS)
     assert (got - expected).abs().max() <= TOL
     kv_heads = cache.layers[0].keys.shape[1]
@@ -109,7 +116,8 @@ def test_below_budget_matches_reference(family, name):
                 assert _kept_by_engine(cache, layer, row, head) == reference.kept(layer, row, head)
     window = getattr(model.config, "sliding_window", None)
     sliding = [layer.is_sliding for layer in cache.layers]  # Gemma 3's sliding layers hold their window
-    assert cache.held_tokens() == [window - 1 if s else budget for s in sliding]
+    expected_held = [window - 1 if s else min(layer.policy.budget, 28) for s, layer in zip(sliding, cache.layers)]
+    assert cache.held_tokens() == expected_held
     assert any(sliding) == (family == "gemma3")
 
 
@@ -220,7 +228,7 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
     assert (chunked - one_by_one)[mask.bool()].abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "knorm", "random"])
+@pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "knorm", "random", "pyramid"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):
     """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed
@@ -231,7 +239,7 @@ def test_stepwise_chunks_equal_one_token_per_call(family, name):
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
     cache = EvictionCache(model, policy, positions=positions, chunk_size=16, stepwise=True)
     got = _run_chunks(model, cache, ids, torch.ones_like(ids), [16, 16, 5, 3])
-    reference = ReferenceRun(model, policy.describe(), rolling=cache.rolling, batch=2)
+    reference = ReferenceRun(model, _rules(cache), rolling=cache.rolling, batch=2)
     expected = reference.feed(ids, [1] * 40)
     assert (got - expected).abs().max() <= TOL
     for layer in range(len(cache.layers)):
