@@ -87,6 +87,11 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
             candidates = sorted(kept | set(range(start, total)))
             if policy["policy"] == "knorm":  # the smallest key norms (a rotation keeps a norm)
                 scores.update({t: -round(key[b, h, t].float().norm().item() / RESOLUTION) for t in candidates})
+            elif policy["policy"] == "keydiff":  # least like the mean direction of the held keys
+                directions = {t: key[b, h, t].float() / key[b, h, t].float().norm() for t in candidates}
+                anchor = sum(directions.values())
+                anchor = anchor / anchor.norm()
+                scores.update({t: -float(directions[t] @ anchor) for t in candidates})
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
             state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)

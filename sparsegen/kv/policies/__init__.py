@@ -2,6 +2,7 @@
 
 from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.h2o import H2O
+from sparsegen.kv.policies.keydiff import KeyDiff
 from sparsegen.kv.policies.knorm import Knorm
 from sparsegen.kv.policies.pyramid import Pyramid
 from sparsegen.kv.policies.random import Random
@@ -10,10 +11,10 @@ from sparsegen.kv.policies.streaming_h2o import StreamingH2O
 from sparsegen.kv.policies.tova import TOVA
 from sparsegen.kv.policies.window import Window
 
-POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA, Knorm, Random, Pyramid)}
+POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA, Knorm, KeyDiff, Random, Pyramid)}
 OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
            "streaming-h2o": ("sinks", "recent", "heavy"), "tova": (), "knorm": (),
-           "random": (), "pyramid": ("sinks",)}  # the budget splits each policy takes
+           "random": (), "pyramid": ("sinks",), "keydiff": ()}  # the budget splits each policy takes
 
 
 def parse_budget(budget: int | float | str) -> int | float:
