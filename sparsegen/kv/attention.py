@@ -144,17 +144,31 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         scores = _scores(query, key, scaling)
         probs = torch.softmax(scores if mask is None else scores.masked_fill(~mask[:, :, None], -torch.inf), dim=-1)
         if layer.attention is not None:
-            if layer.policy.attention_decay == 0:  # the latest query's attention only (left padding: it is real)
-                layer.attention[:, :, :total] = probs[:, :, :, -1].sum(2)
-            else:
-                from_real_queries = probs if unmasked else probs.masked_fill(~step.new_valid[:, None, None, :, None], 0)
-                layer.attention[:, :, :total] += from_real_queries.sum(dim=(2, 3))
+            visible = total if mask is None else mask.sum(-1)[:, :, None, :, None]  # keys each query sees
+            real = None if unmasked else step.new_valid[:, None, None, :, None]
+            observe(layer.policy, layer.attention[:, :, :total], probs, visible, real)
         grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
         out = (grouped @ value).view(batch, q_heads, q, -1)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     layer.evict(step.seen)
     return out[..., :value_dim].transpose(1, 2).contiguous()
+
+
+def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real: torch.Tensor | None = None) -> None:
+    """Fold what queries' attention ``probs`` ``[B, Hkv, group, q, T]`` says about each held token into ``attention``
+    ``[B, Hkv, T]`` by the policy's statistic: "sum" adds it (H2O), "latest" keeps the last query's (TOVA),
+    "pivotal" counts the query heads that gave the token more than the average 1 / ``visible`` (Scissorhands).
+    ``real``: which queries are real tokens (padding adds nothing)."""
+    statistic = policy.attention_statistic
+    if statistic == "latest":  # left padding: the last query is real
+        attention.copy_(probs[:, :, :, -1].sum(2))
+        return
+    if statistic == "pivotal":
+        probs = (probs > 1 / visible).float()
+    if real is not None:
+        probs = probs.masked_fill(~real, 0)
+    attention += probs.sum(dim=(2, 3))
 
 
 def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
@@ -193,7 +207,6 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     alive[:, :, start:] = False
     attention = None if layer.attention is None else layer.attention[:, :, :total]
     keys_held = layer.keys[:, :, :total] if layer.policy.needs_keys else None
-    decay = layer.policy.attention_decay
     probs = query.new_zeros(batch, kv_heads, group, q, total, dtype=torch.float32)
     for i in range(q):
         alive[:, :, start + i] = True
@@ -213,9 +226,7 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         p = torch.softmax(row.masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
         probs[:, :, :, i] = p
         if attention is not None:
-            if decay == 0:
-                attention.zero_()
-            attention += p.sum(2)
+            observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None])
         view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i), attention=attention,
                          keys=keys_held)
         alive = layer.drop_lowest(view, alive.sum(-1, keepdim=True) > budget)  # at most one over, as after a decode

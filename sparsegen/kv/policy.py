@@ -21,7 +21,7 @@ class TokenView:
     valid: torch.Tensor  # bool: the slot holds a real token
     seen: torch.Tensor  # int64 [batch]: real tokens seen so far, the current step's included
     attention: torch.Tensor | None  # fp32: attention each token has received, summed over all queries so far
-    # (policies with ``attention_decay`` 0: from the latest query only), summed over the KV head's query heads
+    # (or as the policy's ``attention_statistic`` says), over the KV head's query heads
     keys: torch.Tensor | None = None  # the held keys [batch, kv_head, slot, head_dim]: rotated at their original
     # position, or not rotated at all under rolling positions (norms and dot products between keys agree)
 
@@ -37,7 +37,9 @@ class Policy:
 
     name: ClassVar[str]
     needs_attention: ClassVar[bool] = False
-    attention_decay: ClassVar[int] = 1  # 1: attention summed over all queries (H2O); 0: the latest query's (TOVA)
+    # what ``attention`` holds: "sum" over all queries (H2O), the "latest" query's (TOVA), or how often it was
+    # "pivotal", above the average 1/n (Scissorhands)
+    attention_statistic: ClassVar[str] = "sum"
     needs_keys: ClassVar[bool] = False
     default_positions: ClassVar[str] = "original"
 

@@ -81,7 +81,11 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 probs = torch.softmax((qh.float() @ k.float().T) * scaling, dim=-1)
                 if policy["policy"] == "tova":  # the latest query's attention only
                     scores.clear()
-                for tok, p in zip(visible, probs.sum(0).tolist()):
+                if policy["policy"] == "scissorhands":  # query heads that gave the token more than the average
+                    counted = (probs > 1 / len(visible)).float().sum(0)
+                else:
+                    counted = probs.sum(0)
+                for tok, p in zip(visible, counted.tolist()):
                     scores[tok] = scores.get(tok, 0.0) + p
                 out[b, h * group:(h + 1) * group, i] = (probs.to(value.dtype) @ value[b, h, visible])
             candidates = sorted(kept | set(range(start, total)))

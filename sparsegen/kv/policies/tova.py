@@ -7,7 +7,7 @@ class TOVA(Policy):
 
     name = "tova"
     needs_attention = True
-    attention_decay = 0
+    attention_statistic = "latest"
 
     def priority(self, view: TokenView):
         return view.attention
