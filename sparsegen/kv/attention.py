@@ -158,12 +158,16 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
 def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real: torch.Tensor | None = None) -> None:
     """Fold what queries' attention ``probs`` ``[B, Hkv, group, q, T]`` says about each held token into ``attention``
     ``[B, Hkv, T]`` by the policy's statistic: "sum" adds it (H2O), "latest" keeps the last query's (TOVA),
-    "pivotal" counts the query heads that gave the token more than the average 1 / ``visible`` (Scissorhands).
+    "pivotal" counts the query heads that gave the token more than the average 1 / ``visible`` (Scissorhands),
+    "window" adds the attention of the call's last ``policy.window`` queries (SnapKV's observation window).
     ``real``: which queries are real tokens (padding adds nothing)."""
     statistic = policy.attention_statistic
     if statistic == "latest":  # left padding: the last query is real
         attention.copy_(probs[:, :, :, -1].sum(2))
         return
+    if statistic == "window":  # the call's last queries only (left padding: they are the real ones)
+        probs = probs[:, :, :, -policy.window:]
+        real = None if real is None else real[:, :, :, -policy.window:]
     if statistic == "pivotal":
         probs = (probs > 1 / visible).float()
     if real is not None:

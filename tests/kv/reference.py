@@ -36,6 +36,10 @@ def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], see
     # h2o / streaming-h2o: protected sinks and recent tokens, then the largest scores (ties: the newer one);
     # tova, knorm, random: the largest scores alone
     protected = {t for t in candidates if t < sinks or t >= seen - policy.get("recent", 0)}
+    if name == "snapkv":  # votes average-pooled over 5 neighbouring held tokens (zeros beyond the ends)
+        ordered = sorted(candidates)
+        votes = [scores.get(t, 0.0) for t in ordered]
+        scores = {t: sum(votes[max(0, j - 2):j + 3]) / 5 for j, t in enumerate(ordered)}
     others = sorted((t for t in candidates if t not in protected), key=lambda t: (scores[t], t))
     return protected | set(others[len(others) - (budget - len(protected)):])
 
@@ -85,8 +89,9 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                     counted = (probs > 1 / len(visible)).float().sum(0)
                 else:
                     counted = probs.sum(0)
+                votes = policy["policy"] != "snapkv" or i >= q - policy["window"]  # SnapKV: the last queries
                 for tok, p in zip(visible, counted.tolist()):
-                    scores[tok] = scores.get(tok, 0.0) + p
+                    scores[tok] = scores.get(tok, 0.0) + (p if votes else 0.0)
                 out[b, h * group:(h + 1) * group, i] = (probs.to(value.dtype) @ value[b, h, visible])
             candidates = sorted(kept | set(range(start, total)))
             if policy["policy"] == "knorm":  # the smallest key norms (a rotation keeps a norm)

@@ -7,17 +7,18 @@ from sparsegen.kv.policies.knorm import Knorm
 from sparsegen.kv.policies.pyramid import Pyramid
 from sparsegen.kv.policies.random import Random
 from sparsegen.kv.policies.scissorhands import Scissorhands
+from sparsegen.kv.policies.snapkv import SnapKV
 from sparsegen.kv.policies.streaming import Streaming
 from sparsegen.kv.policies.streaming_h2o import StreamingH2O
 from sparsegen.kv.policies.tova import TOVA
 from sparsegen.kv.policies.window import Window
 
-POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA, Scissorhands, Knorm, KeyDiff,
-                                       Random, Pyramid)}
+POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA, Scissorhands, SnapKV, Knorm,
+                                       KeyDiff, Random, Pyramid)}
 OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
            "streaming-h2o": ("sinks", "recent", "heavy"), "tova": (), "knorm": (),
            "random": (), "pyramid": ("sinks",), "keydiff": (),
-           "scissorhands": ("sinks", "recent", "heavy")}  # the budget splits each policy takes
+           "scissorhands": ("sinks", "recent", "heavy"), "snapkv": ("sinks",)}  # the budget splits each policy takes
 
 
 def parse_budget(budget: int | float | str) -> int | float:
