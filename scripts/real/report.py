@@ -206,12 +206,11 @@ def contextual(root: Path, model: str) -> str:
 
 
 def prompt(root: Path, model: str) -> str:
-    dense = read(root / "ppl-dense-books.json")
-    if dense is None:
+    dense, wiki_dense = read(root / "ppl-dense-books.json"), read(root / "ppl-dense-wiki.json")
+    if dense is None or wiki_dense is None:
         return ""
     rows = []
     names = {"wanda50-int4": "Wanda 50% + int4", "sgpt50-int8": "SparseGPT 50% + int8", "wanda24-int4": "2:4 + int4"}
-    wiki_dense = read(root / "ppl-dense-wiki.json")
     for name, title in names.items():
         base_books, base_wiki = read(root / f"ppl-{name}-books.json"), read(root / f"ppl-{name}-wiki.json")
         if base_books is None:
