@@ -20,7 +20,6 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sparsegen.kv.policy import TokenView
-from sparsegen.kv.rotary import Rotary
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "phi3", "opt")
 BACKENDS = ("sdpa", "eager")

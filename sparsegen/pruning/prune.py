@@ -13,10 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from sparsegen.models.anatomy import decoder_layers
 from sparsegen.models.calibration import Statistics, calibrated_layers
 from sparsegen.pruning.masks import (check_sparsity, magnitude_scores, n_m_mask, parse_pattern, unstructured_mask,
                                      wanda_scores)
