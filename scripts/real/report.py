@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from sparsegen.eval.plots import plt
+from sparsegen.eval.plots import plot_stream
 
 MiB = 2**20
 
@@ -83,29 +83,19 @@ def streaming(root: Path, model: str, trained: int) -> str:
 
 
 def plot_curves(curves: list[tuple[str, dict]], path: Path, title: str) -> None:
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[3, 2])
+    """sparsegen's stream plot, from the JSON: the KV trace where the run wrote one; a run from before traces
+    existed drawn as what it held (full growing linearly to its peak, a bounded policy flat at its peak)."""
+    summaries, traces = [], []
     for label, r in curves:
-        xs = [(s["start"] + s["end"]) / 2 for s in r["segments"]]
-        line, = top.plot(xs, [math.log(s["ppl"]) for s in r["segments"]], lw=1, label=f"{label} ({r['ppl']:.1f})")
+        summaries.append({**r, "label": label})
         trace = r.get("trace")
         if trace:
-            bottom.plot([i * trace["every"] for i in range(len(trace["kv_bytes"]))],
-                        [b / MiB / r["streams"] for b in trace["kv_bytes"]], lw=1, color=line.get_color())
-        elif r["cache"].get("budget") is None:  # a run from before traces were written: full grows linearly
-            length = r["tokens"] // r["streams"]
-            bottom.plot([0, length], [0, r["kv_bytes_peak"] / MiB / r["streams"]], lw=1, color=line.get_color())
+            traces.append((trace["kv_bytes"], trace["every"]))
         else:
-            bottom.axhline(r["kv_bytes_peak"] / MiB / r["streams"], lw=1, color=line.get_color(), ls=":")
-    top.set_ylabel("log PPL per segment")
-    top.legend(fontsize=7, ncol=2)
-    top.grid(alpha=0.3)
-    top.set_title(title, fontsize=10)
-    bottom.set_ylabel("KV held per stream (MiB)")
-    bottom.set_xlabel("tokens into the stream")
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            length, peak, samples = r["tokens"] // r["streams"], r["kv_bytes_peak"], 20
+            linear = r["cache"].get("budget") is None
+            traces.append(([peak * i / samples if linear else peak for i in range(samples + 1)], length / samples))
+    plot_stream(summaries, traces, path, title)
 
 
 def h2o(root: Path, model: str) -> str:
