@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
+from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, prefill
 from sparsegen.kv import EvictionCache, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
+from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Generation:
 
     def to_dict(self) -> dict:
         decoded = sum(self.new_tokens)
+        speculation = self.cache.get("speculation")
         return {
             "text": self.text if len(self.texts) == 1 else self.texts,
             "new_tokens": self.new_tokens[0] if len(self.texts) == 1 else self.new_tokens,
@@ -38,35 +39,10 @@ class Generation:
             "seconds": round(self.prefill_seconds + self.decode_seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_tokens_per_s": round(decoded / self.decode_seconds, 2) if self.decode_seconds else None,
+            **({"acceptance_rate": speculation["acceptance_rate"], "tokens_per_step": speculation["tokens_per_step"]}
+               if speculation else {}),
             "cache": self.cache,
         }
-
-
-GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
-
-
-def check_sampling(temperature: float, top_p: float, seed: int = 0) -> None:
-    """Refuse sampling settings that cannot be honoured, before any work (NaN compares false with every bound)."""
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-
-
-def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
-    if temperature < GREEDY_BELOW:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.inference_mode()
@@ -97,27 +73,19 @@ def generate_tokens(
     batch, length = ids.shape
     cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size,
                           expected_length=length + max_new_tokens)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    padded = not bool(mask.all())
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
 
     t0 = time.perf_counter()
-    show = progress if progress is not None else length > 8 * chunk_size
-    for start in tqdm(range(0, length, chunk_size), desc="prefill", unit="chunk", disable=not show, leave=False):
-        end = min(start + chunk_size, length)
-        logits = model(
-            input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
-            position_ids=position_ids[:, start:end], past_key_values=cache, logits_to_keep=1,
-        ).logits[:, -1]
+    logits = prefill(model, cache, ids, mask, chunk_size, progress)
     prefill_seconds = time.perf_counter() - t0
 
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     new = torch.empty(batch, 0, dtype=torch.long, device=device)
     counts = torch.zeros(batch, dtype=torch.long, device=device)
-    next_position = position_ids[:, -1:] + 1
+    next_position = mask.sum(-1, keepdim=True)
     t0 = time.perf_counter()
     for step in range(max_new_tokens):
-        token = _next_token(logits, temperature, top_p, generator)
+        token = next_token(logits, temperature, top_p, generator)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         counts += ~finished
         new = torch.cat([new, token[:, None]], dim=1)
@@ -150,12 +118,19 @@ def generate(
     stop_at_eos: bool = True,
     on_text: Callable[[str], None] | None = None,
     progress: bool | None = None,
+    speculative: str | Policy | None = None,
+    draft_tokens: int | str = 4,
+    draft_model: torch.nn.Module | None = None,
 ) -> Generation:
     """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
 
     A prompt of any length is encoded in chunks of ``chunk_size`` tokens with eviction between chunks,
     so the cache never holds more than the budget plus one chunk. ``on_text`` receives the new text of
     the first sequence as it is produced.
+
+    ``speculative`` (``"streaming:512"``, ``"h2o:0.1"`` or a ``Policy``): decode losslessly under the full cache,
+    drafting ``draft_tokens`` tokens at a time (a count, or ``"auto"``) with the model (or ``draft_model``, same
+    vocabulary) over a cache under that policy; ``policy`` must then be ``full``.
     """
     prompts = [prompts] if isinstance(prompts, str) else prompts
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
@@ -166,6 +141,14 @@ def generate(
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     if not isinstance(policy, Policy):
         policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy)
+    speculation = None
+    if speculative is not None:
+        if policy.budget is not None:
+            raise ValueError("speculative decoding verifies with the full cache: leave the policy at 'full' (the "
+                             "draft cache takes its policy from speculative, e.g. 'streaming:512')")
+        speculation = Speculation(draft_policy(speculative, ids.shape[1]), draft_tokens, positions, draft_model)
+    elif draft_model is not None:
+        raise ValueError("draft_model drafts for speculative decoding: give speculative too, e.g. 'streaming:512'")
     shown = [""]
 
     def stream_text(new: torch.Tensor, counts: torch.Tensor) -> None:
@@ -173,11 +156,16 @@ def generate(
         on_text(text[len(shown[0]):])
         shown[0] = text
 
-    new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(
-        model, ids, mask, policy, positions, max_new_tokens, temperature, top_p, seed, chunk_size,
-        eos_id=tokenizer.eos_token_id if stop_at_eos else None, pad_id=tokenizer.pad_token_id or 0,
-        on_token=stream_text if on_text is not None else None, progress=progress,
-    )
+    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                  chunk_size=chunk_size, eos_id=tokenizer.eos_token_id if stop_at_eos else None,
+                  pad_id=tokenizer.pad_token_id or 0, on_token=stream_text if on_text is not None else None,
+                  progress=progress)
+    if speculation is not None:
+        new, counts, stats, prefill_seconds, decode_seconds = speculative_tokens(model, ids, mask, speculation,
+                                                                                 **common)
+    else:
+        new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
+                                                                              **common)
     return Generation(
         texts=[tokenizer.decode(new[row, : counts[row]], skip_special_tokens=True) for row in range(len(prompts))],
         new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),

@@ -241,14 +241,19 @@ class EvictionCache(Cache):
     evicting = True  # how the prepared model's attention tells this cache from transformers' own caches
 
     def __init__(self, model: torch.nn.Module, policy: Policy, positions: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None, stepwise: bool = False):
+                 chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None, stepwise: bool = False,
+                 rollback: int = 0):
         """``expected_length``: tokens per row the caller will feed in all, if known; an unbounded (``full``)
         cache then allocates once instead of growing (and briefly holding two copies).
 
         ``stepwise``: every query of a multi-token call sees exactly the cache that feeding the tokens one per
         call would leave it, evictions between tokens included (what streaming perplexity measures). Order
         policies do so anyway; attention policies (H2O) then replay the per-token steps inside each layer. Without
-        it, a prefill chunk's queries see the held tokens and the whole chunk causally, and eviction follows."""
+        it, a prefill chunk's queries see the held tokens and the whole chunk causally, and eviction follows.
+
+        ``rollback``: tokens a caller may ``forget_last`` after a call (speculative decoding). Sliding-window layers
+        then hold that many tokens beyond their window (attention still sees only the window), so that forgetting
+        never leaves them short of it."""
         prepare(model)
         positions = positions or policy.default_positions
         if positions not in ("original", "rolling"):
@@ -257,6 +262,9 @@ class EvictionCache(Cache):
         if chunk_size < 1:
             raise ValueError("chunk_size must be at least 1")
         self.policy, self.positions, self.chunk_size, self.stepwise = policy, positions, chunk_size, stepwise
+        if rollback < 0:
+            raise ValueError("rollback must be >= 0")
+        self.rollback = rollback
         self.pinned = pinned_tokens(model)  # the first tokens of every sequence are a prompt prefix: never evicted
         if policy.budget is not None and policy.budget <= self.pinned:
             raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
@@ -283,7 +291,7 @@ class EvictionCache(Cache):
                 rotaries[layer_type] = Rotary.of(model, i)
             rotary = rotaries.get(layer_type)
             if mixed and layer_type == "sliding_attention":
-                window = Window(config.sliding_window - 1)
+                window = Window(config.sliding_window - 1 + self.rollback)
                 layers.append(EvictionLayer(self, i, window, pinned=0, rotary=rotary, is_sliding=True))
             else:
                 layers.append(EvictionLayer(self, i, self.policy.for_layer(i, len(layer_types)), self.pinned,
@@ -449,22 +457,28 @@ class EvictionCache(Cache):
         self.seen = torch.cat([self.seen[:index], self.seen[last:last + 1], self.seen[index + 1:last]]) \
             if index != last else self.seen[:last]
 
-    def forget_last(self, tokens: int) -> None:
-        """Drop the newest ``tokens`` of every sequence (a reply's tokens past a stop string), as if they had never
-        been fed: what is left is the cache before them, less what they made it evict. Unpadded caches only."""
-        if tokens < 0 or self.seen is None or tokens > int(self.seen.min()):
-            raise ValueError(f"cannot forget {tokens} tokens of a cache that has seen {self.seen}")
-        if self.padded:
-            raise ValueError("forget_last needs unpadded rows")
-        if not tokens:
+    def forget_last(self, tokens: int | torch.Tensor) -> None:
+        """Drop the newest ``tokens`` real tokens of every sequence (one count, or one per row), as if they had never
+        been fed: what is left is the cache before them, less what they made it evict (and, under an attention
+        policy, with the attention their queries paid still counted). Rows that forget different counts hold
+        different numbers of tokens from then on, which every later call masks, as it masks padding."""
+        if self.seen is None:
+            raise ValueError("cannot forget tokens of a cache that has seen none")
+        counts = torch.as_tensor(tokens, device=self.seen.device).expand_as(self.seen)
+        if bool((counts < 0).any()) or bool((counts > self.seen).any()):
+            raise ValueError(f"cannot forget {counts.tolist()} tokens of a cache whose rows have seen "
+                             f"{self.seen.tolist()}")
+        if not bool(counts.any()):
             return
-        self.seen = self.seen - tokens
+        if not bool((counts == counts[0]).all()):
+            self.padded = True
+        self.seen = self.seen - counts
         for layer in self.layers:
             if layer.is_initialized:
                 t = layer.used
                 kept = layer.valid[:, :, :t] & (layer.index[:, :, :t] < self.seen[:, None, None])
                 layer._compact(kept, kept.sum(-1))
-        self.length -= tokens
+        self.length -= int(counts.min())  # the longest row's length, its holes counted as padding
 
     # --- what users ask ---
     def held_tokens(self) -> list[int]:

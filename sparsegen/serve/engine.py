@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.generation import _next_token, check_sampling
+from sparsegen.decoding import check_sampling, next_token
 from sparsegen.kv import EvictionCache, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.serve.template import ChatTemplate
@@ -344,7 +344,7 @@ class Engine:
     def _accept(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token, update its visible text, and finish it at EOS, a stop string or the limit."""
         sampling = job.sampling
-        token = int(_next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0])
+        token = int(next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0])
         job.tokens.append(token)
         eos = token == self.tokenizer.eos_token_id
         raw = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)

@@ -220,19 +220,19 @@ def test_one_failing_reply_in_a_batched_step_fails_only_itself(reference, monkey
     bad = engine.begin(engine.session("bad"), Sampling(max_tokens=8, temperature=0.5), prompt="The sea")
     engine.step([good, bad])
     engine.step([good, bad])
-    original = engine_module._next_token
+    original = engine_module.next_token
 
     def fails_when_sampling(logits, temperature, top_p, generator):
         if temperature > 0:
             raise RuntimeError("probability tensor contains either inf, nan")
         return original(logits, temperature, top_p, generator)
 
-    monkeypatch.setattr(engine_module, "_next_token", fails_when_sampling)
+    monkeypatch.setattr(engine_module, "next_token", fails_when_sampling)
     while not good.done:
         engine.step([good, bad])
     assert bad.finish_reason == "error" and "inf, nan" in bad.error and not engine.sessions["bad"].busy
     assert engine.sessions["bad"].cache.length == 0  # its session starts over
-    monkeypatch.setattr(engine_module, "_next_token", original)
+    monkeypatch.setattr(engine_module, "next_token", original)
     alone = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8), prompt="The sea"))
     assert good.finish_reason == "length" and good.tokens == alone.tokens
 
