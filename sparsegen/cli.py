@@ -83,6 +83,32 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
 
 
+def _speculative_args(p: argparse.ArgumentParser, with_policy: bool = True) -> None:
+    spec = p.add_argument_group("lossless speculative decoding (the full cache verifies what a small cache drafts)")
+    if with_policy:
+        spec.add_argument("--speculative", default=None, metavar="POLICY[:BUDGET]",
+                          help="draft with the model over a cache under this policy, e.g. streaming:512 or h2o:0.1; "
+                               "the output is the full cache's (--policy stays full)")
+    spec.add_argument("--draft-tokens", default="4", metavar="K|auto",
+                      help="tokens drafted per round (1-16), or auto: chosen from the measured acceptance and step "
+                           "costs (default 4)")
+    spec.add_argument("--draft-model", default=None, metavar="MODEL",
+                      help="draft with this model instead (same tokenizer), e.g. a pruned + int4 copy of --model")
+
+
+def load_draft_model(args: argparse.Namespace, tokenizer):
+    """``--draft-model``, checked to share ``tokenizer``'s vocabulary; None without it."""
+    if args.draft_model is None:
+        return None
+    from sparsegen.models import load
+
+    model, draft_tokenizer = load(args.draft_model, device=args.device, dtype=args.dtype)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"--draft-model {args.draft_model} has another tokenizer than --model {args.model}: draft "
+                         "with a compressed copy of the same model")
+    return model
+
+
 def _calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
     """Layer-by-layer calibration (prune, quantize): which text, how many windows, how long, how many per forward."""
     p.add_argument("--calib", default=None, help=f"{who}calibration text file or folder (default ../shared/data/books/train)")
@@ -146,8 +172,14 @@ def cmd_info(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from sparsegen.generation import generate
 
+    from sparsegen.speculative import draft_length
+
     prompt = _read_prompt(args)
+    draft_tokens = draft_length(args.draft_tokens)
+    if args.draft_model is not None and args.speculative is None:
+        raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
     model, tokenizer = load_model(args)
+    draft_model = load_draft_model(args, tokenizer)
     stream = None
     if not args.json:
         if args.prompt is not None:
@@ -157,14 +189,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
         model, tokenizer, prompt, policy=args.policy, budget=args.budget, sinks=args.sinks, recent=args.recent,
         heavy=args.heavy, positions=args.positions, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size, on_text=stream,
+        speculative=args.speculative, draft_tokens=draft_tokens, draft_model=draft_model,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         stats = result.to_dict()
+        drafted = (f"; drafts from {args.speculative}: {stats['acceptance_rate']:.0%} accepted, "
+                   f"{stats['tokens_per_step']:.2f} tokens per full-cache step") if args.speculative else ""
         print(f"\n[{args.policy}: {stats['prompt_tokens']} prompt + {stats['new_tokens']} new tokens, "
               f"KV peak {stats['kv_tokens_peak']} tokens / {stats['kv_bytes_peak'] / 2**20:.2f} MiB, "
-              f"{stats['seconds']:.2f} s]", file=sys.stderr)
+              f"{stats['seconds']:.2f} s{drafted}]", file=sys.stderr)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -181,23 +216,36 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
     from sparsegen.generation import generate
 
+    from sparsegen.speculative import draft_length
+
     prompt = _read_prompt(args)
+    draft_tokens = draft_length(args.draft_tokens)
     model, tokenizer = load_model(args)
+    draft_model = load_draft_model(args, tokenizer)
     rows = []
     for name in args.policies.split(","):
-        budget = None if name == "full" else args.budget
-        result = generate(model, tokenizer, prompt, policy=name, budget=budget, max_new_tokens=args.max_new_tokens,
-                          chunk_size=args.chunk_size, stop_at_eos=False).to_dict()
+        # speculative:POLICY:BUDGET decodes under the full cache, drafting from POLICY (with --budget if none given)
+        drafting, _, draft = name.partition(":") if name.startswith("speculative:") else (None, None, None)
+        if draft is not None and ":" not in draft:
+            draft = f"{draft}:{args.budget}"
+        budget = None if name == "full" or draft else args.budget
+        result = generate(model, tokenizer, prompt, policy="full" if draft else name, budget=budget,
+                          max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, stop_at_eos=False,
+                          speculative=draft, draft_tokens=draft_tokens,
+                          draft_model=draft_model if draft else None).to_dict()
         rows.append((name, result))
     if args.json:
         print(json.dumps({name: r for name, r in rows}, indent=2))
         return
     print(f"prompt: {rows[0][1]['prompt_tokens']} tokens; {args.max_new_tokens} new tokens, greedy; budget {args.budget}")
-    print(f"{'policy':<14}{'KV held':>9}{'KV peak':>9}{'peak MiB':>10}{'seconds':>9}")
+    width = max(14, *(len(name) + 2 for name, _ in rows))
+    print(f"{'policy':<{width}}{'KV held':>9}{'KV peak':>9}{'peak MiB':>10}{'seconds':>9}{'accepted':>10}")
     for name, r in rows:
-        print(f"{name:<14}{r['cache']['kv_tokens']:>9,}{r['kv_tokens_peak']:>9,}{r['kv_bytes_peak'] / 2**20:>10.3f}"
-              f"{r['seconds']:>9.2f}")
-    print("(tokens per layer; the peak includes one prefill chunk)")
+        accepted = f"{r['acceptance_rate']:.0%}" if r.get("acceptance_rate") is not None else "-"
+        print(f"{name:<{width}}{r['cache']['kv_tokens']:>9,}{r['kv_tokens_peak']:>9,}"
+              f"{r['kv_bytes_peak'] / 2**20:>10.3f}{r['seconds']:>9.2f}{accepted:>10}")
+    print("(tokens per layer; the peak includes one prefill chunk; speculative rows hold the full cache and also a "
+          "draft cache)")
     for name, r in rows:
         text = " ".join(r["text"].split())
         print(f"\n--- {name} ---\n" + textwrap.fill(text, 100))
@@ -387,22 +435,28 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from sparsegen.models import load
     from sparsegen.models.loading import check_device, load_config, resolve_dtype
     from sparsegen.models.synthetic import is_random, random_model
+    from sparsegen.speculative import Speculation, draft_length, draft_policy
 
     contexts, batches = _int_list(args.contexts, "contexts"), _int_list(args.batch, "batch")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    if not isinstance(args.budget, int) and any(n not in ("dense", "full") for n in names):
+    if not isinstance(args.budget, int) and any(n not in ("dense", "full") and not n.startswith("speculative:")
+                                                for n in names):
         raise ValueError("--budget (a token count) is needed for every policy but dense and full (recompute: its "
                          "window)")
     if args.threads:
         torch.set_num_threads(args.threads)
     policies = []
-    args.policy = [n for n in names if n not in decode.BASELINES]
+    args.policy = [n for n in names if n not in decode.BASELINES and not n.startswith("speculative:")]
     factories = dict(_policies(args)) if args.policy else {}
+    draft_tokens = draft_length(args.draft_tokens)
     for name in names:
         if name == "dense":
             policies.append((name, lambda: None))
         elif name == "recompute":
             policies.append((name, lambda: args.budget))
+        elif name.startswith("speculative:"):
+            spec = name.removeprefix("speculative:")
+            policies.append((name, lambda spec=spec: Speculation(draft_policy(spec), draft_tokens)))
         else:
             policies.append((name, factories[name]))
     for _, make in policies:
@@ -419,7 +473,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             config = load_config(name)
             model = random_model(config, device, resolve_dtype(args.dtype, config, device), args.seed)
         else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
-            needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None
+            needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None or args.text is not None
             model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
         attach_prompt(args, model, tokenizer)
         if args.compile:
@@ -428,7 +482,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             label = name if variant == "none" else f"{name} + {variant}"
             if variant != "none":
                 attach(model, plans[variant])
-            measured, env = _bench_model(args, model, label, is_random(name), bandwidth, policies, contexts, batches)
+            measured, env = _bench_model(args, model, label, is_random(name), bandwidth, policies, contexts, batches,
+                                         _bench_text(args, tokenizer, name))
             rows += measured
             detach(model)
         del model
@@ -443,8 +498,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
         report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
 
 
+def _bench_text(args: argparse.Namespace, tokenizer, model_name: str):
+    """``--text`` as token ids of the model's tokenizer (None without it)."""
+    if args.text is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(f"--text needs a model with a tokenizer; {model_name} has none (random: shapes prefill "
+                         "random token ids)")
+    import numpy as np
+    import torch
+
+    from sparsegen.data import tokenize_files
+
+    return torch.from_numpy(np.concatenate(tokenize_files(args.text, tokenizer)).astype(np.int64))
+
+
 def _bench_model(args, model, label: str, random_weights: bool, bandwidth, policies, contexts,
-                 batches) -> tuple[list[dict], dict]:
+                 batches, text_ids=None) -> tuple[list[dict], dict]:
     """Measure one model (or one contextual variant of it): print its table, ratios and goals."""
     from sparsegen.bench import decode, report
 
@@ -452,7 +522,7 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
         model=model, model_name=label, random_weights=random_weights, new_tokens=args.new_tokens,
         warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
         recompute_tokens=args.recompute_tokens, memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
-        bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats,
+        bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats, text_ids=text_ids,
     )
     env = setup.environment()
     print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
@@ -788,18 +858,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, new_tokens, kv_tokens_peak, ...)")
+    _speculative_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
     _model_args(p, run=True)
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
-    p.add_argument("--policies", default="full,window,streaming,h2o", help="comma-separated (default full,window,streaming,h2o)")
+    p.add_argument("--policies", default="full,window,streaming,h2o",
+                   help="comma-separated (default full,window,streaming,h2o); speculative:POLICY[:BUDGET] decodes "
+                        "losslessly under the full cache, drafting from POLICY")
     p.add_argument("--budget", type=budget_arg, default="128",
                    help="KV budget for every policy but full (tokens or a fraction)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", action="store_true")
+    _speculative_args(p, with_policy=False)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("ppl", help="perplexity: streaming through a KV policy (--stream) or in windows (--windows)")
@@ -866,6 +940,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real: encode the context (timed); synthetic: fill the cache with random K/V of the same "
                         "shape, for contexts too long to prefill on this machine (no prefill time)")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+    p.add_argument("--text", default=None, metavar="FILE|DIR",
+                   help="prefill with this text (each row from another place in it) instead of random token ids: "
+                        "what speculative rows need for representative acceptance")
     p.add_argument("--recompute-tokens", type=int, default=8, help="timed steps of recompute (slow; default 8)")
     p.add_argument("--repeats", type=int, default=1,
                    help="measure every policy N times, interleaved, pooling the steps (steadier ratios; default 1)")
@@ -881,6 +958,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
     p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")
     p.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
+    _speculative_args(p, with_policy=False)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("prune", help="prune weights (magnitude, Wanda, SparseGPT; unstructured, N:M or structured)")

@@ -1,6 +1,8 @@
 """Self-speculative decoding is lossless: greedy output equals the full cache's token for token, sampled output follows
 the full cache's distribution (chi-square), whatever the draft cache evicts."""
 
+import json
+
 import pytest
 import torch
 
@@ -152,3 +154,55 @@ def test_a_separate_draft_model_drafts_losslessly():
                                              max_new_tokens=12, chunk_size=16)
     assert torch.equal(new, expected)
     assert stats["speculation"]["acceptance_rate"] < 0.5  # an unrelated drafter is mostly wrong
+
+
+def test_generate_cli_speculative_prints_the_full_caches_text(tiny_checkpoint, capsys):
+    from sparsegen.cli import main
+
+    args = ["generate", "--model", str(tiny_checkpoint), "--prompt", "it was the best of times, it was the worst of",
+            "--max-new-tokens", "20", "--json"]
+    assert main(args) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main(args + ["--speculative", "window:4", "--draft-tokens", "auto"]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert drafted["text"] == full["text"] and 0 <= drafted["acceptance_rate"] <= 1
+    assert drafted["cache"]["draft_cache"]["budget"] == 4 and drafted["cache"]["speculation"]["rounds"] >= 1
+
+
+def test_compare_cli_has_a_speculative_row(tiny_checkpoint, capsys):
+    from sparsegen.cli import main
+
+    assert main(["compare", "--model", str(tiny_checkpoint), "--prompt", "it was the best of times",
+                 "--policies", "full,speculative:streaming:6,speculative:h2o", "--budget", "8",
+                 "--max-new-tokens", "12", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows["speculative:streaming:6"]["text"] == rows["full"]["text"] == rows["speculative:h2o"]["text"]
+    assert rows["speculative:h2o"]["cache"]["draft_cache"]["budget"] == 8
+
+
+def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus):
+    from sparsegen.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "full,speculative:streaming:16",
+                 "--contexts", "64", "--batch", "2", "--new-tokens", "8", "--warmup", "1", "--chunk-size", "32",
+                 "--text", str(corpus / "books/test"), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "speculative:streaming:16 vs full at 64 x 2" in printed and "lossless" in printed
+    row = json.loads(out.read_text())["rows"][1]
+    assert row["policy"] == "speculative:streaming:16" and row["tokens_per_s"] > 0
+    assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_step"] >= 1 and 0 < row["kv_share"] < 1
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--speculative", "full:8"], "evicting policy"),
+    (["--speculative", "streaming:8", "--policy", "h2o", "--budget", "8"], "leave the policy at 'full'"),
+    (["--speculative", "streaming:8", "--draft-tokens", "0"], "draft-tokens"),
+    (["--draft-model", "reference"], "give --speculative too"),
+])
+def test_generate_cli_bad_speculation_is_one_line(tiny_checkpoint, capsys, argv, words):
+    from sparsegen.cli import main
+
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "x", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err

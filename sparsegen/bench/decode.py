@@ -26,6 +26,7 @@ from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step
 from sparsegen.kv import EvictionCache, Policy
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
+from sparsegen.speculative import Speculation, speculative_tokens
 
 BASELINES = ("dense", "recompute")
 
@@ -47,6 +48,7 @@ class Setup:
     compiled: bool = False
     seed: int = 0
     repeats: int = 1  # measure every policy this many times, interleaved, and pool the steps
+    text_ids: torch.Tensor | None = None  # prefill with this token stream (rows at different offsets), not random ids
 
     def __post_init__(self):
         if self.prefill not in ("real", "synthetic"):
@@ -210,7 +212,7 @@ def estimate_bytes(setup: Setup, name: str, policy: Policy | None, context: int,
     chunk = min(setup.chunk_size, context) if setup.prefill == "real" else 1
     if name == "recompute":
         held, chunk = min(int(policy), context), min(int(policy), context)
-    elif policy is None or policy.budget is None:
+    elif policy is None or isinstance(policy, Speculation) or policy.budget is None:  # (speculation: its full cache)
         held = context + setup.warmup + setup.new_tokens
     else:
         held = min(policy.budget, context) + chunk
@@ -221,21 +223,25 @@ def estimate_bytes(setup: Setup, name: str, policy: Policy | None, context: int,
 def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, batch: int) -> dict:
     """One row: prefill time, decode ms per step (median, p90), tokens/s, KV and process memory, roofline.
 
-    ``policy`` is a ``Policy`` for sparsegen caches, None for ``dense``, and the window (tokens) for ``recompute``.
+    ``policy`` is a ``Policy`` for sparsegen caches, None for ``dense``, the window (tokens) for ``recompute``, and a
+    ``Speculation`` for self-speculative decoding under the full cache.
     """
     row = {"policy": name, "context": context, "batch": batch, "budget": None}
     if isinstance(policy, Policy):
         row.update(policy.describe())
+    elif isinstance(policy, Speculation):
+        row.update({"budget": policy.policy.budget, "draft": policy.policy.describe()})
     elif name == "recompute":
         row["budget"] = int(policy)
     free = available_bytes(setup.device)
     need = estimate_bytes(setup, name, policy, context, batch)
     if free is not None and need > 0.9 * free:
         return {**row, "skipped": f"needs about {need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"}
-    generator = torch.Generator(device=setup.device).manual_seed(setup.seed)
-    ids = torch.randint(setup.vocab, (batch, context), device=setup.device, generator=generator)
+    ids = _context_ids(setup, batch, context)
     with PeakMemory(setup.device) as peak:
-        if name == "recompute":
+        if isinstance(policy, Speculation):
+            row.update(_measure_speculative(setup, policy, ids))
+        elif name == "recompute":
             row.update(_measure_recompute(setup, ids, int(policy)))
         else:
             row.update(_measure_cached(setup, name, policy, ids))
@@ -245,6 +251,43 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
         per_sequence = row["peak_kv_bytes"] / batch
         row["max_batch_at_limit"] = max(0, int((setup.memory_limit - setup.weight_bytes) // per_sequence))
     return row
+
+
+def _context_ids(setup: Setup, batch: int, context: int) -> torch.Tensor:
+    """Random token ids, or windows of the setup's text, row ``i`` starting ``i / batch`` of the way in (the text
+    repeated if it is too short)."""
+    if setup.text_ids is None:
+        generator = torch.Generator(device=setup.device).manual_seed(setup.seed)
+        return torch.randint(setup.vocab, (batch, context), device=setup.device, generator=generator)
+    text = setup.text_ids
+    stream = text.repeat(-(-(context + len(text)) // len(text)))
+    starts = [row * len(text) // batch for row in range(batch)]
+    return torch.stack([stream[start:start + context] for start in starts]).to(setup.device)
+
+
+def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tensor) -> dict:
+    """Prefill both caches, then ``warmup + new_tokens`` tokens per row, greedy; ms per token is the decode time over
+    the tokens of a row (a mean over rounds: a round yields several tokens)."""
+    if setup.prefill != "real":
+        raise ValueError("speculative rows need a real prefill (the draft must read what the target read): run "
+                         "without --prefill synthetic")
+    batch, context = ids.shape
+    tokens = setup.warmup + setup.new_tokens
+    new, counts, stats, prefill_seconds, decode_seconds = speculative_tokens(
+        setup.model, ids, torch.ones_like(ids), speculation, max_new_tokens=tokens, chunk_size=setup.chunk_size)
+    per_row = decode_seconds / float(counts.float().mean())
+    report = stats["speculation"]
+    kv_bytes = context * setup.kv_per_token * batch  # what one step of the full cache reads besides the weights
+    return {
+        "prefill_seconds": prefill_seconds, "prefill_tokens_per_s": batch * context / prefill_seconds,
+        "kv_share": kv_bytes / (kv_bytes + setup.step_weight_bytes),
+        "step_seconds": [per_row], "ms_per_token": per_row * 1000, "ms_per_token_p90": None,
+        "tokens_per_s": batch / per_row, "timed_tokens": tokens, "kv_tokens": stats["kv_tokens"],
+        "bytes_per_step": None, "roofline_fraction": None, "mlp_ms_per_token": None,
+        "peak_kv_bytes": stats["kv_bytes_peak"] + stats["draft_cache"]["kv_bytes_peak"],
+        **{key: report[key] for key in ("acceptance_rate", "tokens_per_step", "draft_ms", "verify_ms",
+                                         "mean_draft_length")},
+    }
 
 
 def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.Tensor) -> dict:

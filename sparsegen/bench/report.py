@@ -16,6 +16,7 @@ COLUMNS = (  # header, width, row -> text
     ("KV MiB", 9, lambda r: _num(_mib(r.get("peak_kv_bytes")), ",.1f")),
     ("peak MiB", 9, lambda r: _num(_mib(r.get("peak_memory_bytes")), ",.0f")),
     ("roofline", 9, lambda r: _num(r.get("roofline_fraction"), ".1%")),
+    ("accepted", 9, lambda r: _num(r.get("acceptance_rate"), ".0%")),
     ("max batch", 10, lambda r: _num(r.get("max_batch_at_limit"), ",d")),
 )
 
@@ -74,6 +75,15 @@ def goals(rows: list[dict]) -> list[str]:
         if policy == "h2o" and ("window", context, batch) in ms:
             lines.append(f"h2o vs window, {context:,} x {batch}: {value / ms[('window', context, batch)] - 1:+.1%} "
                          f"per token (goal <= +5%)")
+    for r in rows:
+        full = ms.get(("full", r["context"], r["batch"]))
+        if r["policy"].startswith("speculative") and "ms_per_token" in r and full:
+            ratio = full / r["ms_per_token"]
+            lines.append(f"{r['policy']} vs full at {r['context']:,} x {r['batch']}: {ratio:.2f}x the tokens/s, "
+                         f"lossless; {r['acceptance_rate']:.0%} of drafts accepted, {r['tokens_per_step']:.2f} tokens "
+                         f"per full-cache step; the KV cache is {r['kv_share']:.0%} of a full step's bytes, so "
+                         f"speculation {'pays' if ratio > 1 else 'does not pay'} here"
+                         + (" (goal >= 1.5x)" if (r["context"], r["batch"]) == (8192, 8) else ""))
     return lines
 
 
@@ -114,7 +124,7 @@ def markdown(rows: list[dict]) -> str:
             lines.append(f"| {r['policy']} | {r['context']:,} | {r['batch']} | skipped: {r['skipped']} | | | | | |")
             continue
         lines.append(f"| {r['policy']} | {r['context']:,} | {r['batch']} | {r['ms_per_token']:.2f} | "
-                     f"{r['ms_per_token_p90']:.2f} | {r['tokens_per_s']:,.1f} | {_mib(r['peak_kv_bytes']):,.1f} | "
+                     f"{_num(r['ms_per_token_p90'], '.2f')} | {r['tokens_per_s']:,.1f} | {_mib(r['peak_kv_bytes']):,.1f} | "
                      f"{_num(_mib(r.get('peak_memory_bytes')), ',.0f')} | {_num(r.get('roofline_fraction'), '.1%')} |")
     return "\n".join(lines)
 
