@@ -119,6 +119,7 @@ def _calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
 
 
 def _conversation_args(p: argparse.ArgumentParser) -> None:
+    _speculative_args(p)
     p.add_argument("--policy", default="streaming", help=f"{', '.join(POLICY_NAMES)} (default streaming)")
     _budget_args(p, "KV tokens kept per conversation (default 1024)")
     p.set_defaults(budget="1024")
@@ -589,8 +590,19 @@ def _engine(args: argparse.Namespace, model, tokenizer):
         return make_policy(args.policy, None if args.policy == "full" else args.budget, sinks=args.sinks,
                            recent=args.recent, heavy=args.heavy)
 
+    speculation = None
+    if args.speculative is not None:
+        from sparsegen.speculative import Speculation, draft_length, draft_policy
+
+        draft_tokens, draft_model = draft_length(args.draft_tokens), load_draft_model(args, tokenizer)
+
+        def speculation():
+            return Speculation(draft_policy(args.speculative), draft_tokens, model=draft_model)
+    elif args.draft_model is not None:
+        raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
     return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
-                  max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1))
+                  max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
+                  speculation=speculation)
 
 
 def _sampling(args: argparse.Namespace):

@@ -10,6 +10,11 @@ decode step for every job past its prompt — their caches are stacked into one 
 different tokens at different positions) for as long as the same jobs decode together; a row goes back to its
 session when its reply finishes or leaves. A failure in one job (its prompt, its sampling) fails that job only.
 One thread drives an engine.
+
+With a ``Speculation`` (``--speculative``), each session also keeps a draft cache under the draft policy, and a reply
+decoding alone advances by speculative rounds (drafted by that cache, verified by the session's full cache: the same
+tokens as without). Replies decoding together step one token at a time, batched, as without it; the tokens their
+draft caches missed meanwhile are fed to them with the next round, so no draft cache ever re-reads the history.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decoding import check_sampling, next_token
+from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, sampling_probs
 from sparsegen.kv import EvictionCache, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.serve.template import ChatTemplate
+from sparsegen.speculative import Speculation, accept, draft_length
 
 
 @dataclass
@@ -57,8 +63,9 @@ class Session:
     """One conversation: its cache, and the text that cache holds (plus ``pending``, the last reply token, fed with
     the next turn)."""
 
-    def __init__(self, session_id: str | None, cache: EvictionCache):
-        self.id, self.cache = session_id, cache
+    def __init__(self, session_id: str | None, cache: EvictionCache, draft: EvictionCache | None = None):
+        self.id, self.cache, self.draft = session_id, cache, draft
+        self.draft_lag: list[int] = []  # tokens in ``cache`` that the draft cache has not been fed yet
         self.text = ""
         self.pending: list[int] = []
         self.turns = 0
@@ -110,7 +117,8 @@ def _template_space(reply: str) -> int:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy], positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
-                 template: ChatTemplate | None = None, max_prompt_tokens: int | None = None):
+                 template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
+                 speculation: Callable[[], Speculation] | None = None):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
@@ -136,16 +144,34 @@ class Engine:
         self._rows: list[Job] = []  # whose reply each row of it is
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
         self.make_policy()  # a bad policy or budget fails here, before any request
+        self.speculation, self.drafter = speculation, model
+        if speculation is not None:
+            self.drafter = speculation().model or model
+            if make_policy().budget is not None:
+                raise ValueError("speculative decoding verifies with the full cache: use --policy full (the draft "
+                                 "cache takes --speculative's policy)")
+            self.draft_tokens = draft_length(speculation().draft_tokens)
+            if self.draft_tokens == "auto":
+                raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
+        self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
 
     # --- sessions ---
     def _new_cache(self) -> EvictionCache:
-        return EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size)
+        return EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
+                             rollback=self.draft_tokens if self.speculation is not None else 0)
+
+    def _new_draft(self) -> EvictionCache | None:
+        if self.speculation is None:
+            return None
+        spec = self.speculation()
+        return EvictionCache(self.drafter, spec.policy, positions=spec.positions,
+                             chunk_size=self.chunk_size, rollback=self.draft_tokens)
 
     def session(self, session_id: str | None) -> Session:
         """The session with this id (created if new; the least recently used idle one is dropped beyond
         ``max_sessions``), or a throwaway one for ``None``."""
         if session_id is None:
-            return Session(None, self._new_cache())
+            return Session(None, self._new_cache(), self._new_draft())
         session = self.sessions.get(session_id)
         if session is None:
             while len(self.sessions) >= self.max_sessions:
@@ -154,12 +180,13 @@ class Engine:
                     raise RuntimeError(f"all {self.max_sessions} sessions are busy")
                 del self.sessions[idle]
                 self.counters["evicted_sessions"] += 1
-            session = self.sessions[session_id] = Session(session_id, self._new_cache())
+            session = self.sessions[session_id] = Session(session_id, self._new_cache(), self._new_draft())
         self.sessions.move_to_end(session_id)
         return session
 
     def reset(self, session: Session) -> None:
         session.cache, session.text, session.pending = self._new_cache(), "", []
+        session.draft, session.draft_lag = self._new_draft(), []
 
     # --- running ---
     def prepare(self, session: Session | None, messages: list[dict] | None = None, prompt: str | None = None,
@@ -237,6 +264,15 @@ class Engine:
         jobs = [job for job in jobs if not job.done and not job.feed]
         if not jobs:
             return
+        if len(jobs) == 1 and self.speculation is not None:
+            job = jobs[0]
+            if self._rows == [job]:  # the others have finished: it decodes alone from here, speculating
+                self._unstack(job)
+            if job.sampling.max_tokens - len(job.tokens) > 1:
+                self._guarded(job, self._speculate, job)
+                if job.done:
+                    self._close(job)
+                return
         if len(jobs) == 1 and self._batch is None:
             cache, positions = jobs[0].session.cache, [jobs[0].session.cache.length - self.offset]
         else:
@@ -255,6 +291,8 @@ class Engine:
         self._steps = [steps + 1 for steps in self._steps]
         self.counters["decode_tokens"] += len(jobs)
         for job, row in zip(jobs, logits):
+            if job.session.draft is not None:
+                job.session.draft_lag.append(job.tokens[-1])
             self._guarded(job, self._accept, job, row)
             if job.done:
                 self._close(job)
@@ -268,10 +306,70 @@ class Engine:
         logits = self.model(input_ids=torch.tensor([chunk], device=self.device), position_ids=positions,
                             past_key_values=cache, logits_to_keep=1).logits
         self.counters["prefill_tokens"] += len(chunk)
+        if job.session.draft is not None:
+            job.session.draft_lag += chunk
         if not job.feed:
             self._accept(job, logits[0, -1])
             if job.done:
                 self._close(job)
+
+    def _speculate(self, job: Job) -> None:
+        """One speculative round for a reply decoding alone: the draft cache catches up (the tokens it missed and the
+        last sampled one), drafts ``K`` tokens, the session's full cache checks them in one forward; both caches keep
+        what was accepted, and every accepted token goes through ``_take`` as a decoded one would."""
+        session, sampling = job.session, job.sampling
+        target, draft, drafter = session.cache, session.draft, self.drafter
+        k = min(self.draft_tokens, sampling.max_tokens - len(job.tokens) - 1)
+        catch_up, session.draft_lag = session.draft_lag + job.tokens[-1:], []
+        start = draft.length - (self.offset if draft.length else 0)
+        for i in range(0, len(catch_up), self.chunk_size):  # the missed tokens, a chunk at a time
+            chunk = catch_up[i:i + self.chunk_size]
+            logits = drafter(input_ids=torch.tensor([chunk], device=self.device), past_key_values=draft,
+                             position_ids=torch.arange(start + i, start + i + len(chunk), device=self.device)[None],
+                             logits_to_keep=1).logits[0, -1]
+        drafts, probs = [], []
+        position = start + len(catch_up)
+        for i in range(k):
+            if i:
+                logits = drafter(input_ids=torch.tensor([[drafts[-1]]], device=self.device), past_key_values=draft,
+                                 position_ids=torch.tensor([[position + i - 1]], device=self.device)).logits[0, -1]
+            if sampling.temperature < GREEDY_BELOW:
+                drafts.append(int(logits.argmax()))
+            else:
+                probs.append(sampling_probs(logits, sampling.temperature, sampling.top_p))
+                drafts.append(int(torch.multinomial(probs[-1], 1, generator=job.generator)))
+        first = target.length - self.offset
+        verify = torch.tensor([job.tokens[-1:] + drafts], device=self.device)
+        logits = self.model(input_ids=verify, past_key_values=target,
+                            position_ids=torch.arange(first, first + k + 1, device=self.device)[None]).logits
+        accepted, bonus = accept(torch.tensor([drafts], device=self.device),
+                                 torch.stack(probs)[None] if probs else None, logits, sampling.temperature,
+                                 sampling.top_p, job.generator)
+        n = int(accepted)
+        target.forget_last(k - n)
+        if n < k:
+            draft.forget_last(k - 1 - n)
+        else:
+            session.draft_lag = drafts[-1:]
+        self.counters["drafted_tokens"] += k
+        self.counters["accepted_tokens"] += n
+        kept = drafts[:n] + [int(bonus)]
+        for taken, token in enumerate(kept, 1):
+            self.counters["decode_tokens"] += 1
+            self._take(job, token)
+            if job.done:  # the caches hold every reply token but the last: drop the accepted ones after it
+                self._forget(session, len(kept) - taken)
+                return
+
+    def _forget(self, session: Session, tokens: int) -> None:
+        """Drop the newest ``tokens`` from the session's cache and, where it has them, its draft cache."""
+        if not tokens:
+            return
+        session.cache.forget_last(tokens)
+        if session.draft is not None:
+            lagging = min(tokens, len(session.draft_lag))
+            session.draft_lag = session.draft_lag[:len(session.draft_lag) - lagging]
+            session.draft.forget_last(tokens - lagging)
 
     def _guarded(self, job: Job, action: Callable, *args) -> None:
         try:
@@ -326,8 +424,7 @@ class Engine:
     def _close(self, job: Job) -> None:
         """A finished job's row goes back to its session, less the tokens past a stop string."""
         self._unstack(job)
-        if job.forget:
-            job.session.cache.forget_last(job.forget)
+        self._forget(job.session, job.forget)
 
     def _unstack(self, job: Job) -> None:
         if self._batch is None or not any(row is job for row in self._rows):
@@ -342,9 +439,13 @@ class Engine:
             self._batch = None
 
     def _accept(self, job: Job, logits: torch.Tensor) -> None:
-        """Sample the job's next token, update its visible text, and finish it at EOS, a stop string or the limit."""
+        """Sample the job's next token and take it."""
         sampling = job.sampling
-        token = int(next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0])
+        self._take(job, int(next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0]))
+
+    def _take(self, job: Job, token: int) -> None:
+        """Add ``token`` to the reply, update its visible text, and finish it at EOS, a stop string or the limit."""
+        sampling = job.sampling
         job.tokens.append(token)
         eos = token == self.tokenizer.eos_token_id
         raw = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)

@@ -271,3 +271,67 @@ def test_a_reply_sent_back_renders_as_the_text_the_cache_holds(reference, reply)
     rendered = ChatTemplate(reference[1]).render([{"role": "user", "content": "hi"},
                                                   {"role": "assistant", "content": content}])
     assert rendered.startswith("User: hi\nAssistant:" + reply + "\n")
+
+
+def _speculating(model, tokenizer, draft="window:6", k=3, **kw):
+    from sparsegen.speculative import Speculation, draft_policy
+
+    return Engine(model, tokenizer, lambda: make_policy("full"), chunk_size=kw.pop("chunk_size", 16),
+                  speculation=lambda: Speculation(draft_policy(draft), k), **kw)
+
+
+def test_speculative_conversations_equal_full_ones_alone_and_batched(reference):
+    """Two sessions, three turns each, replies decoding together and then alone: the same tokens and the same session
+    caches as an engine without speculation; drafts were accepted."""
+    model, tokenizer = reference
+    plain = Engine(model, tokenizer, lambda: make_policy("full"), chunk_size=16, max_batch=4)
+    drafted = _speculating(model, tokenizer, "streaming:12", max_batch=4)
+    turns = ["Hello there.", "What is the sea like?", "Tell me more."]
+    results = {}
+    for engine in (plain, drafted):
+        history = {"a": [], "b": []}
+        replies = []
+        for turn in turns:
+            jobs = []
+            for name, limit in (("a", 14), ("b", 6)):  # b finishes first: a then decodes alone
+                history[name].append({"role": "user", "content": turn})
+                jobs.append(engine.begin(engine.session(name), Sampling(max_tokens=limit), messages=history[name]))
+            while not all(job.done for job in jobs):
+                engine.step(jobs)
+            for name, job in zip("ab", jobs):
+                history[name].append({"role": "assistant", "content": job.content})
+                replies.append((job.tokens, job.reencoded))
+        results[engine is drafted] = (replies, [(s.cache.length, s.text, s.pending) for s in engine.sessions.values()])
+    assert results[True] == results[False]
+    assert drafted.counters["accepted_tokens"] > 0 and drafted.counters["drafted_tokens"] > 0
+
+
+def test_a_speculative_reply_cut_at_a_stop_string_forgets_what_follows(reference):
+    """Stops that fall inside a round's accepted drafts as well as on its last token: the caches hold exactly the
+    session's text, and the next turn continues as in a session that never speculated."""
+    model, tokenizer = reference
+    engine = _speculating(model, tokenizer, "window:2000", k=6, chunk_size=32)  # drafts the full cache accepts
+    messages = [{"role": "user", "content": "Tell me about the old house."}]
+    free = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=24), messages=messages))
+    for i, stop in enumerate(free.content.split()[1:6]):
+        session = engine.session(f"s{i}")
+        first = _run(engine, engine.begin(session, Sampling(max_tokens=24, stop=(stop,)), messages=messages))
+        assert first.finish_reason == "stop" and free.content.startswith(first.content)
+        held = len(tokenizer(session.text)["input_ids"])
+        assert session.cache.length == held and session.draft.length + len(session.draft_lag) == held, stop
+        follow = messages + [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And?"}]
+        second = _run(engine, engine.begin(session, Sampling(max_tokens=8), messages=follow))
+        alone = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8), messages=follow))
+        assert not second.reencoded and second.tokens == alone.tokens
+
+
+def test_speculation_needs_the_full_cache_and_a_fixed_draft_length(reference):
+    from sparsegen.speculative import Speculation
+
+    model, tokenizer = reference
+    with pytest.raises(ValueError, match="--policy full"):
+        Engine(model, tokenizer, lambda: make_policy("streaming", 64),
+               speculation=lambda: Speculation(make_policy("window", 8), 4))
+    with pytest.raises(ValueError, match="--draft-tokens K"):
+        Engine(model, tokenizer, lambda: make_policy("full"),
+               speculation=lambda: Speculation(make_policy("window", 8), "auto"))
