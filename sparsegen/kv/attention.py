@@ -101,15 +101,19 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         # 0..sinks-1 and the query at (tokens it sees - 1); positions measured from a base near the chunk.
         # Both position frames in one product: query = [q_near, q_far], a recent key = [k_near, 0], a sink
         # key = [0, k_far], so one fused attention call computes every query's logits in its own frame.
-        rotary = layer.rotary
+        # the recent keys a query sees lie within `total` tokens before the chunk, so every position below is under
+        # `bound` (sinks' near and others' far positions are masked out: clamped) and the angles come from a table
+        rotary, bound = layer.rotary, total + q + 2
         raw_query = rotary.unrotate(query, step.positions, step.memo)
-        base = step.new_index.min(-1).values - recent - 1
-        query = rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :])
-        near_key = rotary.rotate(key, layer.index[:, :, :total] - base[:, None, None])
+        base = step.new_index.min(-1).values - min(recent, total) - 1
+        query = rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :], bound=bound)
+        near_key = rotary.rotate(key, (layer.index[:, :, :total] - base[:, None, None]).clamp(0, bound - 1),
+                                 bound=bound)
         if sinks:
             sink_slot = sink_column[:, :, 0, :, None]  # [B, 1, T, 1]
-            far_key = rotary.rotate(key, layer.index[:, :, :total]).masked_fill_(~sink_slot, 0)
-            query = torch.cat((query, rotary.rotate(raw_query, query_slot)), dim=-1)
+            far_key = rotary.rotate(key, layer.index[:, :, :total].clamp(0, bound - 1),
+                                    bound=bound).masked_fill_(~sink_slot, 0)
+            query = torch.cat((query, rotary.rotate(raw_query, query_slot, bound=bound)), dim=-1)
             key = torch.cat((near_key.masked_fill_(sink_slot, 0), far_key), dim=-1)
             value = F.pad(value, (0, key.shape[-1] - value_dim))  # equal q/k/v widths keep SDPA on its fused kernel
         else:
