@@ -215,28 +215,17 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def cmd_compare(args: argparse.Namespace) -> None:
     import textwrap
 
-    from sparsegen.generation import generate
-
+    from sparsegen.generation import compare
     from sparsegen.speculative import draft_length
 
     prompt = _read_prompt(args)
     draft_tokens = draft_length(args.draft_tokens)
     model, tokenizer = load_model(args)
     draft_model = load_draft_model(args, tokenizer)
-    rows = []
-    for name in args.policies.split(","):
-        # speculative:POLICY:BUDGET decodes under the full cache, drafting from POLICY (with --budget if none given)
-        drafting, _, draft = name.partition(":") if name.startswith("speculative:") else (None, None, None)
-        if draft is not None and ":" not in draft:
-            draft = f"{draft}:{args.budget}"
-        budget = None if name == "full" or draft else args.budget
-        result = generate(model, tokenizer, prompt, policy="full" if draft else name, budget=budget,
-                          max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, stop_at_eos=False,
-                          speculative=draft, draft_tokens=draft_tokens,
-                          draft_model=draft_model if draft else None).to_dict()
-        rows.append((name, result))
+    rows = list(compare(model, tokenizer, prompt, args.policies.split(","), args.budget, args.max_new_tokens,
+                        args.chunk_size, draft_tokens, draft_model).items())
     if args.json:
-        print(json.dumps({name: r for name, r in rows}, indent=2))
+        print(json.dumps(dict(rows), indent=2))
         return
     print(f"prompt: {rows[0][1]['prompt_tokens']} tokens; {args.max_new_tokens} new tokens, greedy; budget {args.budget}")
     width = max(14, *(len(name) + 2 for name, _ in rows))
@@ -726,9 +715,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     ids, calib = _calibration(args, tokenizer, "train") if config.method == "gptq" else (None, None)
     loaded = model.dtype
     report = {"model": args.model, "calibration": str(calib) if calib else None, **quantize_model(model, config, ids)}
-    pruned = source / "sparsity.json" if source else None  # a pruned checkpoint: its pruning report travels with it
-    extra = {pruned.name: json.loads(pruned.read_text())} if pruned and pruned.exists() else None
-    save_pruned(model, tokenizer, out, report, "quantization.json", overwrite=args.force, extra=extra)
+    save_pruned(model, tokenizer, out, report, "quantization.json", overwrite=args.force)  # (a pruned source's
+    # sparsity.json travels with it)
     before = sum(f.stat().st_size for f in source.glob("*.safetensors")) if source and source.exists() else None
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     linear = report["linear_bytes_before"] / report["linear_bytes_after"]

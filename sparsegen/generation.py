@@ -171,3 +171,31 @@ def generate(
         new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=stats,
     )
+
+
+def compare(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: str,
+    policies: list[str],
+    budget: int | float | str = 128,
+    max_new_tokens: int = 48,
+    chunk_size: int = DEFAULT_CHUNK,
+    draft_tokens: int | str = 4,
+    draft_model: torch.nn.Module | None = None,
+) -> dict[str, dict]:
+    """The same prompt under each of ``policies``, greedy, never stopping early: name -> ``Generation.to_dict()``.
+    A name is ``full``, a policy taking ``budget``, or ``speculative:POLICY[:BUDGET]`` (lossless under the full
+    cache, drafting from POLICY, at ``budget`` unless one is given)."""
+    rows = {}
+    for name in policies:
+        draft = name.removeprefix("speculative:") if name.startswith("speculative:") else None
+        if draft is not None and ":" not in draft:
+            draft = f"{draft}:{budget}"
+        rows[name] = generate(
+            model, tokenizer, prompt, policy="full" if draft else name,
+            budget=None if name == "full" or draft else budget, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
+            stop_at_eos=False, speculative=draft, draft_tokens=draft_tokens,
+            draft_model=draft_model if draft else None,
+        ).to_dict()
+    return rows

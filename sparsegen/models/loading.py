@@ -3,6 +3,8 @@ model, with clear errors."""
 
 from __future__ import annotations
 
+import json
+
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -190,7 +192,24 @@ def load(
     if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     model.source_dtype = source_dtype  # what a compressed copy is saved in (sparsegen.pruning.save_pruned)
+    model.source_reports = _reports(source)  # what was done to it, carried into a compressed copy (save_pruned)
     return (model if device_map is not None else model.to(device)).eval(), tokenizer
+
+
+REPORTS = ("sparsity.json", "quantization.json")  # what sparsegen's compressed checkpoints say was done to them
+
+
+def _reports(source: str) -> dict[str, dict]:
+    """The compression reports in a local checkpoint folder, by file name."""
+    folder = Path(source)
+    found = {}
+    for name in REPORTS:
+        if (folder / name).is_file():
+            try:
+                found[name] = json.loads((folder / name).read_text())
+            except (OSError, ValueError) as err:
+                raise ModelLoadError(f"{folder / name} is not readable JSON ({err}): re-save the checkpoint") from None
+    return found
 
 
 def _load_rebuilt(folder: str, config: PretrainedConfig, dtype: torch.dtype,

@@ -121,7 +121,9 @@ def prune_model(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor |
 def save_pruned(model, tokenizer, out: str | Path, report: dict, report_name: str = "sparsity.json",
                 dtype: torch.dtype | None = None, overwrite: bool = False, extra: dict[str, dict] | None = None) -> Path:
     """A loadable checkpoint (weights, config, tokenizer) plus the report of what was done to it (``extra``: more
-    JSON reports by file name), written all at once (``sparsegen.output.new_folder``). ``dtype``: cast the float
+    JSON reports by file name; the reports of the checkpoint the model was loaded from, e.g. a pruned model's
+    ``sparsity.json`` under quantization, travel with it unless replaced), written all at once
+    (``sparsegen.output.new_folder``). ``dtype``: cast the float
     parameters to it first; by default the dtype of the checkpoint ``sparsegen.load`` read (so a float16 model is
     not saved at twice its size because it ran in float32); quantized codes and scales are buffers and keep
     theirs."""
@@ -136,6 +138,7 @@ def save_pruned(model, tokenizer, out: str | Path, report: dict, report_name: st
         model.save_pretrained(work)
         if tokenizer is not None:
             tokenizer.save_pretrained(work)
-        for name, content in {report_name: report, **(extra or {})}.items():
+        carried = getattr(model, "source_reports", None) or {}
+        for name, content in {**carried, report_name: report, **(extra or {})}.items():
             (work / name).write_text(json.dumps(content, indent=2))
     return Path(out)

@@ -111,3 +111,25 @@ def test_the_python_api_saves_what_the_cli_saves(tiny_checkpoint, corpus, tmp_pa
     for folder in ("api", "cli"):
         assert json.loads((tmp_path / folder / "config.json").read_text())["dtype"] == "float16"
     assert (tmp_path / "api" / "model.safetensors").stat().st_size == (tmp_path / "cli" / "model.safetensors").stat().st_size
+
+
+def test_a_pruned_models_report_travels_into_its_quantized_copy_by_the_api_as_by_the_cli(tiny_checkpoint, tmp_path):
+    import json
+
+    import sparsegen
+    from sparsegen.cli import main
+    from sparsegen.pruning import save_pruned
+    from sparsegen.quant import QuantizeConfig, quantize_model
+
+    pruned = tmp_path / "pruned"
+    assert main(["prune", "--model", str(tiny_checkpoint), "--method", "magnitude", "--sparsity", "0.5", "--out",
+                 str(pruned)]) == 0
+    assert main(["quantize", "--model", str(pruned), "--bits", "8", "--method", "rtn", "--out", str(tmp_path / "cli")]) == 0
+    model, tokenizer = sparsegen.load(pruned)
+    save_pruned(model, tokenizer, tmp_path / "api", quantize_model(model, QuantizeConfig(bits=8, method="rtn")),
+                "quantization.json")
+    files = lambda folder: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    assert files(tmp_path / "api") == files(tmp_path / "cli") and "sparsity.json" in files(tmp_path / "api")
+    for folder in ("api", "cli"):
+        assert json.loads((tmp_path / folder / "sparsity.json").read_text()) == \
+            json.loads((pruned / "sparsity.json").read_text())
