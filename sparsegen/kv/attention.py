@@ -5,13 +5,13 @@
 call transformers' own ``sdpa``/``eager`` code unchanged; with an ``EvictionCache`` they attend over the
 held tokens, accumulate attention scores when the policy needs them (always fp32, computed from q and the
 cached k, so no backend has to return weights), and then let the cache evict. A forward pre-hook on the
-decoder tells the cache what each call brings (padding, positions) before any layer runs.
+decoder tells the cache what each call brings (padding, positions) before any layer runs, and adds the cache to
+the call's keyword arguments, which transformers passes on to every layer's attention function: no global state.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,8 @@ from sparsegen.kv.policy import TokenView
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "phi3", "opt")
 BACKENDS = ("sdpa", "eager")
-_ACTIVE = threading.local()
+CACHE_KWARG = "sparsegen_cache"  # how the decoder hook hands the cache to every layer's attention, through the call
 FEW_QUERIES = 17  # up to a speculative verification: the pending token and 16 drafts
-
-
-def active_cache():
-    return getattr(_ACTIVE, "cache", None)
 
 
 def slot_ranks(index: torch.Tensor, valid: torch.Tensor, sinks: int | None = None) -> torch.Tensor:
@@ -253,7 +249,7 @@ def _model_eager(module):
 
 def _make_attention(backend: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        cache = active_cache()
+        cache = kwargs.pop(CACHE_KWARG, None)
         if cache is None:
             fn = ALL_ATTENTION_FUNCTIONS["sdpa"] if backend == "sdpa" else _model_eager(module)
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -271,23 +267,23 @@ for _backend in BACKENDS:
 
 
 def _begin(module, args, kwargs):
+    """Before the decoder runs: tell an evicting cache what the call brings, and pass it on to every attention call
+    (transformers hands a layer's attention function the decoder's extra keyword arguments, not the cache)."""
     cache = kwargs.get("past_key_values")
     if not getattr(cache, "evicting", False):  # any other cache: transformers' own attention, unchanged
-        _ACTIVE.cache = None
-        return
+        return None
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if inputs is None and args:
         inputs = args[0]
     cache.begin_step(inputs.shape[0], inputs.shape[1], kwargs.get("attention_mask"), kwargs.get("position_ids"),
                      inputs.device)
-    _ACTIVE.cache = cache
+    return args, {**kwargs, CACHE_KWARG: cache}
 
 
 def _end(module, args, kwargs, output):
-    cache = active_cache()
+    cache = kwargs.get(CACHE_KWARG)
     if cache is not None:
         cache.end_step(cache.step.new_valid.shape[1] if cache.step is not None else 0)
-    _ACTIVE.cache = None
 
 
 def prepare(model: torch.nn.Module) -> None:
