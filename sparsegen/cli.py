@@ -83,7 +83,7 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
 
 
-def _speculative_args(p: argparse.ArgumentParser, with_policy: bool = True) -> None:
+def _speculative_args(p: argparse.ArgumentParser, with_policy: bool = True, with_draft_model: bool = True) -> None:
     spec = p.add_argument_group("lossless speculative decoding (the full cache verifies what a small cache drafts)")
     if with_policy:
         spec.add_argument("--speculative", default=None, metavar="POLICY[:BUDGET]",
@@ -92,8 +92,9 @@ def _speculative_args(p: argparse.ArgumentParser, with_policy: bool = True) -> N
     spec.add_argument("--draft-tokens", default="4", metavar="K|auto",
                       help="tokens drafted per round (1-16), or auto: chosen from the measured acceptance and step "
                            "costs (default 4)")
-    spec.add_argument("--draft-model", default=None, metavar="MODEL",
-                      help="draft with this model instead (same tokenizer), e.g. a pruned + int4 copy of --model")
+    if with_draft_model:
+        spec.add_argument("--draft-model", default=None, metavar="MODEL",
+                          help="draft with this model instead (same tokenizer), e.g. a pruned + int4 copy of --model")
 
 
 def load_draft_model(args: argparse.Namespace, tokenizer):
@@ -118,8 +119,9 @@ def _calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
     p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
 
 
-def _conversation_args(p: argparse.ArgumentParser) -> None:
-    _speculative_args(p)
+def _conversation_args(p: argparse.ArgumentParser, speculative: bool = True) -> None:
+    if speculative:
+        _speculative_args(p)
     p.add_argument("--policy", default="streaming", help=f"{', '.join(POLICY_NAMES)} (default streaming)")
     _budget_args(p, "KV tokens kept per conversation (default 1024)")
     p.set_defaults(budget="1024")
@@ -172,7 +174,6 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from sparsegen.generation import generate
-
     from sparsegen.speculative import draft_length
 
     prompt = _read_prompt(args)
@@ -580,14 +581,14 @@ def _engine(args: argparse.Namespace, model, tokenizer):
                            recent=args.recent, heavy=args.heavy)
 
     speculation = None
-    if args.speculative is not None:
+    if getattr(args, "speculative", None) is not None:
         from sparsegen.speculative import Speculation, draft_length, draft_policy
 
         draft_tokens, draft_model = draft_length(args.draft_tokens), load_draft_model(args, tokenizer)
 
         def speculation():
             return Speculation(draft_policy(args.speculative), draft_tokens, model=draft_model)
-    elif args.draft_model is not None:
+    elif getattr(args, "draft_model", None) is not None:
         raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
     return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
                   max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
@@ -958,7 +959,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
     p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")
     p.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
-    _speculative_args(p, with_policy=False)
+    _speculative_args(p, with_policy=False, with_draft_model=False)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("prune", help="prune weights (magnitude, Wanda, SparseGPT; unstructured, N:M or structured)")
@@ -989,7 +990,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server whose sessions live in bounded caches")
     _model_args(p, run=True)
-    _conversation_args(p)
+    _conversation_args(p, speculative=False)  # (serve keeps caches bounded; speculation verifies with full)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None,

@@ -335,3 +335,22 @@ def test_speculation_needs_the_full_cache_and_a_fixed_draft_length(reference):
     with pytest.raises(ValueError, match="--draft-tokens K"):
         Engine(model, tokenizer, lambda: make_policy("full"),
                speculation=lambda: Speculation(make_policy("window", 8), "auto"))
+
+
+def test_chat_command_speculates_with_the_full_caches_replies(tmp_path, capsys):
+    import json
+
+    from sparsegen.cli import main
+
+    script = tmp_path / "turns.txt"
+    script.write_text("Good evening.\nWhere is the ship?\n")
+    replies = {}
+    for extra in ([], ["--speculative", "streaming:16", "--draft-tokens", "3"]):
+        out = tmp_path / f"turns{len(extra)}.json"
+        assert main(["chat", "--model", "reference", "--policy", "full", "--max-new-tokens", "10", "--script",
+                     str(script), "--json", str(out), *extra]) == 0
+        replies[bool(extra)] = capsys.readouterr().out
+        assert len(json.loads(out.read_text())["turns"]) == 2
+    assert replies[True] == replies[False]
+    assert main(["chat", "--model", "reference", "--speculative", "streaming:16", "--script", str(script)]) == 2
+    assert "--policy full" in capsys.readouterr().err
