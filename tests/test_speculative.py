@@ -167,6 +167,8 @@ def test_generate_cli_speculative_prints_the_full_caches_text(tiny_checkpoint, c
     drafted = json.loads(capsys.readouterr().out)
     assert drafted["text"] == full["text"] and 0 <= drafted["acceptance_rate"] <= 1
     assert drafted["cache"]["draft_cache"]["budget"] == 4 and drafted["cache"]["speculation"]["rounds"] >= 1
+    assert main(args + ["--speculative", "window:4", "--draft-model", str(tiny_checkpoint)]) == 0  # a separate drafter
+    assert json.loads(capsys.readouterr().out)["text"] == full["text"]
 
 
 def test_compare_cli_has_a_speculative_row(tiny_checkpoint, capsys):
