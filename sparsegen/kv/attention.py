@@ -214,6 +214,7 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     alive[:, :, start:] = False
     attention = None if layer.attention is None else layer.attention[:, :, :total]
     keys_held = layer.keys[:, :, :total] if layer.policy.needs_keys else None
+    values_held = layer.values[:, :, :total] if layer.policy.needs_values else None
     probs = query.new_zeros(batch, kv_heads, group, q, total, dtype=torch.float32)
     for i in range(q):
         alive[:, :, start + i] = True
@@ -235,7 +236,7 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         if attention is not None:
             observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None])
         view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i), attention=attention,
-                         keys=keys_held)
+                         keys=keys_held, values=values_held)
         alive = layer.drop_lowest(view, alive.sum(-1, keepdim=True) > budget)  # at most one over, as after a decode
     out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
     layer.pending = 0

@@ -142,6 +142,7 @@ class EvictionLayer(CacheLayerMixin):
             index=self.index[:, :, :t], valid=self.valid[:, :, :t], seen=seen,
             attention=None if self.attention is None else self.attention[:, :, :t],
             keys=self.keys[:, :, :t] if self.policy.needs_keys else None,
+            values=self.values[:, :, :t] if self.policy.needs_values else None,
         )
 
     def evict(self, seen: torch.Tensor) -> None:
@@ -360,18 +361,27 @@ class EvictionCache(Cache):
         for layer in self.layers:
             budget = layer.policy.budget
             held = context if budget is None else min(budget, context)
-            attention = torch.rand(shape, device=device, generator=generator) if layer.policy.needs_attention else None
+            policy = layer.policy
+            attention = torch.rand(shape, device=device, generator=generator) if policy.needs_attention else None
+            # every token's random K/V, where the policy reads them to choose; else only the held ones are drawn
+            reads_kv = held < context and (policy.needs_keys or policy.needs_values)
+            kv = [torch.randn(*shape, head_dim, dtype=dtype, device=device, generator=generator)
+                  for _ in range(2)] if reads_kv else None
             if held < context:
                 view = TokenView(index=index, valid=torch.ones(shape, dtype=torch.bool, device=device), seen=seen,
-                                 attention=attention)
-                priority = layer.policy.priority(view).masked_fill(index < layer.pinned, torch.inf)
+                                 attention=attention, keys=kv and kv[0], values=kv and kv[1])
+                priority = policy.priority(view).masked_fill(index < layer.pinned, torch.inf)
                 keep = priority.topk(held, dim=-1).indices
             else:
                 keep = index
             sample = torch.empty(batch, kv_heads, held, head_dim, dtype=dtype, device=device)
             layer.lazy_initialization(sample, sample)
-            layer.keys[:, :, :held].normal_(generator=generator)
-            layer.values[:, :, :held].normal_(generator=generator)
+            if kv is not None:
+                for buffer, source in zip((layer.keys, layer.values), kv):
+                    buffer[:, :, :held] = source.gather(2, keep[..., None].expand(-1, -1, -1, head_dim))
+            else:
+                layer.keys[:, :, :held].normal_(generator=generator)
+                layer.values[:, :, :held].normal_(generator=generator)
             layer.index[:, :, :held] = keep
             layer.valid[:, :, :held] = True
             if layer.attention is not None:

@@ -24,6 +24,7 @@ class TokenView:
     # (or as the policy's ``attention_statistic`` says), over the KV head's query heads
     keys: torch.Tensor | None = None  # the held keys [batch, kv_head, slot, head_dim]: rotated at their original
     # position, or not rotated at all under rolling positions (norms and dot products between keys agree)
+    values: torch.Tensor | None = None  # the held values [batch, kv_head, slot, head_dim] (policies that set needs_values)
 
     def is_recent(self, recent: int) -> torch.Tensor:
         return self.index >= (self.seen - recent)[:, None, None]
@@ -41,6 +42,7 @@ class Policy:
     # "pivotal", above the average 1/n (Scissorhands)
     attention_statistic: ClassVar[str] = "sum"
     needs_keys: ClassVar[bool] = False
+    needs_values: ClassVar[bool] = False
     default_positions: ClassVar[str] = "original"
 
     def __init__(self, budget: int | None):

@@ -63,6 +63,19 @@ def test_synthetic_prefill_holds_what_the_policy_would(tiny_model):
     assert older.isfinite().sum().item() == 2 * 4
 
 
+@pytest.mark.parametrize("name", ["knorm", "keydiff", "lagkv"])
+def test_synthetic_prefill_of_a_policy_reading_keys_keeps_what_it_chooses_from_them(tiny_model, name):
+    """The held keys and values are the ones the policy chose by (knorm: the smallest key norms of all 40)."""
+    cache = EvictionCache(tiny_model, make_policy(name, 12))
+    cache.fill_random(2, 40, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
+                      generator=torch.Generator().manual_seed(0))
+    layer = cache.layers[0]
+    assert layer.used == 12 and layer.valid[:, :, :12].all()
+    if name == "knorm":
+        norms = layer.keys[:, :, :12].norm(dim=-1)
+        assert (norms.max(-1).values < 3.2).all()  # 12 smallest of 40 eight-dimensional normal norms
+
+
 def test_synthetic_and_real_prefill_leave_the_same_state(tiny_model):
     policy = make_policy("streaming", 16, sinks=2)
     rows = {prefill: decode.measure(decode.Setup(model=tiny_model, model_name="tiny", random_weights=False,

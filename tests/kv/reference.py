@@ -14,7 +14,10 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+import math
+
 from sparsegen.kv.policies.knorm import RESOLUTION
+from sparsegen.kv.policies.lagkv import FLOOR
 from sparsegen.kv.policies.random import MULTIPLIER, SPAN
 
 _STATE = {}
@@ -36,6 +39,8 @@ def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], see
     # h2o / streaming-h2o: protected sinks and recent tokens, then the largest scores (ties: the newer one);
     # tova, knorm, random: the largest scores alone
     protected = {t for t in candidates if t < sinks or t >= seen - policy.get("recent", 0)}
+    if name == "lagkv":  # sinks, partitions whose next one is not seen whole, and those with no later tokens held
+        protected = {t for t in candidates if t not in scores}
     if name == "snapkv":  # votes average-pooled over 5 neighbouring held tokens (zeros beyond the ends)
         ordered = sorted(candidates)
         votes = [scores.get(t, 0.0) for t in ordered]
@@ -101,10 +106,39 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 anchor = sum(directions.values())
                 anchor = anchor / anchor.norm()
                 scores.update({t: -float(directions[t] @ anchor) for t in candidates})
+            elif policy["policy"] == "lagkv":  # spread against the next held partition's range, softmaxed
+                scores.clear()
+                scores.update(_lagkv_scores(policy, candidates, key[b, h], value[b, h], seen=total))
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
             state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _lagkv_scores(policy: dict, candidates: list[int], keys, values, seen: int) -> dict[int, float]:
+    """LagKV written out: partitions of ``lag`` after the sinks; each scored against the nearest later partition
+    holding tokens, once the next partition has been seen whole."""
+    sinks, lag = policy["sinks"], policy["lag"]
+    groups: dict[int, list[int]] = {}
+    for t in candidates:
+        if t >= sinks:
+            groups.setdefault((t - sinks) // lag, []).append(t)
+    scores: dict[int, float] = {}
+    for n, members in groups.items():
+        later = [m for m in groups if m > n]
+        if (n + 2) * lag + sinks > seen or not later:
+            continue
+        reference = groups[min(later)]
+        for x in (keys.double(), values.double()):
+            low = torch.stack([x[t] for t in reference]).amin(0)
+            high = torch.stack([x[t] for t in reference]).amax(0)
+            spread = {t: float(((x[t] - low) / (high - low).clamp(min=FLOOR)).std()) for t in members}
+            peak = max(spread.values())
+            weights = {t: math.exp(s - peak) for t, s in spread.items()}
+            total = sum(weights.values())
+            for t in members:
+                scores[t] = scores.get(t, 0.0) + weights[t] / total
+    return scores
 
 
 AttentionInterface.register("reference_masked", _reference_attention)

@@ -9,7 +9,7 @@ from tests.kv.families import FAMILIES, ROPE_FAMILIES, VOCAB, tiny_model
 from tests.kv.reference import ReferenceRun
 
 TOL = 1e-5
-POLICY_NAMES = ["full", "window", "streaming", "h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "random",
+POLICY_NAMES = ["full", "window", "streaming", "h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv", "random",
                 "pyramid"]
 
 
@@ -81,7 +81,7 @@ def test_generate_with_full_budget_equals_plain_generate(family, name):
 
 SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streaming-h2o": {"recent": 4, "sinks": 1},
          "tova": {}, "scissorhands": {"recent": 4}, "snapkv": {},
-         "knorm": {}, "keydiff": {}, "random": {}, "pyramid": {}}
+         "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {}}
 
 
 def _rules(cache):
@@ -230,7 +230,7 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
     assert (chunked - one_by_one)[mask.bool()].abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "random",
+@pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv", "random",
                 "pyramid"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):

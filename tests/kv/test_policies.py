@@ -1,8 +1,10 @@
 """Policy rules that are not about exactness: how a per-layer policy shares its budget, and what it allocates."""
 
+import pytest
 import torch
 
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv.policy import TokenView
 from sparsegen.kv.policies.pyramid import pyramid_budgets
 from tests.kv.families import VOCAB, tiny_model
 
@@ -24,3 +26,27 @@ def test_each_pyramid_layer_holds_and_allocates_its_own_budget():
     assert cache.held_tokens() == [19, 1]
     slots = [layer.keys.shape[2] for layer in cache.layers]
     assert slots[1] < slots[0]  # storage sized by what the layer can hold, not one size for all
+
+
+def test_lagkv_scores_each_partition_against_the_next_and_keeps_the_recent_ones():
+    """12 tokens, 2 sinks, partitions of 2: the sinks and the last partition (its next one is unseen) are kept; each
+    scored partition's key and value softmaxes sum to 2, also one whose next partition was evicted whole."""
+    policy = make_policy("lagkv", 10, sinks=2)
+    assert policy.describe()["lag"] == 2
+    generator = torch.Generator().manual_seed(0)
+    index = torch.arange(12).expand(1, 1, 12)
+    valid = torch.ones(1, 1, 12, dtype=torch.bool)
+    valid[..., 8:10] = False  # partition 3 evicted whole: partition 2 is scored against partition 4
+    view = TokenView(index=index, valid=valid, seen=torch.tensor([12]), attention=None,
+                     keys=torch.randn(1, 1, 12, 8, generator=generator), values=torch.randn(1, 1, 12, 8, generator=generator))
+    priority = policy.priority(view)[0, 0]
+    assert torch.isinf(priority[[0, 1, 10, 11]]).all()
+    for start in (2, 4, 6):
+        assert torch.isfinite(priority[start:start + 2]).all()
+        assert abs(float(priority[start:start + 2].sum()) - 2) < 1e-9
+
+
+@pytest.mark.parametrize("budget, sinks, words", [(10, 10, "sinks"), (7, 4, "raise the budget")])
+def test_lagkv_refuses_budgets_it_cannot_work_in(budget, sinks, words):
+    with pytest.raises(ValueError, match=words):
+        make_policy("lagkv", budget, sinks=sinks)

@@ -4,6 +4,7 @@ from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.h2o import H2O
 from sparsegen.kv.policies.keydiff import KeyDiff
 from sparsegen.kv.policies.knorm import Knorm
+from sparsegen.kv.policies.lagkv import LagKV
 from sparsegen.kv.policies.pyramid import Pyramid
 from sparsegen.kv.policies.random import Random
 from sparsegen.kv.policies.scissorhands import Scissorhands
@@ -14,10 +15,10 @@ from sparsegen.kv.policies.tova import TOVA
 from sparsegen.kv.policies.window import Window
 
 POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA, Scissorhands, SnapKV, Knorm,
-                                       KeyDiff, Random, Pyramid)}
+                                       KeyDiff, LagKV, Random, Pyramid)}
 OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
            "streaming-h2o": ("sinks", "recent", "heavy"), "tova": (), "knorm": (),
-           "random": (), "pyramid": ("sinks",), "keydiff": (),
+           "random": (), "pyramid": ("sinks",), "keydiff": (), "lagkv": ("sinks",),
            "scissorhands": ("sinks", "recent", "heavy"), "snapkv": ("sinks",)}  # the budget splits each policy takes
 
 
