@@ -208,3 +208,15 @@ def test_generate_cli_bad_speculation_is_one_line(tiny_checkpoint, capsys, argv,
     assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "x", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+def test_a_soft_prompt_prefixes_both_caches_and_the_output_stays_the_full_caches():
+    """Compress, then prompt, then speculate: the prefix is pinned in the draft cache as in the full one."""
+    from sparsegen.prompt import PromptPrefix, attach
+
+    model = tiny_model("llama")
+    attach(model, PromptPrefix(torch.randn(3, 32, generator=torch.Generator().manual_seed(1)) * 0.1))
+    ids, mask = _padded_batch([24, 17], 24, seed=11)
+    expected, _, _, _, _ = _full(model, ids, mask, max_new_tokens=14)
+    new, _, stats, _, _ = _speculate(model, ids, mask, make_policy("streaming", 8), 3, max_new_tokens=14)
+    assert torch.equal(new, expected) and stats["speculation"]["accepted"] > 0
