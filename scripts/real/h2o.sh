@@ -2,7 +2,9 @@
 # H2O on a real model at 50%, 20% and 10% of the sequence as KV budget: streaming perplexity (8 streams of
 # LENGTH tokens from books/test, every token predicted with the policy's cache) and fidelity of greedy
 # continuations against the full cache (ROUGE-L, tokens to first divergence, KL). Results in
-# docs/results/$MODEL/h2o/; finished files are skipped; PCTS picks budgets.   usage: scripts/real/h2o.sh smollm2 [LENGTH]
+# docs/results/$MODEL/h2o/; finished files are skipped; PCTS picks budgets, POLICIES the policies whose perplexity
+# is measured (default the four the fidelity runs compare; any policy name works: the policy-library comparison).
+# usage: scripts/real/h2o.sh smollm2 [LENGTH]
 set -euo pipefail
 MODEL=${1:-smollm2}
 LENGTH=${2:-2048}
@@ -18,7 +20,7 @@ ppl() {  # NAME [ppl options]
 ppl full --policy full
 for pct in ${PCTS:-50 20 10}; do
   budget=$((LENGTH * pct / 100))
-  for policy in h2o streaming-h2o window streaming; do
+  for policy in ${POLICIES:-h2o streaming-h2o window streaming}; do
     ppl "$policy-${pct}pct" --policy "$policy" --budget "$budget"
   done
   once "$OUT/fidelity-${pct}pct.json" $SG fidelity --model "$MODEL" --text "$DATA/books/test/dracula.txt" \
