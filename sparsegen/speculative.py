@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -95,7 +95,6 @@ class _Counters:
     draft_steps: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    lengths: list[int] = field(default_factory=list)
 
     def add(self, accepted: torch.Tensor, k: int, active: list[bool], draft_seconds: float,
             verify_seconds: float) -> None:
@@ -110,7 +109,6 @@ class _Counters:
         self.draft_steps += k
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
-        self.lengths.append(k)
 
     def acceptance(self) -> float:
         """Per-token acceptance, the maximum-likelihood estimate under the geometric model of a round (a rejection
@@ -128,7 +126,7 @@ class _Counters:
             "tokens_per_step": round(self.committed / self.row_rounds, 3) if self.row_rounds else None,
             "draft_ms": round(1000 * self.draft_seconds / self.draft_steps, 3) if self.draft_steps else None,
             "verify_ms": round(1000 * self.verify_seconds / self.rounds, 3) if self.rounds else None,
-            "mean_draft_length": round(sum(self.lengths) / len(self.lengths), 2) if self.lengths else None,
+            "mean_draft_length": round(self.draft_steps / self.rounds, 2) if self.rounds else None,
         }
 
 
@@ -136,6 +134,16 @@ def _synchronized(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def draft_token(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft token from the draft cache's logits ``[..., V]``, and the distribution it was sampled from (None when
+    greedy): what ``accept`` weighs it by."""
+    if temperature < GREEDY_BELOW:
+        return logits.argmax(-1), None
+    probs = sampling_probs(logits, temperature, top_p)
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1]), probs
 
 
 def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, temperature: float,
@@ -240,13 +248,10 @@ def speculative_tokens(
             else:
                 logits = drafter(input_ids=token[:, None], position_ids=(fed + i)[:, None],
                                  past_key_values=draft).logits[:, -1]
-            if generator is None:
-                token = logits.argmax(-1)
-            else:
-                probs = sampling_probs(logits, temperature, top_p)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-                draft_probs.append(probs)
+            token, probs = draft_token(logits, temperature, top_p, generator)
             drafts.append(token)
+            if probs is not None:
+                draft_probs.append(probs)
         t2 = _synchronized(device)
         drafted = torch.stack(drafts, 1) if drafts else pending.new_empty(batch, 0)
         logits = model(input_ids=torch.cat([pending[:, None], drafted], 1),

@@ -140,8 +140,8 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
 
     # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
     # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
-    cpu_decode = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
-    if layer.policy.needs_attention or (sliding_window is not None and view is None) or cpu_decode:
+    few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
+    if layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
         scores = _scores(query, key, scaling)
         if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
             scores.masked_fill_(~mask[:, :, None], -torch.inf)

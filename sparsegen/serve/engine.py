@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, sampling_probs
+from sparsegen.decoding import check_sampling, next_token
 from sparsegen.kv import EvictionCache, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.serve.template import ChatTemplate
-from sparsegen.speculative import Speculation, accept, draft_length
+from sparsegen.speculative import Speculation, accept, draft_length, draft_token
 
 
 @dataclass
@@ -333,11 +333,10 @@ class Engine:
             if i:
                 logits = drafter(input_ids=torch.tensor([[drafts[-1]]], device=self.device), past_key_values=draft,
                                  position_ids=torch.tensor([[position + i - 1]], device=self.device)).logits[0, -1]
-            if sampling.temperature < GREEDY_BELOW:
-                drafts.append(int(logits.argmax()))
-            else:
-                probs.append(sampling_probs(logits, sampling.temperature, sampling.top_p))
-                drafts.append(int(torch.multinomial(probs[-1], 1, generator=job.generator)))
+            token, distribution = draft_token(logits, sampling.temperature, sampling.top_p, job.generator)
+            drafts.append(int(token))
+            if distribution is not None:
+                probs.append(distribution)
         first = target.length - self.offset
         verify = torch.tensor([job.tokens[-1:] + drafts], device=self.device)
         logits = self.model(input_ids=verify, past_key_values=target,

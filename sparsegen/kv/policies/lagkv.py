@@ -33,18 +33,18 @@ class LagKV(Policy):
         part = torch.div(view.index - self.sinks, self.lag, rounding_mode="floor").clamp(min=-1) + 1  # 0: not in one
         part = torch.where(member, part, 0)
         complete = (part + 1) * self.lag + self.sinks <= view.seen[:, None, None]  # the next partition seen whole
-        reference = _next_held(part, member)
+        buckets = int(part.max()) + 2  # partitions 1.., bucket 0 for the rest, and one past the last
+        reference = _next_held(part, member, buckets)
         scored = member & complete & (reference > 0)
-        score = sum(_spread_softmax(x, part, reference, scored) for x in (view.keys, view.values))
+        score = sum(_spread_softmax(x, part, reference, scored, buckets) for x in (view.keys, view.values))
         return torch.where(scored, score, torch.inf)
 
     def describe(self) -> dict:
         return {**super().describe(), "sinks": self.sinks, "lag": self.lag}
 
 
-def _next_held(part: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+def _next_held(part: torch.Tensor, member: torch.Tensor, buckets: int) -> torch.Tensor:
     """For each slot, the nearest later partition that holds a token (0 if none)."""
-    buckets = int(part.max()) + 2
     held = torch.zeros(*part.shape[:2], buckets, dtype=torch.bool, device=part.device).scatter_(2, part, member)
     ids = torch.arange(buckets, device=part.device).expand_as(held)
     later = torch.where(held, ids, buckets)[..., 1:]  # bucket p looks at p + 1 onwards
@@ -54,12 +54,12 @@ def _next_held(part: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
     return torch.where(found < buckets, found, 0)
 
 
-def _spread_softmax(x: torch.Tensor, part: torch.Tensor, reference: torch.Tensor, scored: torch.Tensor):
+def _spread_softmax(x: torch.Tensor, part: torch.Tensor, reference: torch.Tensor, scored: torch.Tensor,
+                    buckets: int) -> torch.Tensor:
     """Per slot: the std over channels of ``x`` min-max normalised by its reference partition's held range, softmaxed
     over the scored slots of its own partition (float64, so rounding never orders two tokens)."""
     x = x.double()
     batch, heads, _, dim = x.shape
-    buckets = int(part.max()) + 2
     member = (part > 0)[..., None].expand_as(x)
     index = part[..., None].expand_as(x)
     low = x.new_full((batch, heads, buckets, dim), torch.inf).scatter_reduce(
