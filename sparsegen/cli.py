@@ -75,6 +75,18 @@ def _budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
     p.add_argument("--heavy", type=int, default=None, help="heavy-hitter tokens kept (h2o: half the budget)")
     p.add_argument("--positions", choices=["original", "rolling"], default=None,
                    help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
+    p.add_argument("--kv-bits", type=int, choices=[8, 4, 2], default=None,
+                   help="hold the cached keys and values in this many bits (KIVI-style: keys per channel, values per "
+                        "token), under any policy (default: as the model computes them)")
+    p.add_argument("--kv-residual", type=int, default=32,
+                   help="with --kv-bits: the newest tokens also kept in full precision (default 32)")
+
+
+def _kv_bits(args: argparse.Namespace):
+    """``--kv-bits``/``--kv-residual`` as a ``KVQuantization``, or None."""
+    from sparsegen.kv import KVQuantization
+
+    return None if args.kv_bits is None else KVQuantization(args.kv_bits, args.kv_residual)
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         model, tokenizer, prompt, policy=args.policy, budget=args.budget, sinks=args.sinks, recent=args.recent,
         heavy=args.heavy, positions=args.positions, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size, on_text=stream,
-        speculative=args.speculative, draft_tokens=draft_tokens, draft_model=draft_model,
+        speculative=args.speculative, draft_tokens=draft_tokens, draft_model=draft_model, kv_bits=_kv_bits(args),
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -247,6 +259,8 @@ def cmd_ppl(args: argparse.Namespace) -> None:
 
     if args.stream == args.windows:
         raise ValueError("give exactly one of --stream and --windows")
+    if args.windows and args.kv_bits is not None:
+        raise ValueError("--windows runs the model without a cache; --kv-bits applies to --stream")
     model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test"
     bos = leading_bos(tokenizer)
@@ -282,7 +296,8 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
             results.append(recompute_nll(model, data, args.budget, every=args.every))
             continue
         policy = make()
-        results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every, chunk=args.chunk))
+        results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every, chunk=args.chunk,
+                                  kv_bits=_kv_bits(args)))
     summaries = [r.summary(args.segment) for r in results]
     print(f"{data.shape[0]} streams x {data.shape[1] - 1:,} predicted tokens")
     print(f"{'policy':<16}{'PPL':>10}{'KV peak':>9}{'tokens/s':>10}")
@@ -317,8 +332,10 @@ def cmd_fidelity(args: argparse.Namespace) -> None:
     print(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(f"{'policy':<16}{'budget':>8}{'ROUGE-L':>9}{'tokens to divergence':>22}{'KL(full||policy)':>18}")
     for name, make in _policies(args, input_length=args.prompt_tokens):
-        result = {**make().describe(), **fidelity(model, tokenizer, prompts, make, args.new_tokens, args.positions,
-                                                  args.chunk_size)}
+        quantization = _kv_bits(args)
+        result = {**make().describe(), **(quantization.describe() if quantization else {}),
+                  **fidelity(model, tokenizer, prompts, make, args.new_tokens, args.positions, args.chunk_size,
+                             kv_bits=quantization)}
         report["policies"].append(result)
         print(f"{name:<16}{str(result['budget']):>8}{result['rouge_l']:>9.3f}{result['tokens_to_divergence']:>22.1f}"
               f"{result['kl']:>18.4f}")
@@ -341,9 +358,9 @@ def cmd_passkey(args: argparse.Namespace) -> None:
     filler = read_tokens(text, tokenizer, 4 * max(lengths))
     results = {}
     for name, make in _policies(args):
-        results[name] = {**make().describe(), **passkey_accuracy(
+        results[name] = {**make().describe(), **(_kv_bits(args).describe() if args.kv_bits else {}), **passkey_accuracy(
             model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions,
-            chat=chat)}
+            chat=chat, kv_bits=_kv_bits(args))}
         print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
         for length in lengths:
             row = [c["accuracy"] for c in results[name]["cells"] if c["length"] == length]
@@ -514,6 +531,7 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
         warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
         recompute_tokens=args.recompute_tokens, memory_limit=_bytes(args.memory_limit) if args.memory_limit else None,
         bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats, text_ids=text_ids,
+        kv_bits=_kv_bits(args),
     )
     env = setup.environment()
     print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
@@ -592,7 +610,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
         raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
     return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
                   max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
-                  speculation=speculation)
+                  speculation=speculation, kv_bits=_kv_bits(args))
 
 
 def _sampling(args: argparse.Namespace):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, prefill
-from sparsegen.kv import EvictionCache, Policy, make_policy
+from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
@@ -61,6 +61,7 @@ def generate_tokens(
     pad_id: int = 0,
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
+    kv_bits: int | KVQuantization | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """The token-level loop: ``(new [B, n], counts [B], cache stats, prefill s, decode s)``.
 
@@ -72,7 +73,7 @@ def generate_tokens(
     device = ids.device
     batch, length = ids.shape
     cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size,
-                          expected_length=length + max_new_tokens)
+                          expected_length=length + max_new_tokens, kv_bits=kv_bits)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
 
     t0 = time.perf_counter()
@@ -121,6 +122,7 @@ def generate(
     speculative: str | Policy | None = None,
     draft_tokens: int | str = 4,
     draft_model: torch.nn.Module | None = None,
+    kv_bits: int | KVQuantization | None = None,
 ) -> Generation:
     """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
 
@@ -131,6 +133,9 @@ def generate(
     ``speculative`` (``"streaming:512"``, ``"h2o:0.1"`` or a ``Policy``): decode losslessly under the full cache,
     drafting ``draft_tokens`` tokens at a time (a count, or ``"auto"``) with the model (or ``draft_model``, same
     vocabulary) over a cache under that policy; ``policy`` must then be ``full``.
+
+    ``kv_bits`` (8, 4 or 2): hold the cache's keys and values quantized (KIVI-style, ``sparsegen.kv.quantized``),
+    under any policy.
     """
     prompts = [prompts] if isinstance(prompts, str) else prompts
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
@@ -143,6 +148,8 @@ def generate(
         policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy)
     speculation = None
     if speculative is not None:
+        if kv_bits is not None:
+            raise ValueError("speculative decoding verifies with the model's own full cache: drop kv_bits")
         if policy.budget is not None:
             raise ValueError("speculative decoding verifies with the full cache: leave the policy at 'full' (the "
                              "draft cache takes its policy from speculative, e.g. 'streaming:512')")
@@ -165,7 +172,7 @@ def generate(
                                                                                  **common)
     else:
         new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
-                                                                              **common)
+                                                                              kv_bits=kv_bits, **common)
     return Generation(
         texts=[tokenizer.decode(new[row, : counts[row]], skip_special_tokens=True) for row in range(len(prompts))],
         new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),

@@ -79,6 +79,10 @@ def _bad_invocations(checkpoint: Path, tmp: Path) -> list[tuple[list[str], str]]
         (["serve", *model, "--max-new-tokens", "2000"], "max-tokens-limit"),
         (["info"], "model"),
         (["generate", *model, "--prompt", "x", "--max-new-tokens", "many"], "max-new-tokens"),
+        (["generate", *model, "--prompt", "x", "--kv-bits", "3"], "kv-bits"),
+        (["generate", *model, "--prompt", "x", "--kv-bits", "4", "--kv-residual", "-1"], "residual"),
+        (["generate", *model, "--prompt", "x", "--kv-bits", "4", "--speculative", "window:8"], "kv_bits"),
+        (["ppl", *model, "--windows", "--kv-bits", "4"], "--stream"),
     ]
 
 
@@ -98,3 +102,15 @@ def test_a_budget_far_above_the_sequence_allocates_what_the_sequence_needs(tiny_
     assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "it was the", "--policy", "streaming",
                  "--budget", "1000000000", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("it was the") and current_rss() - before < 2**30
+
+
+def test_kv_bits_quantize_the_cache_of_any_policy(tiny_checkpoint, capsys):
+    """`generate --kv-bits 4` holds the same tokens in a fraction of the fp32 bytes, and says so (this checkpoint's
+    8-dim heads: 4 bytes of codes + 4 of scale and zero per key, against 32)."""
+    stats = {}
+    for bits in ([], ["--kv-bits", "4", "--kv-residual", "0"]):
+        assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "it was the " * 40, "--policy", "h2o",
+                     "--budget", "0.5", "--max-new-tokens", "8", "--json", *bits]) == 0
+        stats[bool(bits)] = json.loads(capsys.readouterr().out)["cache"]
+    assert stats[True]["kv_bits"] == 4 and stats[True]["kv_tokens_peak"] == stats[False]["kv_tokens_peak"]
+    assert stats[False]["kv_bytes_peak"] / stats[True]["kv_bytes_peak"] > 3.5

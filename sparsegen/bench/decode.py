@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step
-from sparsegen.kv import EvictionCache, Policy
+from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
 from sparsegen.speculative import Speculation, speculative_tokens
 
@@ -49,6 +49,7 @@ class Setup:
     seed: int = 0
     repeats: int = 1  # measure every policy this many times, interleaved, and pool the steps
     text_ids: torch.Tensor | None = None  # prefill with this token stream (rows at different offsets), not random ids
+    kv_bits: KVQuantization | None = None  # the evicting caches hold K/V quantized (dense and recompute rows do not)
 
     def __post_init__(self):
         if self.prefill not in ("real", "synthetic"):
@@ -58,6 +59,7 @@ class Setup:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_per_token = kv_bytes_per_token(self.model.config, param.element_size())
+        self.stored_kv_per_token = kv_bytes_per_token(self.model.config, param.element_size(), self.kv_bits)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.step_weight_bytes = weight_bytes_per_step(self.model)
         self.vocab = self.model.config.get_text_config().vocab_size
@@ -75,6 +77,7 @@ class Setup:
             "machine": machine, "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
             "prefill": self.prefill, "contextual": self.contextual, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
+            "kv_bits": self.kv_bits.bits if self.kv_bits else None,
         }
 
 
@@ -182,7 +185,8 @@ def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, conte
     if name == "dense":
         cache = DynamicCache(config=setup.model.config)
     else:
-        cache = EvictionCache(setup.model, policy, chunk_size=setup.chunk_size, expected_length=total)
+        cache = EvictionCache(setup.model, policy, chunk_size=setup.chunk_size, expected_length=total,
+                              kv_bits=setup.kv_bits)
     if setup.prefill == "synthetic":
         _, kv_heads, head_dim = kv_shape(setup.model.config)
         generator = torch.Generator(device=setup.device).manual_seed(setup.seed)
@@ -216,7 +220,8 @@ def estimate_bytes(setup: Setup, name: str, policy: Policy | None, context: int,
         held = context + setup.warmup + setup.new_tokens
     else:
         held = min(policy.budget, context) + chunk
-    return batch * (held * setup.kv_per_token + heads * chunk * held * 4)
+    per_token = setup.kv_per_token if name in ("dense", "recompute") else setup.stored_kv_per_token
+    return batch * (held * per_token + heads * chunk * held * 4)
 
 
 @torch.inference_mode()
@@ -327,7 +332,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     return {
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
-        **_decode_stats(setup, timer.seconds(), batch, kv_tokens),
+        **_decode_stats(setup, timer.seconds(), batch, kv_tokens, name != "dense"),
         "mlp_ms_per_token": mlp_timer.close(),
         "peak_kv_bytes": _peak_kv_bytes(cache, setup, batch),
     }
@@ -352,7 +357,8 @@ def _measure_recompute(setup: Setup, ids: torch.Tensor, window: int) -> dict:
             "peak_kv_bytes": window * setup.kv_per_token * batch}
 
 
-def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: float) -> dict:
+def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: float, stored: bool = False) -> dict:
+    """Step times and the roofline; ``stored``: the KV bytes read are the evicting cache's (quantized or not)."""
     median = statistics.median(seconds)
     stats = {
         "step_seconds": seconds,
@@ -361,7 +367,8 @@ def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: flo
         "tokens_per_s": batch / median,
         "timed_tokens": len(seconds),
         "kv_tokens": kv_tokens,
-        "bytes_per_step": decode_bytes(setup.step_weight_bytes, kv_tokens, setup.kv_per_token, batch),
+        "bytes_per_step": decode_bytes(setup.step_weight_bytes, kv_tokens,
+                                       setup.stored_kv_per_token if stored else setup.kv_per_token, batch),
     }
     if setup.bandwidth and setup.contextual is None:
         bound = roofline_tokens_per_s(setup.bandwidth, stats["bytes_per_step"], batch)
@@ -405,7 +412,9 @@ def _merge(setup: Setup, repeats: list[dict]) -> dict:
     if len(repeats) == 1 or "skipped" in first:
         return first
     seconds = [s for r in repeats for s in r["step_seconds"]]
-    merged = {**first, **_decode_stats(setup, seconds, first["batch"], first["kv_tokens"]), "repeats": len(repeats)}
+    stored = first["policy"] not in ("dense", "recompute")
+    merged = {**first, **_decode_stats(setup, seconds, first["batch"], first["kv_tokens"], stored),
+              "repeats": len(repeats)}
     mlp = [r["mlp_ms_per_token"] for r in repeats if r.get("mlp_ms_per_token") is not None]
     merged["mlp_ms_per_token"] = statistics.median(mlp) if mlp else None
     if "roofline_fraction" in first and first["roofline_fraction"] is None:

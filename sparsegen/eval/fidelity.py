@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.contextual.runtime import suspended
 from sparsegen.generation import generate_tokens
-from sparsegen.kv import EvictionCache, Policy
+from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.policies import Full
 
 
@@ -32,9 +32,10 @@ def cut_prompts(tokens: np.ndarray, count: int, length: int, bos_id: int | None)
 
 
 @torch.inference_mode()
-def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, policy: Policy, positions, chunk_size):
+def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, policy: Policy, positions, chunk_size,
+                   kv_bits=None):
     """Next-token logits under ``policy`` for every continuation token, teacher-forced: [B, n, vocab]."""
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size)
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size, kv_bits=kv_bits)
     length = prompts.shape[1]
     for start in range(0, length, chunk_size):
         end = min(start + chunk_size, length)
@@ -60,6 +61,7 @@ def fidelity(
     chunk_size: int = 512,
     batch_size: int = 8,
     progress: bool = True,
+    kv_bits: int | KVQuantization | None = None,
 ) -> dict:
     """ROUGE-L of greedy continuations, tokens until they first differ, and mean KL(full || policy) per token.
     The reference (full cache) runs dense even when a contextual plan is attached."""
@@ -73,13 +75,13 @@ def fidelity(
             full, *_ = generate_tokens(model, ids, mask, Full(), max_new_tokens=new_tokens, chunk_size=chunk_size)
             dense = model(input_ids=torch.cat([ids, full[:, :-1]], dim=1)).logits[:, ids.shape[1] - 1:].float()
         ours, *_ = generate_tokens(model, ids, mask, make(), positions, max_new_tokens=new_tokens,
-                                   chunk_size=chunk_size)
+                                   chunk_size=chunk_size, kv_bits=kv_bits)
         differs = full != ours
         divergence += torch.where(differs.any(1), differs.float().argmax(1), new_tokens).tolist()
         for a, b in zip(tokenizer.batch_decode(full, skip_special_tokens=True),
                         tokenizer.batch_decode(ours, skip_special_tokens=True)):
             rouge.append(scorer.score(a, b)["rougeL"].fmeasure if a.strip() or b.strip() else 1.0)
-        sparse = _policy_logits(model, ids, full, make(), positions, chunk_size)
+        sparse = _policy_logits(model, ids, full, make(), positions, chunk_size, kv_bits)
         log_p, log_q = dense.log_softmax(-1), sparse.log_softmax(-1)
         kl += (log_p.exp() * (log_p - log_q)).sum(-1).mean(-1).clamp(min=0).tolist()
     return {

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.data import leading_bos
 from sparsegen.generation import generate_tokens
-from sparsegen.kv import Policy
+from sparsegen.kv import KVQuantization, Policy
 
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
@@ -70,7 +70,8 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
 @torch.inference_mode()
 def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], depths: list[float],
                      make: Callable[[], Policy], trials: int = 5, seed: int = 0, chunk_size: int = 512,
-                     positions: str | None = None, progress: bool = True, chat: bool = False) -> dict:
+                     positions: str | None = None, progress: bool = True, chat: bool = False,
+                     kv_bits: int | KVQuantization | None = None) -> dict:
     """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks
     (``chat``: asked in the model's chat template, see ``build_prompt``)."""
     device = next(model.parameters()).device
@@ -83,7 +84,7 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
             prompts = [build_prompt(tokenizer, filler[o:], length, depth, int(k), chat)[0] for k, o in zip(keys, offsets)]
             ids = torch.tensor(prompts, device=device)
             new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), make(), positions,
-                                                     max_new_tokens=8, chunk_size=chunk_size)
+                                                     max_new_tokens=8, chunk_size=chunk_size, kv_bits=kv_bits)
             answers = tokenizer.batch_decode(new, skip_special_tokens=True)
             found = [re.search(r"\d{5}", a) for a in answers]
             correct = [bool(m) and int(m.group()) == int(k) for m, k in zip(found, keys)]

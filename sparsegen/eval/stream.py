@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.bench.memory import current_rss
 from sparsegen.data import text_files
-from sparsegen.kv import EvictionCache, Policy
+from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.models.spec import kv_bytes_per_token
 
 
@@ -102,7 +102,8 @@ class StreamResult:
 
 @torch.inference_mode()
 def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None = None, every: int = 256,
-               chunk: int = 256, label: str | None = None, progress: bool = True) -> StreamResult:
+               chunk: int = 256, label: str | None = None, progress: bool = True,
+               kv_bits: int | KVQuantization | None = None) -> StreamResult:
     """NLL of every next token of ``data`` ``[streams, length]`` fed through a policy's cache.
 
     Every policy is fed ``chunk`` tokens per call, which computes exactly what one token per call would: under
@@ -112,9 +113,10 @@ def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None 
     device = next(model.parameters()).device
     data = data.to(device)
     streams, length = data.shape
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk, stepwise=True)
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk, stepwise=True, kv_bits=kv_bits)
     nll = torch.empty(streams, length - 1, dtype=torch.float64)
-    result = StreamResult(label or policy.name, nll, every=every)
+    quantization = cache.quantization
+    result = StreamResult(label or policy.name + (f"+kv{quantization.bits}" if quantization else ""), nll, every=every)
     bar = tqdm(total=length - 1, desc=result.label, unit="tok", disable=not progress, mininterval=1.0)
     t0 = time.perf_counter()
     next_sample = 0

@@ -196,10 +196,12 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         # slots before it; keys and queries turn to it as complex pairs (one product per step, not a rotation)
         order = torch.argsort(layer.index[:, :, :start].masked_fill(~layer.valid[:, :, :start], torch.iinfo(
             torch.long).max), dim=-1, stable=True)
+        # the call's keys and values in that order too (before the buffers move: they may be views of them)
+        key, value = (torch.cat([x[:, :, :start].gather(2, order[..., None].expand(-1, -1, -1, x.shape[-1])),
+                                 x[:, :, start:]], 2) for x in (key, value))
         for _, buf in layer.buffers():
             take = order if buf.dim() == 3 else order[..., None].expand(-1, -1, -1, buf.shape[-1])
             buf[:, :, :start] = buf[:, :, :start].gather(2, take)
-        key = layer.keys[:, :, :total]
         rotary = layer.rotary
         turns = rotary.turns(key, layer.keys.shape[2])
         dim = 2 * turns.shape[-1]
@@ -213,8 +215,8 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     alive = layer.valid[:, :, :total].clone()
     alive[:, :, start:] = False
     attention = None if layer.attention is None else layer.attention[:, :, :total]
-    keys_held = layer.keys[:, :, :total] if layer.policy.needs_keys else None
-    values_held = layer.values[:, :, :total] if layer.policy.needs_values else None
+    keys_held = key if layer.policy.needs_keys else None  # as stored (unrotated under rolling positions)
+    values_held = value if layer.policy.needs_values else None
     probs = query.new_zeros(batch, kv_heads, group, q, total, dtype=torch.float32)
     for i in range(q):
         alive[:, :, start + i] = True

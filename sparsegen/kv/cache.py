@@ -22,11 +22,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from sparsegen.kv.attention import prepare
 from sparsegen.kv.policies.window import Window
 from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.quantized import TINY, KVQuantization, as_quantization, dequantize, quantize
 from sparsegen.kv.rotary import Rotary
 from sparsegen.models.anatomy import pinned_tokens
 
 DEFAULT_CHUNK = 512
-BUFFERS = ("keys", "values", "index", "valid", "attention")  # per-slot state, all [batch, kv_heads, slots, ...]
+# per-slot state, all [batch, kv_heads, slots, ...]; keys and values are byte codes when the cache is quantized
+BUFFERS = ("keys", "values", "key_scale", "key_zero", "value_scale", "value_zero", "index", "valid", "attention")
+KV_BUFFERS = BUFFERS[:6]  # what a slot's K and V cost
+# per-row state of a quantized cache: each key channel's scale [B, H, 1, D]; the full-precision residual of the newest
+# tokens, at slot (token ordinal % residual) of a ring (one slot more, where other tokens' writes go) [B, H, R + 1, D]
+# with the ordinal each ring slot holds [B, R + 1]
+ROW_STATE = ("key_channels", "ring_keys", "ring_values", "ring_index")
 
 
 @dataclass
@@ -57,13 +64,32 @@ class EvictionLayer(CacheLayerMixin):
         self.pending = 0  # tokens appended by update() and not yet attended
         self.peak_tokens = 0
         self.storage: dict[str, torch.Tensor] | None = None  # a stacked cache's buffers for all its row capacity
+        self.quantization: KVQuantization | None = cache.quantization
+        for name in BUFFERS + ROW_STATE:
+            setattr(self, name, None)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         capacity = self.capacity(key_states.shape[-2])
-        self.keys = key_states.new_zeros(batch, heads, capacity, head_dim)
-        self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        quant = self.quantization
+        if quant is None:
+            self.keys = key_states.new_zeros(batch, heads, capacity, head_dim)
+            self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        else:
+            quant.check(head_dim)
+            quant.check(value_states.shape[-1])
+            codes = {"dtype": torch.uint8, "device": self.device}
+            self.keys = torch.zeros(batch, heads, capacity, head_dim * quant.bits // 8, **codes)
+            self.values = torch.zeros(batch, heads, capacity, value_states.shape[-1] * quant.bits // 8, **codes)
+            for name in ("key_scale", "key_zero", "value_scale", "value_zero"):
+                setattr(self, name, torch.zeros(batch, heads, capacity, 1, dtype=torch.float16, device=self.device))
+            self.key_channels = key_states.float().abs().amax(2, keepdim=True).clamp_(min=TINY)
+            if quant.residual:
+                ring = quant.residual + 1
+                self.ring_keys = key_states.new_zeros(batch, heads, ring, head_dim)
+                self.ring_values = value_states.new_zeros(batch, heads, ring, value_states.shape[-1])
+                self.ring_index = torch.full((batch, ring), -1, dtype=torch.long, device=self.device)
         self.index = torch.zeros(batch, heads, capacity, dtype=torch.long, device=self.device)
         self.valid = torch.zeros(batch, heads, capacity, dtype=torch.bool, device=self.device)
         self.attention = (
@@ -83,13 +109,66 @@ class EvictionLayer(CacheLayerMixin):
     def buffers(self):
         return [(name, getattr(self, name)) for name in BUFFERS if getattr(self, name) is not None]
 
+    def row_state(self):
+        return [(name, getattr(self, name)) for name in ROW_STATE if getattr(self, name) is not None]
+
     @property
     def bytes_per_slot(self) -> int:
-        """K and V bytes of one token slot, over the batch and KV heads."""
+        """K and V bytes of one token slot (codes, scales and zero points when quantized), over the batch and KV
+        heads."""
         if not self.is_initialized:
             return 0
-        batch, heads, _, head_dim = self.keys.shape
-        return batch * heads * (head_dim + self.values.shape[-1]) * self.keys.element_size()
+        return sum(buf[:, :, 0].nbytes for name, buf in self.buffers() if name in KV_BUFFERS)
+
+    @property
+    def row_state_bytes(self) -> int:
+        """Bytes a quantized layer holds besides its slots: channel scales and the full-precision residual."""
+        return sum(buf.nbytes for _, buf in self.row_state())
+
+    def store(self, start: int, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write tokens into slots ``start:end`` (quantized, when the cache is)."""
+        quant = self.quantization
+        if quant is None:
+            self.keys[:, :, start:end] = keys
+            self.values[:, :, start:end] = values
+            return
+        for prefix, x in (("key", keys.float() / self.key_channels), ("value", values)):
+            codes, scale, zero = quantize(x, quant.bits)
+            getattr(self, prefix + "s")[:, :, start:end] = codes
+            getattr(self, prefix + "_scale")[:, :, start:end] = scale
+            getattr(self, prefix + "_zero")[:, :, start:end] = zero
+
+    def held(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``:end`` as attention reads them: the stored tensors, or, when quantized, the
+        dequantized codes with the newest tokens taken from the full-precision residual."""
+        if self.quantization is None:
+            return self.keys[:, :, :end], self.values[:, :, :end]
+        bits = self.quantization.bits
+        keys = dequantize(self.keys[:, :, :end], self.key_scale[:, :, :end], self.key_zero[:, :, :end], bits)
+        keys = (keys * self.key_channels).to(self.dtype)
+        values = dequantize(self.values[:, :, :end], self.value_scale[:, :, :end], self.value_zero[:, :, :end],
+                            bits).to(self.dtype)
+        residual = self.quantization.residual
+        if residual and end:
+            index = self.index[:, :, :end]
+            ring_slot = index % residual
+            fresh = (self.ring_index.gather(1, ring_slot.flatten(1)).view_as(index) == index)[..., None]
+            take = ring_slot[..., None]
+            keys = torch.where(fresh, self.ring_keys.gather(2, take.expand(-1, -1, -1, keys.shape[-1])), keys)
+            values = torch.where(fresh, self.ring_values.gather(2, take.expand(-1, -1, -1, values.shape[-1])), values)
+        return keys, values
+
+    def remember(self, step: Step, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put the call's real tokens that are among their row's ``residual`` newest into the ring."""
+        residual = self.quantization.residual
+        if not residual:
+            return
+        newest = step.new_valid & (step.new_index >= step.seen[:, None] - residual)
+        ring_slot = torch.where(newest, step.new_index % residual, residual)  # the rest all go to the spare slot
+        take = ring_slot[:, None, :, None]
+        self.ring_keys.scatter_(2, take.expand(-1, keys.shape[1], -1, keys.shape[-1]), keys)
+        self.ring_values.scatter_(2, take.expand(-1, values.shape[1], -1, values.shape[-1]), values)
+        self.ring_index.scatter_(1, ring_slot, step.new_index)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         step = self.cache.step
@@ -100,23 +179,26 @@ class EvictionLayer(CacheLayerMixin):
                 "the previous step's tokens were never attended through sparsegen's attention: the model's "
                 "attn_implementation was changed after the cache was built; build a new EvictionCache"
             )
+        if self.cache.rolling:
+            key_states = self.rotary.unrotate(key_states, step.positions, step.memo)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         start, end = self.used, self.used + q
         if end > self.keys.shape[2]:
             self._grow(end)
-        if self.cache.rolling:
-            key_states = self.rotary.unrotate(key_states, step.positions, step.memo)
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
+        self.store(start, end, key_states, value_states)
         self.index[:, :, start:end] = step.new_index[:, None, :]
         self.valid[:, :, start:end] = step.new_valid[:, None, :]
         if self.attention is not None:
             self.attention[:, :, start:end] = 0
         self.used, self.pending = end, q
         self.peak_tokens = max(self.peak_tokens, end)
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        if self.quantization is None:
+            return self.keys[:, :, :end], self.values[:, :, :end]
+        self.remember(step, key_states, value_states)
+        keys, values = self.held(start)  # the call's own tokens are attended in full precision
+        return torch.cat([keys, key_states], 2), torch.cat([values, value_states], 2)
 
     def query_view(self) -> tuple[int, int] | None:
         """The policy's ``(sinks, recent)`` with the pinned prefix counted among the sinks."""
@@ -138,11 +220,12 @@ class EvictionLayer(CacheLayerMixin):
 
     def view(self, seen: torch.Tensor) -> TokenView:
         t = self.used
+        keys, values = self.held(t) if self.policy.needs_keys or self.policy.needs_values else (None, None)
         return TokenView(
             index=self.index[:, :, :t], valid=self.valid[:, :, :t], seen=seen,
             attention=None if self.attention is None else self.attention[:, :, :t],
-            keys=self.keys[:, :, :t] if self.policy.needs_keys else None,
-            values=self.values[:, :, :t] if self.policy.needs_values else None,
+            keys=keys if self.policy.needs_keys else None,
+            values=values if self.policy.needs_values else None,
         )
 
     def evict(self, seen: torch.Tensor) -> None:
@@ -226,10 +309,11 @@ class EvictionLayer(CacheLayerMixin):
         self.used = self.pending = self.peak_tokens = 0
         self.storage = None
         self.is_initialized = False
-        self.keys = self.values = self.index = self.valid = self.attention = None
+        for name in BUFFERS + ROW_STATE:
+            setattr(self, name, None)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for name, buf in self.buffers():
+        for name, buf in self.buffers() + self.row_state():
             setattr(self, name, buf.index_select(0, beam_idx.to(buf.device)))
 
     def crop(self, max_length: int) -> None:
@@ -243,7 +327,7 @@ class EvictionCache(Cache):
 
     def __init__(self, model: torch.nn.Module, policy: Policy, positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None, stepwise: bool = False,
-                 rollback: int = 0):
+                 rollback: int = 0, kv_bits: int | KVQuantization | None = None):
         """``expected_length``: tokens per row the caller will feed in all, if known; an unbounded (``full``)
         cache then allocates once instead of growing (and briefly holding two copies).
 
@@ -254,8 +338,12 @@ class EvictionCache(Cache):
 
         ``rollback``: tokens a caller may ``forget_last`` after a call (speculative decoding). Sliding-window layers
         then hold that many tokens beyond their window (attention still sees only the window), so that forgetting
-        never leaves them short of it."""
+        never leaves them short of it.
+
+        ``kv_bits`` (8, 4 or 2, or a ``KVQuantization`` to set the residual too): hold keys and values as low-bit
+        codes (``sparsegen.kv.quantized``); None holds them as the model computes them."""
         prepare(model)
+        self.quantization = as_quantization(kv_bits)
         positions = positions or policy.default_positions
         if positions not in ("original", "rolling"):
             raise ValueError(f"positions must be 'original' or 'rolling', got {positions!r}")
@@ -374,14 +462,13 @@ class EvictionCache(Cache):
                 keep = priority.topk(held, dim=-1).indices
             else:
                 keep = index
-            sample = torch.empty(batch, kv_heads, held, head_dim, dtype=dtype, device=device)
-            layer.lazy_initialization(sample, sample)
             if kv is not None:
-                for buffer, source in zip((layer.keys, layer.values), kv):
-                    buffer[:, :, :held] = source.gather(2, keep[..., None].expand(-1, -1, -1, head_dim))
+                keys, values = (x.gather(2, keep[..., None].expand(-1, -1, -1, head_dim)) for x in kv)
             else:
-                layer.keys[:, :, :held].normal_(generator=generator)
-                layer.values[:, :, :held].normal_(generator=generator)
+                keys, values = (torch.randn(batch, kv_heads, held, head_dim, dtype=dtype, device=device,
+                                            generator=generator) for _ in range(2))
+            layer.lazy_initialization(keys, values)
+            layer.store(0, held, keys, values)
             layer.index[:, :, :held] = keep
             layer.valid[:, :, :held] = True
             if layer.attention is not None:
@@ -398,7 +485,7 @@ class EvictionCache(Cache):
         ``capacity`` rows is kept so that neither moves more than one row."""
         if not caches:
             raise ValueError("stacked() needs at least one cache")
-        batched = cls(model, caches[0].policy, caches[0].positions, chunk_size=1)
+        batched = cls(model, caches[0].policy, caches[0].positions, chunk_size=1, kv_bits=caches[0].quantization)
         batched.row_capacity = max(capacity, len(caches))
         batched.padded = True  # rows hold different numbers of tokens: every attention needs its mask
         for cache in caches:
@@ -408,8 +495,9 @@ class EvictionCache(Cache):
     def add_row(self, source: EvictionCache) -> None:
         """Append a copy of ``source`` (one fed sequence) as the last row."""
         same_policy = source.policy is self.policy or source.policy.describe() == self.policy.describe()
-        if source.seen is None or source.seen.shape[0] != 1 or not same_policy:
-            raise ValueError("add_row() takes a fed cache of one sequence built with the same policy")
+        if source.seen is None or source.seen.shape[0] != 1 or not same_policy \
+                or source.quantization != self.quantization:
+            raise ValueError("add_row() takes a fed cache of one sequence built with the same policy and kv_bits")
         rows = 0 if self.seen is None else self.seen.shape[0]
         for layer, row in zip(self.layers, source.layers):
             slots = max(row.used, layer.capacity(1) if layer.policy.budget is not None else row.used + 64)
@@ -420,8 +508,10 @@ class EvictionCache(Cache):
             storage = layer.storage
             for name, buf in row.buffers():
                 storage[name][rows, :, :row.used] = buf[0, :, :row.used]
+            for name, buf in row.row_state():
+                storage[name][rows] = buf[0]
             storage["valid"][rows, :, row.used:] = False
-            for name in BUFFERS:
+            for name in BUFFERS + ROW_STATE:
                 setattr(layer, name, storage[name][:rows + 1] if name in storage else None)
             layer.used = max(layer.used, row.used)
             layer.peak_tokens = max(layer.peak_tokens, layer.used)
@@ -439,6 +529,11 @@ class EvictionCache(Cache):
             if layer.is_initialized:
                 old = getattr(layer, name)
                 new[:rows, :, :old.shape[2]] = old
+            storage[name] = new
+        for name, buf in row.row_state():
+            new = buf.new_zeros(capacity, *buf.shape[1:])
+            if layer.is_initialized:
+                new[:rows] = getattr(layer, name)
             storage[name] = new
         layer.dtype, layer.device, layer.is_initialized = row.dtype, row.device, True
         return storage
@@ -458,7 +553,9 @@ class EvictionCache(Cache):
                 dst[0, :, :held] = src[index, :, :layer.used].gather(1, take)
             row.valid[0, :, held:] = False
             row.used, row.peak_tokens = held, max(row.peak_tokens, held)
-            for name, buf in layer.buffers():
+            for (_, src), (_, dst) in zip(layer.row_state(), row.row_state()):
+                dst[0] = src[index]
+            for name, buf in layer.buffers() + layer.row_state():
                 if index != last:
                     buf[index] = buf[last]
                 setattr(layer, name, buf[:last])
@@ -496,25 +593,28 @@ class EvictionCache(Cache):
         return [layer.used for layer in self.layers]
 
     def held_bytes(self) -> int:
-        """K and V bytes in the slots in use now, over all layers."""
-        return sum(layer.used * layer.bytes_per_slot for layer in self.layers)
+        """K and V bytes in the slots in use now (and a quantized cache's residual and channel scales), over all
+        layers."""
+        return sum(layer.used * layer.bytes_per_slot + layer.row_state_bytes for layer in self.layers)
 
     def allocated_bytes(self) -> int:
         """K and V bytes allocated now (a stacked cache's whole row capacity included), over all layers."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                buffers = layer.storage if layer.storage is not None else {"keys": layer.keys, "values": layer.values}
-                total += buffers["keys"].nbytes + buffers["values"].nbytes
+                buffers = layer.storage if layer.storage is not None else dict(layer.buffers() + layer.row_state())
+                total += sum(buf.nbytes for name, buf in buffers.items() if name in KV_BUFFERS + ROW_STATE)
         return total
 
     def stats(self) -> dict:
         return {
             **self.policy.describe(),
+            **(self.quantization.describe() if self.quantization else {}),
             "positions": self.positions,
             "kv_tokens": max(self.held_tokens(), default=0),
             "kv_tokens_peak": max((layer.peak_tokens for layer in self.layers), default=0),
-            "kv_bytes_peak": sum(layer.peak_tokens * layer.bytes_per_slot for layer in self.layers),
+            "kv_bytes_peak": sum(layer.peak_tokens * layer.bytes_per_slot + layer.row_state_bytes
+                                 for layer in self.layers),
             "kv_bytes_allocated": self.allocated_bytes(),
             "tokens_seen": self.length,
         }

@@ -56,11 +56,21 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
-def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
-    """K and V bytes one token costs over all layers, at ``element_size`` bytes per number."""
+def kv_bytes_per_token(config: PretrainedConfig, element_size: int, quantization=None) -> int:
+    """K and V bytes one token costs over all layers, at ``element_size`` bytes per number (or as a
+    ``KVQuantization`` stores them)."""
     layers, kv_heads, head_dim = kv_shape(config)
     groups = (getattr(config, "sparsegen_structure", None) or {}).get("kv_groups")  # heads pruned per layer
-    return 2 * (sum(groups) if groups else layers * kv_heads) * head_dim * element_size
+    heads = sum(groups) if groups else layers * kv_heads
+    return heads * (quantization.token_bytes(head_dim) if quantization else 2 * head_dim * element_size)
+
+
+def kv_bytes_per_sequence(config: PretrainedConfig, element_size: int, quantization=None) -> int:
+    """K and V bytes one sequence costs besides its tokens: a quantized cache's channel scales and residual."""
+    if quantization is None:
+        return 0
+    layers, kv_heads, head_dim = kv_shape(config)
+    return layers * quantization.row_bytes(kv_heads, head_dim, element_size)
 
 
 def spec_from_config(config: PretrainedConfig, name: str, dtype: str | None = None) -> ModelSpec:

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsegen.decoding import check_sampling, next_token
-from sparsegen.kv import EvictionCache, Policy
+from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
+from sparsegen.kv.quantized import as_quantization
 from sparsegen.serve.template import ChatTemplate
 from sparsegen.speculative import Speculation, accept, draft_length, draft_token
 
@@ -118,7 +119,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy], positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
-                 speculation: Callable[[], Speculation] | None = None):
+                 speculation: Callable[[], Speculation] | None = None,
+                 kv_bits: int | KVQuantization | None = None):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
@@ -145,6 +147,9 @@ class Engine:
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
         self.make_policy()  # a bad policy or budget fails here, before any request
         self.speculation, self.drafter = speculation, model
+        self.quantization = as_quantization(kv_bits)
+        if speculation is not None and kv_bits is not None:
+            raise ValueError("speculative decoding verifies with the model's own full cache: drop --kv-bits")
         if speculation is not None:
             self.drafter = speculation().model or model
             if make_policy().budget is not None:
@@ -158,7 +163,8 @@ class Engine:
     # --- sessions ---
     def _new_cache(self) -> EvictionCache:
         return EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
-                             rollback=self.draft_tokens if self.speculation is not None else 0)
+                             rollback=self.draft_tokens if self.speculation is not None else 0,
+                             kv_bits=self.quantization)
 
     def _new_draft(self) -> EvictionCache | None:
         if self.speculation is None:

@@ -346,13 +346,15 @@ def _text_of(request: _Request) -> dict:
 def kv_bound(engine: Engine, limits: Limits) -> int:
     """Worst-case K/V bytes: every stored session and every in-flight reply at its full allocation, plus the
     stacked copy of a full decode batch."""
-    from sparsegen.models.spec import kv_bytes_per_token
+    from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
 
     element = next(engine.model.parameters()).element_size()
-    per_token = kv_bytes_per_token(engine.model.config, element)
+    per_token = kv_bytes_per_token(engine.model.config, element, engine.quantization)
+    per_row = kv_bytes_per_sequence(engine.model.config, element, engine.quantization)
     budget = engine.make_policy().budget
-    per_session = (budget + engine.chunk_size) * per_token
-    return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * (budget + 1) * per_token
+    per_session = (budget + engine.chunk_size) * per_token + per_row
+    return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * ((budget + 1) * per_token
+                                                                                         + per_row)
 
 
 class Guard:

@@ -30,10 +30,11 @@ def test_a_completion_equals_sparsegen_generate(reference, policy, budget):
     assert job.content == expected.text and len(job.tokens) == expected.new_tokens[0]
 
 
-@pytest.mark.parametrize("policy", ["full", "window", "streaming", "h2o", "streaming-h2o"])
-def test_batched_decode_of_separate_sessions_equals_each_alone(policy):
+@pytest.mark.parametrize("policy,kv_bits", [("full", None), ("window", None), ("streaming", None), ("h2o", None),
+                                            ("streaming-h2o", None), ("h2o", 4), ("streaming", 8)])
+def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits):
     """Sessions at different lengths, stacked into one batch (joining and leaving at different steps), give the
-    tokens each gives alone, and their caches come back as they would be."""
+    tokens each gives alone, and their caches come back as they would be (quantized ones too)."""
     model = tiny_model("llama")
 
     class Tokens:  # a stand-in tokenizer over space-separated ids
@@ -45,7 +46,8 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy):
         def decode(self, ids, skip_special_tokens=True):
             return "".join(f" {i}" for i in ids)
 
-    engine = Engine(model, Tokens(), lambda: make_policy(policy, None if policy == "full" else 12), chunk_size=5)
+    engine = Engine(model, Tokens(), lambda: make_policy(policy, None if policy == "full" else 12), chunk_size=5,
+                    kv_bits=kv_bits)
     generator = torch.Generator().manual_seed(0)
     prompts = [" ".join(map(str, torch.randint(3, VOCAB, (n,), generator=generator).tolist())) for n in (7, 19, 3, 11)]
     limits = [10, 7, 4, 6]
@@ -66,6 +68,11 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy):
         assert mine.length == theirs.length and torch.equal(mine.seen, theirs.seen)
         for layer, other in zip(mine.layers, theirs.layers):
             assert layer.used == other.used
+            if kv_bits:  # the residual holds the same tokens (their keys as computed in a batch: to rounding)
+                real = layer.ring_index[:, :-1]  # (the last ring slot takes other tokens' writes)
+                assert torch.equal(real, other.ring_index[:, :-1])
+                torch.testing.assert_close(layer.ring_keys[:, :, :-1], other.ring_keys[:, :, :-1])
+                torch.testing.assert_close(layer.key_channels, other.key_channels)
             for head in range(layer.index.shape[1]):
                 held = lambda lay: sorted(lay.index[0, head, :lay.used][lay.valid[0, head, :lay.used]].tolist())  # noqa: E731
                 assert held(layer) == held(other)

@@ -505,3 +505,20 @@ def test_bench_serve_hostile_client_does_not_fail_the_others(server, capsys):
     assert "6 requests, 0 errors" in out
     hostile = next(line for line in out.splitlines() if line.startswith("hostile client meanwhile:"))
     assert "tiny temperature: 200" in hostile and "upload: 413" in hostile and ": 5" not in hostile
+
+
+def test_the_memory_bound_counts_quantized_caches_as_they_are_stored(reference):
+    """With --kv-bits the printed bound shrinks with the storage and still holds a session filled to its peak."""
+    from sparsegen.serve.server import kv_bound
+    from sparsegen.serve import Sampling
+
+    model, tokenizer = reference
+    limits = Limits(max_sessions=1, max_batch=1)
+    bounds = {}
+    for bits in (None, 4):
+        engine = Engine(model, tokenizer, lambda: make_policy("h2o", BUDGET), chunk_size=16, kv_bits=bits)
+        bounds[bits] = kv_bound(engine, limits)
+    job = engine.begin(engine.session("kept"), Sampling(max_tokens=8), prompt="the house was quiet " * 40)
+    while not job.done:
+        engine.step([job])
+    assert 0 < engine.kv_bytes() <= bounds[4] < bounds[None]
