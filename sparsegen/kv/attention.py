@@ -12,6 +12,7 @@ the call's keyword arguments, which transformers passes on to every layer's atte
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,8 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     chunk sees exactly the tokens it would see if the chunk were fed one token at a time, positions
     included; other policies (H2O) let the chunk's queries see the held tokens and the chunk, causally.
     """
+    if layer.fan > 1:
+        return shared_attention(cache, layer, query, key, value, scaling, sliding_window)
     if cache.stepwise and query.shape[2] > 1 and layer.policy.budget is not None and layer.policy.query_view() is None:
         return stepwise_attention(cache, layer, query, key, value, scaling, sliding_window)
     step = cache.step
@@ -244,6 +247,64 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     layer.pending = 0
     layer._compact(alive, alive.sum(-1))
     return out.transpose(1, 2).contiguous()
+
+
+def shared_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
+    """Attention over a layer whose KV heads share one row of slots (``Policy.shares_slots``): ``key``/``value`` are
+    ``[B, 1, T, D]`` with each slot's head in ``layer.head``; every query head scores the row and sees only its KV
+    head's slots, and the chunk's own tokens causally (the call's slot ``start + h * q + i`` is head h's token i).
+    Under ``cache.stepwise`` a chunk replays per-token steps, evicting after each token as one-token calls would."""
+    step = cache.step
+    batch, q_heads, q, _ = query.shape
+    heads, total = layer.fan, key.shape[2]
+    group, start = q_heads // heads, total - heads * q
+    slot = torch.arange(total, device=query.device)
+    key_index, key_head = layer.index[:, 0, :total], layer.head[:, 0, :total]  # [B, T]
+    own = start + torch.arange(heads, device=query.device)[:, None] * q + torch.arange(q, device=query.device)
+    # [B, heads, q, T]: the query's KV head's real tokens up to it; a pad query sees its own slot only
+    mask = (key_head[:, None, None] == torch.arange(heads, device=query.device)[:, None, None]) \
+        & (key_index[:, None, None] <= step.new_index[:, None, :, None])
+    if sliding_window is not None:
+        mask &= step.new_index[:, None, :, None] - key_index[:, None, None] < sliding_window
+    is_own = slot == own[..., None]  # [heads, q, T]
+    logits = _scores(query, key, scaling).view(batch, heads, group, q, total)
+    stepwise = cache.stepwise and q > 1
+    if stepwise:
+        if cache.padded:
+            raise ValueError("stepwise eviction over a multi-token call needs unpadded rows; feed padded batches one "
+                             "token per call")
+        alive = layer.valid[:, 0, :total].clone()
+        alive[:, start:] = False
+        probs = logits.new_zeros(logits.shape)
+        for i in range(q):
+            alive[:, own[:, i]] = True
+            visible = mask[:, :, i] & alive[:, None]  # [B, heads, T]
+            p = torch.softmax(logits[:, :, :, i].masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
+            probs[:, :, :, i] = p
+            if layer.attention is not None:
+                observe(layer.policy, layer.attention[:, :, :total], p.reshape(batch, 1, q_heads, 1, total),
+                        visible.sum(-1).repeat_interleave(group, 1)[:, None, :, None, None])
+            view = replace(layer.view(step.seen - (q - 1 - i)), valid=alive[:, None])
+            alive = layer.keep_highest(view, alive.sum(-1, keepdim=True).clamp(max=layer.slot_budget))[:, 0]
+        out = _attend(probs, value)
+        layer.pending = 0
+        layer._compact(alive[:, None], alive.sum(-1, keepdim=True))
+    else:
+        mask = mask & layer.valid[:, :, None, :total] | is_own & ~step.new_valid[:, None, :, None]
+        probs = torch.softmax(logits.masked_fill(~mask[:, :, None], -torch.inf), dim=-1)
+        if layer.attention is not None:
+            observe(layer.policy, layer.attention[:, :, :total], probs.view(batch, 1, q_heads, q, total),
+                    mask.sum(-1).repeat_interleave(group, 1)[:, None, :, :, None],
+                    step.new_valid[:, None, None, :, None])
+        out = _attend(probs, value)  # before eviction moves the slots ``value`` views
+        layer.evict(step.seen)
+    return out.transpose(1, 2).contiguous()
+
+
+def _attend(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``[B, heads, group, q, T]`` attention over one shared row of values ``[B, 1, T, D]``: ``[B, q_heads, q, D]``."""
+    batch, heads, group, q, total = probs.shape
+    return (probs.to(value.dtype).view(batch, 1, heads * group * q, total) @ value).view(batch, heads * group, q, -1)
 
 
 def _model_eager(module):

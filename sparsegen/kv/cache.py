@@ -28,7 +28,8 @@ from sparsegen.models.anatomy import pinned_tokens
 
 DEFAULT_CHUNK = 512
 # per-slot state, all [batch, kv_heads, slots, ...]; keys and values are byte codes when the cache is quantized
-BUFFERS = ("keys", "values", "key_scale", "key_zero", "value_scale", "value_zero", "index", "valid", "attention")
+BUFFERS = ("keys", "values", "key_scale", "key_zero", "value_scale", "value_zero", "index", "valid", "attention",
+           "head")  # head: each slot's KV head, where the layer's heads share one pool of slots (``shares_slots``)
 KV_BUFFERS = BUFFERS[:6]  # what a slot's K and V cost
 # per-row state of a quantized cache: each key channel's scale [B, H, 1, D]; the full-precision residual of the newest
 # tokens, at slot (token ordinal % residual) of a ring (one slot more, where other tokens' writes go) [B, H, R + 1, D]
@@ -65,42 +66,50 @@ class EvictionLayer(CacheLayerMixin):
         self.peak_tokens = 0
         self.storage: dict[str, torch.Tensor] | None = None  # a stacked cache's buffers for all its row capacity
         self.quantization: KVQuantization | None = cache.quantization
+        self.fan = 1  # KV heads sharing each row of slots (all of them under a ``shares_slots`` policy)
         for name in BUFFERS + ROW_STATE:
             setattr(self, name, None)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Storage for ``[batch, kv_heads, tokens, head_dim]`` states: one row of slots per KV head, or one row
+        that all heads share."""
         batch, heads, _, head_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.fan = heads if self.policy.shares_slots else 1
+        rows = heads // self.fan
         capacity = self.capacity(key_states.shape[-2])
         quant = self.quantization
         if quant is None:
-            self.keys = key_states.new_zeros(batch, heads, capacity, head_dim)
-            self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+            self.keys = key_states.new_zeros(batch, rows, capacity, head_dim)
+            self.values = value_states.new_zeros(batch, rows, capacity, value_states.shape[-1])
         else:
             quant.check(head_dim)
             quant.check(value_states.shape[-1])
             codes = {"dtype": torch.uint8, "device": self.device}
-            self.keys = torch.zeros(batch, heads, capacity, head_dim * quant.bits // 8, **codes)
-            self.values = torch.zeros(batch, heads, capacity, value_states.shape[-1] * quant.bits // 8, **codes)
+            self.keys = torch.zeros(batch, rows, capacity, head_dim * quant.bits // 8, **codes)
+            self.values = torch.zeros(batch, rows, capacity, value_states.shape[-1] * quant.bits // 8, **codes)
             for name in ("key_scale", "key_zero", "value_scale", "value_zero"):
-                setattr(self, name, torch.zeros(batch, heads, capacity, 1, dtype=torch.float16, device=self.device))
-            self.key_channels = key_states.float().abs().amax(2, keepdim=True).clamp_(min=TINY)
+                setattr(self, name, torch.zeros(batch, rows, capacity, 1, dtype=torch.float16, device=self.device))
+            self.key_channels = key_states.float().abs().amax((2, 1) if self.fan > 1 else 2, keepdim=True)
+            self.key_channels.clamp_(min=TINY)
             if quant.residual:
                 ring = quant.residual + 1
                 self.ring_keys = key_states.new_zeros(batch, heads, ring, head_dim)
                 self.ring_values = value_states.new_zeros(batch, heads, ring, value_states.shape[-1])
                 self.ring_index = torch.full((batch, ring), -1, dtype=torch.long, device=self.device)
-        self.index = torch.zeros(batch, heads, capacity, dtype=torch.long, device=self.device)
-        self.valid = torch.zeros(batch, heads, capacity, dtype=torch.bool, device=self.device)
+        self.index = torch.zeros(batch, rows, capacity, dtype=torch.long, device=self.device)
+        self.valid = torch.zeros(batch, rows, capacity, dtype=torch.bool, device=self.device)
         self.attention = (
-            torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
+            torch.zeros(batch, rows, capacity, dtype=torch.float32, device=self.device)
             if self.policy.needs_attention else None
         )
+        if self.fan > 1:
+            self.head = torch.zeros(batch, 1, capacity, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
         """More slots: doubling, up to what the policy can ever hold (``most_slots``)."""
-        capacity = max(needed, min(2 * self.keys.shape[2], self.most_slots(needed)))
+        capacity = max(needed, min(2 * self.keys.shape[2], self.most_slots(-(-needed // self.fan))))
         for name, old in self.buffers():
             new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
             new[:, :, : old.shape[2]] = old
@@ -153,9 +162,13 @@ class EvictionLayer(CacheLayerMixin):
             index = self.index[:, :, :end]
             ring_slot = index % residual
             fresh = (self.ring_index.gather(1, ring_slot.flatten(1)).view_as(index) == index)[..., None]
+            ring_keys, ring_values = self.ring_keys, self.ring_values
+            if self.fan > 1:  # one ring per head, read as one row: head h's ring starts at h * (residual + 1)
+                ring_slot = ring_slot + self.head[:, :, :end] * (residual + 1)
+                ring_keys, ring_values = (x.flatten(1, 2)[:, None] for x in (ring_keys, ring_values))
             take = ring_slot[..., None]
-            keys = torch.where(fresh, self.ring_keys.gather(2, take.expand(-1, -1, -1, keys.shape[-1])), keys)
-            values = torch.where(fresh, self.ring_values.gather(2, take.expand(-1, -1, -1, values.shape[-1])), values)
+            keys = torch.where(fresh, ring_keys.gather(2, take.expand(-1, -1, -1, keys.shape[-1])), keys)
+            values = torch.where(fresh, ring_values.gather(2, take.expand(-1, -1, -1, values.shape[-1])), values)
         return keys, values
 
     def remember(self, step: Step, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -183,20 +196,29 @@ class EvictionLayer(CacheLayerMixin):
             key_states = self.rotary.unrotate(key_states, step.positions, step.memo)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.quantization is not None:
+            self.remember(step, key_states, value_states)
+        new_index, new_valid = step.new_index, step.new_valid
+        if self.fan > 1:  # the heads' tokens one after another in the shared row: slot start + h * q + i
+            batch, heads, tokens, _ = key_states.shape
+            key_states, value_states = (x.reshape(batch, 1, heads * tokens, x.shape[-1])
+                                        for x in (key_states, value_states))
+            new_index, new_valid = new_index.repeat(1, heads), new_valid.repeat(1, heads)
         q = key_states.shape[-2]
         start, end = self.used, self.used + q
         if end > self.keys.shape[2]:
             self._grow(end)
         self.store(start, end, key_states, value_states)
-        self.index[:, :, start:end] = step.new_index[:, None, :]
-        self.valid[:, :, start:end] = step.new_valid[:, None, :]
+        self.index[:, :, start:end] = new_index[:, None, :]
+        self.valid[:, :, start:end] = new_valid[:, None, :]
+        if self.head is not None:
+            self.head[:, :, start:end] = torch.arange(heads, device=self.device).repeat_interleave(tokens)
         if self.attention is not None:
             self.attention[:, :, start:end] = 0
         self.used, self.pending = end, q
         self.peak_tokens = max(self.peak_tokens, end)
         if self.quantization is None:
             return self.keys[:, :, :end], self.values[:, :, :end]
-        self.remember(step, key_states, value_states)
         keys, values = self.held(start)  # the call's own tokens are attended in full precision
         return torch.cat([keys, key_states], 2), torch.cat([values, value_states], 2)
 
@@ -208,15 +230,22 @@ class EvictionLayer(CacheLayerMixin):
         return self.pinned, self.policy.budget - self.pinned
 
     def most_slots(self, chunk: int) -> int:
-        """Slots a bounded policy can need with calls of ``chunk`` tokens: its budget plus one call."""
+        """Slots a bounded policy can need with calls of ``chunk`` tokens: its budget plus one call (for each head
+        sharing a row)."""
         budget = self.policy.budget
-        return sys.maxsize if budget is None else budget + max(self.cache.chunk_size, chunk)
+        return sys.maxsize if budget is None else (budget + max(self.cache.chunk_size, chunk)) * self.fan
 
     def capacity(self, first_chunk: int) -> int:
         """Slots allocated at first: what the sequence is expected to need (a budget far above it, say 10**9, is
         not allocated up front), at most what the policy can ever hold; ``_grow`` adds more when needed."""
         expected = max(first_chunk, self.cache.expected_length, self.cache.chunk_size, 64)
-        return min(self.most_slots(first_chunk), expected if self.policy.budget is None else max(expected, 4096))
+        expected = expected if self.policy.budget is None else max(expected, 4096)
+        return min(self.most_slots(first_chunk), expected * self.fan)
+
+    @property
+    def slot_budget(self) -> int | None:
+        """Slots a row keeps: the budget, times the heads sharing the row."""
+        return None if self.policy.budget is None else self.policy.budget * self.fan
 
     def view(self, seen: torch.Tensor) -> TokenView:
         t = self.used
@@ -226,6 +255,7 @@ class EvictionLayer(CacheLayerMixin):
             attention=None if self.attention is None else self.attention[:, :, :t],
             keys=keys if self.policy.needs_keys else None,
             values=values if self.policy.needs_values else None,
+            head=None if self.head is None else self.head[:, :, :t], heads=self.fan,
         )
 
     def evict(self, seen: torch.Tensor) -> None:
@@ -235,27 +265,33 @@ class EvictionLayer(CacheLayerMixin):
         reductions; a longer step sorts by (priority, index).
         """
         self.pending = 0
-        budget = self.policy.budget
+        budget = self.slot_budget
         if budget is None:
             return
-        t = self.used
-        valid = self.valid[:, :, :t]
-        held = valid.sum(-1)  # [batch, heads]
+        valid = self.valid[:, :, :self.used]
+        held = valid.sum(-1)  # [batch, rows]
         keep_count = held.clamp(max=budget)
         view = self.view(seen)
-        if self.cache.step.new_valid.shape[1] == 1:  # at most one real token over the budget per row
+        if self.cache.step.new_valid.shape[1] == 1 and self.fan == 1:  # at most one token over the budget per row
             kept = self.drop_lowest(view, (held > budget)[..., None])
         else:
-            pinned = (view.index < self.pinned) & valid if self.pinned else None  # a prompt prefix: never evicted
-            priority = self.policy.priority(view).masked_fill(~valid, -torch.inf)
-            # ascending (priority, index): the first t - keep_count slots of each row are dropped
-            by_index = torch.argsort(view.index, dim=-1, stable=True)
-            order = by_index.gather(-1, torch.argsort(priority.gather(-1, by_index), dim=-1, stable=True))
-            if pinned is not None:  # pinned tokens last, above even the policy's protected (infinite) ones
-                order = order.gather(-1, torch.argsort(pinned.gather(-1, order).byte(), dim=-1, stable=True))
-            drop_rank = torch.arange(t, device=self.device).expand_as(order) < (t - keep_count)[..., None]
-            kept = torch.ones_like(valid).scatter_(-1, order, ~drop_rank)
+            kept = self.keep_highest(view, keep_count)
         self._compact(kept, keep_count)
+
+    def keep_highest(self, view: TokenView, keep_count: torch.Tensor) -> torch.Tensor:
+        """The ``keep_count`` (``[batch, rows]``) highest-priority valid slots of each row (ties: the newer), pinned
+        prefix tokens first of all."""
+        valid = view.valid
+        t = valid.shape[-1]
+        pinned = (view.index < self.pinned) & valid if self.pinned else None  # a prompt prefix: never evicted
+        priority = self.policy.priority(view).masked_fill(~valid, -torch.inf)
+        # ascending (priority, index): the first t - keep_count slots of each row are dropped
+        by_index = torch.argsort(view.index, dim=-1, stable=True)
+        order = by_index.gather(-1, torch.argsort(priority.gather(-1, by_index), dim=-1, stable=True))
+        if pinned is not None:  # pinned tokens last, above even the policy's protected (infinite) ones
+            order = order.gather(-1, torch.argsort(pinned.gather(-1, order).byte(), dim=-1, stable=True))
+        drop_rank = torch.arange(t, device=self.device).expand_as(order) < (t - keep_count)[..., None]
+        return torch.ones_like(valid).scatter_(-1, order, ~drop_rank)
 
     def drop_lowest(self, view: TokenView, over: torch.Tensor) -> torch.Tensor:
         """``view.valid`` less, in each row that is ``over`` the budget (``[batch, heads, 1]``), its lowest-priority
@@ -307,6 +343,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.used = self.pending = self.peak_tokens = 0
+        self.fan = 1
         self.storage = None
         self.is_initialized = False
         for name in BUFFERS + ROW_STATE:
@@ -348,6 +385,9 @@ class EvictionCache(Cache):
         if positions not in ("original", "rolling"):
             raise ValueError(f"positions must be 'original' or 'rolling', got {positions!r}")
         self.rolling = positions == "rolling"
+        if self.rolling and policy.shares_slots:
+            raise ValueError(f"policy {policy.name!r} holds a different number of tokens per head, so a key has no "
+                             "single rank in the cache to rotate to: use positions='original' (--positions original)")
         if chunk_size < 1:
             raise ValueError("chunk_size must be at least 1")
         self.policy, self.positions, self.chunk_size, self.stepwise = policy, positions, chunk_size, stepwise
@@ -440,7 +480,8 @@ class EvictionCache(Cache):
                     device: torch.device, generator: torch.Generator | None = None) -> None:
         """Put the cache where a prefill of ``context`` tokens would leave it, with random keys and values: the same
         number of held tokens per head, chosen by the policy's own rule (over random accumulated attention when it
-        needs attention), so a decode step costs what it would after a real prefill. For benchmarks."""
+        needs attention), so a decode step costs what it would after a real prefill. For benchmarks. (Heads that share
+        slots each hold their mean share, their newest tokens: a step's cost does not depend on the split.)"""
         if self.seen is not None:
             raise RuntimeError("fill_random needs an empty cache")
         shape = (batch, kv_heads, context)
@@ -455,7 +496,9 @@ class EvictionCache(Cache):
             reads_kv = held < context and (policy.needs_keys or policy.needs_values)
             kv = [torch.randn(*shape, head_dim, dtype=dtype, device=device, generator=generator)
                   for _ in range(2)] if reads_kv else None
-            if held < context:
+            if policy.shares_slots:
+                keep = index[..., context - held:]
+            elif held < context:
                 view = TokenView(index=index, valid=torch.ones(shape, dtype=torch.bool, device=device), seen=seen,
                                  attention=attention, keys=kv and kv[0], values=kv and kv[1])
                 priority = policy.priority(view).masked_fill(index < layer.pinned, torch.inf)
@@ -468,12 +511,18 @@ class EvictionCache(Cache):
                 keys, values = (torch.randn(batch, kv_heads, held, head_dim, dtype=dtype, device=device,
                                             generator=generator) for _ in range(2))
             layer.lazy_initialization(keys, values)
-            layer.store(0, held, keys, values)
-            layer.index[:, :, :held] = keep
-            layer.valid[:, :, :held] = True
-            if layer.attention is not None:
-                layer.attention[:, :, :held] = attention.gather(-1, keep)
-            layer.used = layer.peak_tokens = held
+            kept_attention = None if layer.attention is None else attention.gather(-1, keep)
+            if layer.fan > 1:  # one shared row: head h's tokens at slots h * held ...
+                keys, values = (x.reshape(batch, 1, -1, head_dim) for x in (keys, values))
+                keep, kept_attention = (None if x is None else x.reshape(batch, 1, -1) for x in (keep, kept_attention))
+                layer.head[:, :, :keep.shape[-1]] = torch.arange(kv_heads, device=device).repeat_interleave(held)
+            slots = keep.shape[-1]
+            layer.store(0, slots, keys, values)
+            layer.index[:, :, :slots] = keep
+            layer.valid[:, :, :slots] = True
+            if kept_attention is not None:
+                layer.attention[:, :, :slots] = kept_attention
+            layer.used = layer.peak_tokens = slots
         self.seen, self.length = seen, context
 
     # --- batching separate sequences (a server's concurrent conversations) ---
@@ -535,7 +584,7 @@ class EvictionCache(Cache):
             if layer.is_initialized:
                 new[:rows] = getattr(layer, name)
             storage[name] = new
-        layer.dtype, layer.device, layer.is_initialized = row.dtype, row.device, True
+        layer.dtype, layer.device, layer.is_initialized, layer.fan = row.dtype, row.device, True, row.fan
         return storage
 
     def remove_row(self, index: int, into: EvictionCache, steps: int) -> None:
@@ -589,8 +638,9 @@ class EvictionCache(Cache):
 
     # --- what users ask ---
     def held_tokens(self) -> list[int]:
-        """Slots in use per layer now (the largest held count of any sequence)."""
-        return [layer.used for layer in self.layers]
+        """Tokens held per layer now: slots in use (the largest held count of any sequence), per head where the
+        heads share slots."""
+        return [layer.used // layer.fan for layer in self.layers]
 
     def held_bytes(self) -> int:
         """K and V bytes in the slots in use now (and a quantized cache's residual and channel scales), over all
@@ -612,7 +662,7 @@ class EvictionCache(Cache):
             **(self.quantization.describe() if self.quantization else {}),
             "positions": self.positions,
             "kv_tokens": max(self.held_tokens(), default=0),
-            "kv_tokens_peak": max((layer.peak_tokens for layer in self.layers), default=0),
+            "kv_tokens_peak": max((layer.peak_tokens // layer.fan for layer in self.layers), default=0),
             "kv_bytes_peak": sum(layer.peak_tokens * layer.bytes_per_slot + layer.row_state_bytes
                                  for layer in self.layers),
             "kv_bytes_allocated": self.allocated_bytes(),

@@ -25,6 +25,8 @@ class TokenView:
     keys: torch.Tensor | None = None  # the held keys [batch, kv_head, slot, head_dim]: rotated at their original
     # position, or not rotated at all under rolling positions (norms and dot products between keys agree)
     values: torch.Tensor | None = None  # the held values [batch, kv_head, slot, head_dim] (policies that set needs_values)
+    head: torch.Tensor | None = None  # where a layer's heads share slots (``shares_slots``): each slot's KV head, and the
+    heads: int = 1  # number of them; every tensor above is then [batch, 1, slot, ...]
 
     def is_recent(self, recent: int) -> torch.Tensor:
         return self.index >= (self.seen - recent)[:, None, None]
@@ -44,6 +46,9 @@ class Policy:
     needs_keys: ClassVar[bool] = False
     needs_values: ClassVar[bool] = False
     default_positions: ClassVar[str] = "original"
+    # the layer's KV heads hold their tokens in one pool of budget x heads slots, each head as many as the policy
+    # gives it (per-head budgets that save memory); the budget is then the mean per head
+    shares_slots: ClassVar[bool] = False
 
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:

@@ -6,7 +6,7 @@ import torch
 
 from sparsegen.bench import decode
 from sparsegen.cli import main
-from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv import EvictionCache, KVQuantization, make_policy
 from sparsegen.models import load
 from sparsegen.models.spec import kv_bytes_per_token
 
@@ -147,3 +147,20 @@ def test_mlp_timer_times_each_layers_mlp_and_the_contextual_predictors(family, m
     attach(model, dejavu_plan(model, 0.5))
     assert len(MLPTimer(model).handles) == 2 * (modules + 2)  # + one MLP predictor per layer
     detach(model)
+
+
+def test_shared_slot_and_quantized_caches_measure_what_they_hold(tiny_model):
+    """adakv's synthetic prefill holds its mean per head in one shared row; --kv-bits rows report the codes' bytes."""
+    rows = {}
+    for bits in (None, KVQuantization(4, 0)):
+        setup = decode.Setup(model=tiny_model, model_name="tiny", random_weights=False, new_tokens=2, warmup=1,
+                             prefill="synthetic", kv_bits=bits)
+        for name in ("h2o", "adakv"):
+            rows[name, bits is None] = decode.measure(setup, name, make_policy(name, 12), 40, 2)
+    for plain in (True, False):
+        assert rows["adakv", plain]["kv_tokens"] == rows["h2o", plain]["kv_tokens"] == 13
+    assert rows["adakv", True]["peak_kv_bytes"] == rows["h2o", True]["peak_kv_bytes"]
+    # (quantized: adakv's heads share one row of channel scales, where h2o keeps one per head)
+    assert rows["adakv", False]["peak_kv_bytes"] < rows["h2o", False]["peak_kv_bytes"]
+    assert rows["h2o", False]["peak_kv_bytes"] < rows["h2o", True]["peak_kv_bytes"] / 2
+    assert rows["h2o", False]["bytes_per_step"] < rows["h2o", True]["bytes_per_step"]

@@ -111,8 +111,37 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 scores.update(_lagkv_scores(policy, candidates, key[b, h], value[b, h], seen=total))
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
-            state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)
+            if policy["policy"] == "adakv":  # chosen with the other heads of the layer, below
+                state["kept"][layer][b][h] = set(candidates)
+            else:
+                state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)
+        if policy["policy"] == "adakv":
+            state["kept"][layer][b] = adaptive_keep_rule(policy, state["kept"][layer][b], state["scores"][layer][b],
+                                                         seen=total)
     return out.transpose(1, 2).contiguous(), None
+
+
+def adaptive_keep_rule(policy: dict, candidates: list[set[int]], scores: list[dict], seen: int) -> list[set[int]]:
+    """Ada-KV: each head's sinks and recent tokens, its best floor x heavy, then the layer's best of the rest,
+    heads x budget in all."""
+    budget = policy["budget"] * len(candidates)
+    if policy["budget"] is None or sum(map(len, candidates)) <= budget:
+        return candidates
+    sinks, recent = policy["sinks"], policy["recent"]
+    guaranteed = math.floor(policy["floor"] * policy["heavy"])
+    kept, rest = [], []
+    for h, tokens in enumerate(candidates):
+        protected = {t for t in tokens if t < sinks or t >= seen - recent}
+        others = sorted((scores[h][t] for t in tokens if t not in protected), reverse=True)
+        cut = others[guaranteed - 1] if guaranteed and len(others) >= guaranteed else -math.inf
+        if guaranteed:
+            protected |= {t for t in tokens if t not in protected and scores[h][t] >= cut}
+        kept.append(protected)
+        rest += [(scores[h][t], t, h) for t in tokens if t not in protected]
+    room = budget - sum(map(len, kept))
+    for _, t, h in sorted(rest, key=lambda r: (r[0], r[1]))[len(rest) - room:] if room > 0 else []:
+        kept[h].add(t)
+    return kept
 
 
 def _lagkv_scores(policy: dict, candidates: list[int], keys, values, seen: int) -> dict[int, float]:

@@ -10,7 +10,7 @@ from tests.kv.reference import ReferenceRun
 
 TOL = 1e-5
 POLICY_NAMES = ["full", "window", "streaming", "h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv", "random",
-                "pyramid"]
+                "pyramid", "adakv"]
 
 
 def _policy(name, budget, **options):
@@ -81,7 +81,8 @@ def test_generate_with_full_budget_equals_plain_generate(family, name):
 
 SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streaming-h2o": {"recent": 4, "sinks": 1},
          "tova": {}, "scissorhands": {"recent": 4}, "snapkv": {},
-         "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {}}
+         "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
+         "adakv": {"recent": 4}}
 
 
 def _rules(cache):
@@ -92,7 +93,13 @@ def _rules(cache):
 def _kept_by_engine(cache, layer, row, head):
     lay = cache.layers[layer]
     t = lay.used
+    if lay.fan > 1:  # the heads share one row of slots
+        return set(lay.index[row, 0, :t][lay.valid[row, 0, :t] & (lay.head[row, 0, :t] == head)].tolist())
     return set(lay.index[row, head, :t][lay.valid[row, head, :t]].tolist())
+
+
+def _kv_heads(cache):
+    return cache.layers[0].keys.shape[1] * cache.layers[0].fan
 
 
 @pytest.mark.parametrize("name", list(SMALL))
@@ -111,7 +118,7 @@ def test_below_budget_matches_reference(family, name):
     reference = ReferenceRun(model, _rules(cache), rolling=cache.rolling, batch=2)
     expected = reference.feed(ids, CHUNKS)
     assert (got - expected).abs().max() <= TOL
-    kv_heads = cache.layers[0].keys.shape[1]
+    kv_heads = _kv_heads(cache)
     for layer in range(len(cache.layers)):
         for row in range(2):
             for head in range(kv_heads):
@@ -231,7 +238,7 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
 
 
 @pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv", "random",
-                "pyramid"])
+                "pyramid", "adakv"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):
     """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed
@@ -247,7 +254,7 @@ def test_stepwise_chunks_equal_one_token_per_call(family, name):
     assert (got - expected).abs().max() <= TOL
     for layer in range(len(cache.layers)):
         for row in range(2):
-            for head in range(cache.layers[0].keys.shape[1]):
+            for head in range(_kv_heads(cache)):
                 assert _kept_by_engine(cache, layer, row, head) == reference.kept(layer, row, head)
 
 

@@ -50,3 +50,34 @@ def test_lagkv_scores_each_partition_against_the_next_and_keeps_the_recent_ones(
 def test_lagkv_refuses_budgets_it_cannot_work_in(budget, sinks, words):
     with pytest.raises(ValueError, match=words):
         make_policy("lagkv", budget, sinks=sinks)
+
+
+def test_adakv_gives_the_layer_budget_to_the_heads_that_score_highest_and_frees_the_rest():
+    """Head 0's tokens all score above head 1's: head 0 takes the shared heavy slots, head 1 keeps its recent tokens
+    and its guaranteed best; the layer stores heads x budget slots, no more, and the same bytes as H2O."""
+    model = tiny_model("llama")  # 2 KV heads
+    policy = make_policy("adakv", 20, recent=4)  # heavy 16 per head; each head keeps at least 3 of them
+    cache = EvictionCache(model, policy)
+    ids = torch.randint(3, VOCAB, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    layer = cache.layers[0]
+    index = torch.arange(40).repeat(2)[None, None]  # 40 tokens of each head in one row
+    head = torch.arange(2).repeat_interleave(40)[None, None]
+    attention = torch.where(head == 0, 10.0 + index, 1.0 + index / 100)  # head 0's tokens always score higher
+    view = TokenView(index=index, valid=torch.ones_like(index, dtype=torch.bool), seen=torch.tensor([40]),
+                     attention=attention, head=head, heads=2)
+    kept = layer.keep_highest(view, torch.tensor([[2 * 20]]))[0, 0]
+    assert [int((kept & (head[0, 0] == h)).sum()) for h in (0, 1)] == [20 + 16 - 3, 4 + 3]
+    t = layer.used
+    assert t == 2 * 20 and layer.keys.shape[1] == 1
+    h2o = EvictionCache(model, make_policy("h2o", 20, recent=4))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=h2o)
+    assert cache.stats()["kv_bytes_peak"] == h2o.stats()["kv_bytes_peak"]
+    assert cache.held_tokens() == h2o.held_tokens() == [20, 20]
+
+
+def test_adakv_refuses_rolling_positions():
+    with pytest.raises(ValueError, match="positions='original'"):
+        EvictionCache(tiny_model("llama"), make_policy("adakv", 10), positions="rolling")

@@ -1,5 +1,6 @@
 """Eviction policies by name."""
 
+from sparsegen.kv.policies.adakv import AdaKV
 from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.h2o import H2O
 from sparsegen.kv.policies.keydiff import KeyDiff
@@ -15,11 +16,11 @@ from sparsegen.kv.policies.tova import TOVA
 from sparsegen.kv.policies.window import Window
 
 POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA, Scissorhands, SnapKV, Knorm,
-                                       KeyDiff, LagKV, Random, Pyramid)}
+                                       KeyDiff, LagKV, Random, Pyramid, AdaKV)}
 OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
            "streaming-h2o": ("sinks", "recent", "heavy"), "tova": (), "knorm": (),
            "random": (), "pyramid": ("sinks",), "keydiff": (), "lagkv": ("sinks",),
-           "scissorhands": ("sinks", "recent", "heavy"), "snapkv": ("sinks",)}  # the budget splits each policy takes
+           "scissorhands": ("sinks", "recent", "heavy"), "snapkv": ("sinks",), "adakv": ("sinks", "recent", "heavy")}  # the budget splits each policy takes
 
 
 def parse_budget(budget: int | float | str) -> int | float:
