@@ -73,6 +73,8 @@ def _budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
     p.add_argument("--sinks", type=int, default=None, help="first tokens always kept (streaming: 4)")
     p.add_argument("--recent", type=int, default=None, help="most recent tokens always kept (h2o: half the budget)")
     p.add_argument("--heavy", type=int, default=None, help="heavy-hitter tokens kept (h2o: half the budget)")
+    p.add_argument("--history", type=int, default=None,
+                   help="scissorhands: count only the latest this many queries' votes (default: all)")
     p.add_argument("--positions", choices=["original", "rolling"], default=None,
                    help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
     p.add_argument("--kv-bits", type=int, choices=[8, 4, 2], default=None,
@@ -151,7 +153,7 @@ def _policies(args: argparse.Namespace, input_length: int | None = None):
 
     names = args.policy or ["full"]
     for name in names:
-        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy")
+        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy", "history")
                   if len(names) == 1 or k in OPTIONS.get(name, ())}
 
         def make(name=name, splits=splits):
@@ -201,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         stream = lambda text: print(text, end="", flush=True)  # noqa: E731
     result = generate(
         model, tokenizer, prompt, policy=args.policy, budget=args.budget, sinks=args.sinks, recent=args.recent,
-        heavy=args.heavy, positions=args.positions, max_new_tokens=args.max_new_tokens,
+        heavy=args.heavy, history=args.history, positions=args.positions, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size, on_text=stream,
         speculative=args.speculative, draft_tokens=draft_tokens, draft_model=draft_model, kv_bits=_kv_bits(args),
     )
@@ -596,7 +598,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
 
     def policy():
         return make_policy(args.policy, None if args.policy == "full" else args.budget, sinks=args.sinks,
-                           recent=args.recent, heavy=args.heavy)
+                           recent=args.recent, heavy=args.heavy, history=args.history)
 
     speculation = None
     if getattr(args, "speculative", None) is not None:

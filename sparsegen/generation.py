@@ -110,6 +110,7 @@ def generate(
     sinks: int | None = None,
     recent: int | None = None,
     heavy: int | None = None,
+    history: int | None = None,
     positions: str | None = None,
     max_new_tokens: int = 100,
     temperature: float = 0.0,
@@ -145,7 +146,8 @@ def generate(
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     if not isinstance(policy, Policy):
-        policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy)
+        policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy,
+                             history=history)
     speculation = None
     if speculative is not None:
         if kv_bits is not None:

@@ -14,7 +14,7 @@ SG="${PYTHON:-.venv/bin/python} -m sparsegen"
 DATA=${SPARSEGEN_DATA:-../shared/data}
 OUT=docs/results/$MODEL/policies
 PPL=docs/results/$MODEL/h2o
-ALL="window streaming h2o streaming-h2o tova scissorhands snapkv pyramid knorm keydiff lagkv random"
+ALL="window streaming h2o streaming-h2o tova scissorhands snapkv pyramid adakv knorm keydiff lagkv random"
 mkdir -p "$OUT" "$PPL"
 once() { [ -f "$1" ] || "${@:2}"; }
 wants() { [[ " ${PARTS:-ppl fidelity passkey bench} " == *" $1 "* ]]; }

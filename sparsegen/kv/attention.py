@@ -152,7 +152,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         if layer.attention is not None:
             visible = total if mask is None else mask.sum(-1)[:, :, None, :, None]  # keys each query sees
             real = None if unmasked else step.new_valid[:, None, None, :, None]
-            observe(layer.policy, layer.attention[:, :, :total], probs, visible, real)
+            observe(layer.policy, layer.attention[:, :, :total], probs, visible, real, step.new_index)
         grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
         out = (grouped @ value).view(batch, q_heads, q, -1)
     else:
@@ -161,12 +161,15 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     return out[..., :value_dim].transpose(1, 2).contiguous()
 
 
-def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real: torch.Tensor | None = None) -> None:
+def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real: torch.Tensor | None = None,
+            index: torch.Tensor | None = None) -> None:
     """Fold what queries' attention ``probs`` ``[B, Hkv, group, q, T]`` says about each held token into ``attention``
     ``[B, Hkv, T]`` by the policy's statistic: "sum" adds it (H2O), "latest" keeps the last query's (TOVA),
     "pivotal" counts the query heads that gave the token more than the average 1 / ``visible`` (Scissorhands),
     "window" adds the attention of the call's last ``policy.window`` queries (SnapKV's observation window).
-    ``real``: which queries are real tokens (padding adds nothing)."""
+    ``real``: which queries are real tokens (padding adds nothing). Under a history window (``policy.history``)
+    ``attention`` is ``[B, Hkv, T, history]`` and query ``index`` (``[B, q]``, its ordinal) writes column
+    ``index % history`` over what the query ``history`` before it wrote."""
     statistic = policy.attention_statistic
     if statistic == "latest":  # left padding: the last query is real
         attention.copy_(probs[:, :, :, -1].sum(2))
@@ -178,6 +181,14 @@ def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real:
         probs = (probs > 1 / visible).float()
     if real is not None:
         probs = probs.masked_fill(~real, 0)
+    if attention.dim() == 4:
+        width = attention.shape[-1]
+        columns = F.one_hot(index[:, -width:] % width, width).to(probs.dtype)  # [B, q, history]; the last queries win
+        if real is not None:  # a pad shares its ordinal with the real token before it: it writes nothing
+            columns *= real[:, 0, 0, -width:]
+        attention.mul_(1 - columns.amax(1)[:, None, None]).add_(
+            torch.einsum("bhqt,bqw->bhtw", probs[:, :, :, -width:].sum(2), columns))
+        return
     attention += probs.sum(dim=(2, 3))
 
 
@@ -239,8 +250,10 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         p = torch.softmax(row.masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
         probs[:, :, :, i] = p
         if attention is not None:
-            observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None])
-        view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i), attention=attention,
+            observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None],
+                    index=step.new_index[:, i:i + 1])
+        view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i),
+                         attention=None if attention is None else layer.observed(total),
                          keys=keys_held, values=values_held)
         alive = layer.drop_lowest(view, alive.sum(-1, keepdim=True) > budget)  # at most one over, as after a decode
     out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
@@ -283,7 +296,8 @@ def shared_attention(cache, layer, query, key, value, scaling: float, sliding_wi
             probs[:, :, :, i] = p
             if layer.attention is not None:
                 observe(layer.policy, layer.attention[:, :, :total], p.reshape(batch, 1, q_heads, 1, total),
-                        visible.sum(-1).repeat_interleave(group, 1)[:, None, :, None, None])
+                        visible.sum(-1).repeat_interleave(group, 1)[:, None, :, None, None],
+                        index=step.new_index[:, i:i + 1])
             view = replace(layer.view(step.seen - (q - 1 - i)), valid=alive[:, None])
             alive = layer.keep_highest(view, alive.sum(-1, keepdim=True).clamp(max=layer.slot_budget))[:, 0]
         out = _attend(probs, value)
@@ -295,7 +309,7 @@ def shared_attention(cache, layer, query, key, value, scaling: float, sliding_wi
         if layer.attention is not None:
             observe(layer.policy, layer.attention[:, :, :total], probs.view(batch, 1, q_heads, q, total),
                     mask.sum(-1).repeat_interleave(group, 1)[:, None, :, :, None],
-                    step.new_valid[:, None, None, :, None])
+                    step.new_valid[:, None, None, :, None], step.new_index)
         out = _attend(probs, value)  # before eviction moves the slots ``value`` views
         layer.evict(step.seen)
     return out.transpose(1, 2).contiguous()

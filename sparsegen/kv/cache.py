@@ -99,8 +99,9 @@ class EvictionLayer(CacheLayerMixin):
                 self.ring_index = torch.full((batch, ring), -1, dtype=torch.long, device=self.device)
         self.index = torch.zeros(batch, rows, capacity, dtype=torch.long, device=self.device)
         self.valid = torch.zeros(batch, rows, capacity, dtype=torch.bool, device=self.device)
+        history = (self.policy.history,) if self.policy.history else ()  # one column per query of the window
         self.attention = (
-            torch.zeros(batch, rows, capacity, dtype=torch.float32, device=self.device)
+            torch.zeros(batch, rows, capacity, *history, dtype=torch.float32, device=self.device)
             if self.policy.needs_attention else None
         )
         if self.fan > 1:
@@ -252,11 +253,16 @@ class EvictionLayer(CacheLayerMixin):
         keys, values = self.held(t) if self.policy.needs_keys or self.policy.needs_values else (None, None)
         return TokenView(
             index=self.index[:, :, :t], valid=self.valid[:, :, :t], seen=seen,
-            attention=None if self.attention is None else self.attention[:, :, :t],
+            attention=None if self.attention is None else self.observed(t),
             keys=keys if self.policy.needs_keys else None,
             values=values if self.policy.needs_values else None,
             head=None if self.head is None else self.head[:, :, :t], heads=self.fan,
         )
+
+    def observed(self, end: int) -> torch.Tensor:
+        """What the policy's attention statistic says of slots ``:end``: summed over the history window, if any."""
+        attention = self.attention[:, :, :end]
+        return attention.sum(-1) if attention.dim() == 4 else attention
 
     def evict(self, seen: torch.Tensor) -> None:
         """Keep the ``budget`` highest-priority real tokens of each (sequence, head); compact them to the front.
@@ -520,8 +526,9 @@ class EvictionCache(Cache):
             layer.store(0, slots, keys, values)
             layer.index[:, :, :slots] = keep
             layer.valid[:, :, :slots] = True
-            if kept_attention is not None:
-                layer.attention[:, :, :slots] = kept_attention
+            if kept_attention is not None:  # (a history window: as if the latest query saw it all)
+                target = layer.attention[:, :, :slots]
+                (target if target.dim() == 3 else target[..., 0]).copy_(kept_attention)
             layer.used = layer.peak_tokens = slots
         self.seen, self.length = seen, context
 

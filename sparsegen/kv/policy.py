@@ -50,6 +50,8 @@ class Policy:
     # gives it (per-head budgets that save memory); the budget is then the mean per head
     shares_slots: ClassVar[bool] = False
 
+    history: int | None = None  # count only the latest `history` queries' attention (None: all of them)
+
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:
             raise ValueError(f"budget must be a positive number of tokens, got {budget}")

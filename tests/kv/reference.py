@@ -97,6 +97,8 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 votes = policy["policy"] != "snapkv" or i >= q - policy["window"]  # SnapKV: the last queries
                 for tok, p in zip(visible, counted.tolist()):
                     scores[tok] = scores.get(tok, 0.0) + (p if votes else 0.0)
+                    if policy.get("history"):  # each query's votes, to count only the latest `history` queries
+                        state["votes"].setdefault((layer, b, h, tok), []).append((t, p))
                 out[b, h * group:(h + 1) * group, i] = (probs.to(value.dtype) @ value[b, h, visible])
             candidates = sorted(kept | set(range(start, total)))
             if policy["policy"] == "knorm":  # the smallest key norms (a rotation keeps a norm)
@@ -114,6 +116,9 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
             if policy["policy"] == "adakv":  # chosen with the other heads of the layer, below
                 state["kept"][layer][b][h] = set(candidates)
             else:
+                if policy.get("history"):
+                    scores = {tok: sum(p for query, p in state["votes"].get((layer, b, h, tok), [])
+                                       if query >= total - policy["history"]) for tok in candidates}
                 state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)
         if policy["policy"] == "adakv":
             state["kept"][layer][b] = adaptive_keep_rule(policy, state["kept"][layer][b], state["scores"][layer][b],
@@ -196,6 +201,7 @@ class ReferenceRun:
                          if hasattr(rotary, f"{kind}_inv_freq") else rotary.inv_freq for kind in types],
             "kept": [[[set() for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "scores": [[[{} for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
+            "votes": {},
         }
         self.cache = DynamicCache()  # every layer holds everything: eviction is simulated by the kept sets
 

@@ -20,7 +20,7 @@ POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA
 OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
            "streaming-h2o": ("sinks", "recent", "heavy"), "tova": (), "knorm": (),
            "random": (), "pyramid": ("sinks",), "keydiff": (), "lagkv": ("sinks",),
-           "scissorhands": ("sinks", "recent", "heavy"), "snapkv": ("sinks",), "adakv": ("sinks", "recent", "heavy")}  # the budget splits each policy takes
+           "scissorhands": ("sinks", "recent", "heavy", "history"), "snapkv": ("sinks",), "adakv": ("sinks", "recent", "heavy")}  # the budget splits each policy takes
 
 
 def parse_budget(budget: int | float | str) -> int | float:
@@ -56,11 +56,12 @@ def make_policy(
     sinks: int | None = None,
     recent: int | None = None,
     heavy: int | None = None,
+    history: int | None = None,
 ):
     """Build a policy by name, checking that every option given applies to it."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    options = {"sinks": sinks, "recent": recent, "heavy": heavy}
+    options = {"sinks": sinks, "recent": recent, "heavy": heavy, "history": history}
     extra = [k for k, v in options.items() if v is not None and k not in OPTIONS[name]]
     if extra:
         raise ValueError(f"policy {name!r} takes no --{' --'.join(extra)}")
