@@ -556,6 +556,7 @@ class EvictionCache(Cache):
             raise ValueError("add_row() takes a fed cache of one sequence built with the same policy and kv_bits")
         rows = 0 if self.seen is None else self.seen.shape[0]
         for layer, row in zip(self.layers, source.layers):
+            layer.fan = row.fan
             slots = max(row.used, layer.capacity(1) if layer.policy.budget is not None else row.used + 64)
             storage = layer.storage
             if storage is None or rows == storage["keys"].shape[0] or row.used > storage["keys"].shape[2] \
@@ -591,7 +592,7 @@ class EvictionCache(Cache):
             if layer.is_initialized:
                 new[:rows] = getattr(layer, name)
             storage[name] = new
-        layer.dtype, layer.device, layer.is_initialized, layer.fan = row.dtype, row.device, True, row.fan
+        layer.dtype, layer.device, layer.is_initialized = row.dtype, row.device, True
         return storage
 
     def remove_row(self, index: int, into: EvictionCache, steps: int) -> None:

@@ -67,7 +67,7 @@ def test_full_budget_equals_dynamic_cache(family, name, attn):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "opt"])
-@pytest.mark.parametrize("name", ["window", "h2o", "streaming-h2o"])
+@pytest.mark.parametrize("name", ["window", "h2o", "streaming-h2o", "adakv"])
 def test_generate_with_full_budget_equals_plain_generate(family, name):
     model = tiny_model(family)
     ids, mask = _padded_batch([12, 9, 5], 12, seed=1)

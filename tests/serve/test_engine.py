@@ -31,7 +31,8 @@ def test_a_completion_equals_sparsegen_generate(reference, policy, budget):
 
 
 @pytest.mark.parametrize("policy,kv_bits", [("full", None), ("window", None), ("streaming", None), ("h2o", None),
-                                            ("streaming-h2o", None), ("h2o", 4), ("streaming", 8)])
+                                            ("streaming-h2o", None), ("h2o", 4), ("streaming", 8), ("adakv", None),
+                                            ("scissorhands", 4)])
 def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits):
     """Sessions at different lengths, stacked into one batch (joining and leaving at different steps), give the
     tokens each gives alone, and their caches come back as they would be (quantized ones too)."""
