@@ -30,7 +30,8 @@ class AdaKV(H2O):
         guaranteed = min(math.floor(self.floor * self.heavy), scores.shape[-1])
         if guaranteed:  # each head's best `guaranteed` heavy hitters (ties at the cut included)
             heads = torch.arange(view.heads, device=scores.device)[None, :, None]
-            per_head = scores.masked_fill(view.head != heads, -math.inf)  # [batch, heads, slots]
+            head = 0 if view.head is None else view.head  # (one KV head: a row of its own)
+            per_head = scores.masked_fill(head != heads, -math.inf)  # [batch, heads, slots]
             cut = per_head.topk(guaranteed, dim=-1).values[..., -1:]
             protected = protected | ((per_head >= cut) & (per_head > -math.inf)).any(1, keepdim=True)
         return view.attention.masked_fill(protected, math.inf)
