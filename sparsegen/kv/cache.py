@@ -8,6 +8,10 @@ the holes left in the front by moving the few survivors from the tail. Slot orde
 
 With ``positions="rolling"`` keys are stored without their rotary embedding and rotated at attention
 time to their rank in the cache (StreamingLLM), so positions never exceed the budget.
+
+Two storage variants keep the same slot mechanics: a quantized cache (``kv_bits``) stores each token's key and
+value as codes with their own scale and zero point (``sparsegen.kv.quantized``), and a policy whose heads share
+slots (``Policy.shares_slots``, Ada-KV) gives a layer one row of ``budget x kv_heads`` slots tagged by head.
 """
 
 from __future__ import annotations
