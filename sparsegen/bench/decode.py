@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from sparsegen.bench.memory import PeakMemory, available_bytes
-from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step
+from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
 from sparsegen.speculative import Speculation, speculative_tokens
@@ -60,7 +60,7 @@ class Setup:
         self.device, self.dtype = param.device, param.dtype
         self.kv_per_token = kv_bytes_per_token(self.model.config, param.element_size())
         self.stored_kv_per_token = kv_bytes_per_token(self.model.config, param.element_size(), self.kv_bits)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights(self.model))
         self.step_weight_bytes = weight_bytes_per_step(self.model)
         self.vocab = self.model.config.get_text_config().vocab_size
         from sparsegen.contextual.runtime import attached_plan
@@ -77,7 +77,7 @@ class Setup:
             "machine": machine, "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
             "prefill": self.prefill, "contextual": self.contextual, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
-            "kv_bits": self.kv_bits.bits if self.kv_bits else None,
+            "kv_bits": self.kv_bits.bits if self.kv_bits else None, "weight_bytes": self.weight_bytes,
         }
 
 

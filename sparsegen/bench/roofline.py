@@ -33,12 +33,22 @@ def measure_bandwidth(device: str | torch.device = "cpu", megabytes: int = 512, 
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Parameter bytes one decode step reads: all of them except embedding tables, of which a step reads one row
-    per token (an input embedding tied to the output layer is read whole, once)."""
+    """Weight bytes one decode step reads: every parameter and saved buffer (packed int4/int8 weights and their
+    scales are buffers) except embedding tables, of which a step reads one row per token (an input embedding tied to
+    the output layer is read whole, once)."""
     output = model.get_output_embeddings()
     tied = output.weight.data_ptr() if output is not None else None
     lookups = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)} - {tied}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.data_ptr() not in lookups)
+    return sum(t.numel() * t.element_size() for t in weights(model) if t.data_ptr() not in lookups)
+
+
+def weights(model: torch.nn.Module):
+    """The parameters and the saved (persistent) buffers: what a checkpoint stores, rotary tables left out."""
+    yield from model.parameters()
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield buffer
 
 
 def decode_bytes(weight_bytes: int, kv_tokens: float, kv_bytes_per_token: int, batch: int) -> float:

@@ -25,6 +25,9 @@ def test_weight_bytes_skip_lookup_tables_but_not_a_tied_output():
     tied = LlamaForCausalLM(tiny_llama_config(vocab, tie_word_embeddings=True))
     assert weight_bytes_per_step(tied) == 4 * (body + embedding)  # the shared table, read once as lm_head
     assert weight_bytes_per_step(untied.to(torch.bfloat16)) == 2 * (body + embedding)
+    # packed quantized weights are buffers: read every step like parameters (rotary tables, not saved, are not)
+    untied.model.layers[0].mlp.down_proj.register_buffer("weight_packed", torch.zeros(64, 4, dtype=torch.int32))
+    assert weight_bytes_per_step(untied) == 2 * (body + embedding) + 64 * 4 * 4  # (bfloat16 since the line above)
 
 
 def test_decode_bytes_and_bound():
