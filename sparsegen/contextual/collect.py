@@ -25,6 +25,9 @@ class Capture:
 def capture(model: nn.Module, ids: torch.Tensor, *, predictors: bool, magnitudes: bool, batch_size: int = 8,
             sample_per_linear: int = 1 << 22, seed: int = 0, progress: bool = True) -> Capture:
     """Run ``ids`` ``[windows, seqlen]`` through ``model``; keep predictor data and/or linear-input magnitudes."""
+    from sparsegen.contextual.runtime import check_float_weights
+
+    check_float_weights(model)  # (what is fit here must run there)
     layers = decoder_layers(model)
     consumer = mlp_layout(model.config.model_type)[1]
     kept: dict[tuple, list[torch.Tensor]] = {}

@@ -174,15 +174,20 @@ def _hidden(args, kwargs) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def attach(model: nn.Module, plan: Contextual) -> nn.Module:
-    """Make ``model`` run with ``plan``'s contextual sparsity (in place; ``detach`` undoes it)."""
-    if getattr(model, "_sparsegen_contextual", None) is not None:
-        raise ValueError("this model already runs with a contextual plan; detach it first")
+def check_float_weights(model: nn.Module) -> None:
+    """Contextual sparsity gathers rows and columns of float weights: a quantized checkpoint is refused."""
     from sparsegen.quant import QuantLinear
 
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("contextual sparsity gathers rows and columns of float weights, and this checkpoint is "
-                         "quantized; run the plan on the float (optionally pruned) checkpoint")
+                         "quantized; fit and run the plan on the float (optionally pruned) checkpoint")
+
+
+def attach(model: nn.Module, plan: Contextual) -> nn.Module:
+    """Make ``model`` run with ``plan``'s contextual sparsity (in place; ``detach`` undoes it)."""
+    if getattr(model, "_sparsegen_contextual", None) is not None:
+        raise ValueError("this model already runs with a contextual plan; detach it first")
+    check_float_weights(model)
     plan.check(model)
     param = next(model.parameters())
     plan.predictors.to(device=param.device, dtype=param.dtype)

@@ -225,3 +225,15 @@ def test_suspended_runs_dense_and_fidelity_compares_with_the_dense_model():
     same = fidelity(model, Tokens(), IDS, Full, new_tokens=6, progress=False)
     assert same["kl"] < 1e-6 and same["rouge_l"] == 1.0
     assert sparse["kl"] > 1e-4  # the plan's model against the dense one
+
+
+def test_a_quantized_model_is_refused_before_fitting_or_running_a_plan():
+    """Fitting used to fail deep inside with "min() arg is an empty sequence"; both now name the fix."""
+    from sparsegen.contextual.teal import fit_teal
+    from sparsegen.quant.quantize import QuantizeConfig, quantize_model
+
+    model = tiny_model("llama")
+    quantize_model(model, QuantizeConfig(bits=4, group_size=0, method="rtn"), progress=False)
+    ids = torch.randint(3, VOCAB, (2, 16))
+    with pytest.raises(ValueError, match="float .*checkpoint"):
+        fit_teal(model, ids, 0.5)
