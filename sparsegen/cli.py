@@ -887,8 +887,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
     p.add_argument("--policies", default="full,window,streaming,h2o",
-                   help="comma-separated (default full,window,streaming,h2o); speculative:POLICY[:BUDGET] decodes "
-                        "losslessly under the full cache, drafting from POLICY")
+                   help="comma-separated (default full,window,streaming,h2o); POLICY+kv4 holds that cache in 4 bits "
+                        "(8, 4, 2); speculative:POLICY[:BUDGET] decodes losslessly under the full cache, drafting "
+                        "from POLICY")
     p.add_argument("--budget", type=budget_arg, default="128",
                    help="KV budget for every policy but full (tokens or a fraction)")
     p.add_argument("--chunk-size", type=int, default=512)

@@ -194,17 +194,21 @@ def compare(
     draft_model: torch.nn.Module | None = None,
 ) -> dict[str, dict]:
     """The same prompt under each of ``policies``, greedy, never stopping early: name -> ``Generation.to_dict()``.
-    A name is ``full``, a policy taking ``budget``, or ``speculative:POLICY[:BUDGET]`` (lossless under the full
-    cache, drafting from POLICY, at ``budget`` unless one is given)."""
+    A name is ``full``, a policy taking ``budget``, either with ``+kvN`` to hold the cache in N bits (``h2o+kv4``), or
+    ``speculative:POLICY[:BUDGET]`` (lossless under the full cache, drafting from POLICY, at ``budget`` unless one is
+    given)."""
     rows = {}
     for name in policies:
         draft = name.removeprefix("speculative:") if name.startswith("speculative:") else None
         if draft is not None and ":" not in draft:
             draft = f"{draft}:{budget}"
+        policy, _, bits = name.partition("+kv")
+        if bits and not bits.isdigit():
+            raise ValueError(f"{name!r}: write a quantized row as POLICY+kvBITS, e.g. h2o+kv4")
         rows[name] = generate(
-            model, tokenizer, prompt, policy="full" if draft else name,
-            budget=None if name == "full" or draft else budget, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-            stop_at_eos=False, speculative=draft, draft_tokens=draft_tokens,
-            draft_model=draft_model if draft else None,
+            model, tokenizer, prompt, policy="full" if draft else policy,
+            budget=None if policy == "full" or draft else budget, max_new_tokens=max_new_tokens,
+            chunk_size=chunk_size, stop_at_eos=False, speculative=draft, draft_tokens=draft_tokens,
+            draft_model=draft_model if draft else None, kv_bits=int(bits) if bits else None,
         ).to_dict()
     return rows

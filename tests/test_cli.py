@@ -114,3 +114,14 @@ def test_kv_bits_quantize_the_cache_of_any_policy(tiny_checkpoint, capsys):
         stats[bool(bits)] = json.loads(capsys.readouterr().out)["cache"]
     assert stats[True]["kv_bits"] == 4 and stats[True]["kv_tokens_peak"] == stats[False]["kv_tokens_peak"]
     assert stats[False]["kv_bytes_peak"] / stats[True]["kv_bytes_peak"] > 3.5
+
+
+def test_compare_has_quantized_kv_rows(tiny_checkpoint, capsys):
+    """`compare --policies h2o,h2o+kv8`: the same policy with its cache in 8 bits, side by side."""
+    assert main(["compare", "--model", str(tiny_checkpoint), "--prompt", "it was the best of times " * 16,
+                 "--policies", "h2o,h2o+kv8", "--budget", "48", "--max-new-tokens", "6", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows["h2o+kv8"]["cache"]["kv_bits"] == 8 and "kv_bits" not in rows["h2o"]["cache"]
+    assert rows["h2o+kv8"]["kv_bytes_peak"] < rows["h2o"]["kv_bytes_peak"]
+    assert main(["compare", "--model", str(tiny_checkpoint), "--prompt", "x", "--policies", "h2o+kvfour"]) == 2
+    assert "POLICY+kvBITS" in capsys.readouterr().err
