@@ -2,7 +2,7 @@
 # StreamingLLM on a real model: streaming perplexity on books/test past the trained length (one stream per book),
 # every policy at budgets 256 and 1024, a sink sweep, streaming vs recompute latency, and (with MILLION=1) a
 # 1,000,000-token run at flat memory. Results in docs/results/$MODEL/streaming/; finished files are skipped, so an
-# interrupted run resumes. BUDGETS and SINKS pick a subset.   usage: scripts/real/streamingllm.sh smollm2 [tokens per stream]
+# interrupted run resumes. BUDGETS, POLICIES and SINKS pick a subset.   usage: scripts/real/streamingllm.sh smollm2 [tokens per stream]
 set -euo pipefail
 MODEL=${1:-smollm2}
 PER_STREAM=${2:-20000}
@@ -18,10 +18,9 @@ run() {  # NAME [ppl options]: STREAMS books side by side, PER_STREAM tokens eac
 }
 run full --policy full
 for budget in ${BUDGETS:-256 1024}; do
-  run "window-$budget" --policy window --budget "$budget"
-  run "streaming-$budget" --policy streaming --sinks 4 --budget "$budget"
-  run "h2o-$budget" --policy h2o --budget "$budget"
-  run "streaming-h2o-$budget" --policy streaming-h2o --budget "$budget"
+  for policy in ${POLICIES:-window streaming h2o streaming-h2o}; do
+    run "$policy-$budget" --policy "$policy" --budget "$budget"
+  done
   for sinks in ${SINKS:-1 2 8}; do  # 0 sinks is window, 4 is streaming
     run "sinks$sinks-$budget" --policy streaming --sinks "$sinks" --budget "$budget"
   done
