@@ -49,6 +49,18 @@ for bits in ${BITS:-none 4}; do
     fi
   done
 done
+for bits in ${BITS:-none 4}; do  # the full cache quantized: what the bits alone cost
+  [ "$bits" = none ] && continue
+  if wants ppl; then
+    once "$PPL/ppl-full-kv$bits.json" $SG ppl --model "$MODEL" --stream --text "$DATA/books/test" --streams 8 \
+      --max-tokens $((8 * LENGTH)) --segment 128 --policy full --kv-bits "$bits" --json "$PPL/ppl-full-kv$bits.json"
+  fi
+  if wants fidelity; then
+    once "$OUT/fidelity-full-kv$bits.json" $SG fidelity --model "$MODEL" --text "$DATA/books/test/dracula.txt" \
+      --policy full --prompts 8 --prompt-tokens $((LENGTH / 2)) --new-tokens 64 --kv-bits "$bits" \
+      --json "$OUT/fidelity-full-kv$bits.json"
+  fi
+done
 if wants passkey; then
   once "$OUT/passkey-full.json" $SG passkey --model "$MODEL" --policy full --lengths "$LENGTH" \
     --depths 0,0.25,0.5,0.75,1 --trials 4 --json "$OUT/passkey-full.json"
