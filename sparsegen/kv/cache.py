@@ -152,28 +152,36 @@ class EvictionLayer(CacheLayerMixin):
             getattr(self, prefix + "_scale")[:, :, start:end] = scale
             getattr(self, prefix + "_zero")[:, :, start:end] = zero
 
-    def held(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots ``:end`` as attention reads them: the stored tensors, or, when quantized, the
-        dequantized codes with the newest tokens taken from the full-precision residual."""
+    def held(self, end: int, new_keys: torch.Tensor | None = None,
+             new_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``:end`` as attention reads them (followed by ``new_keys``/``new_values``, the
+        call's own tokens, when given): the stored tensors, or, when quantized, the dequantized codes with the newest
+        tokens taken from the full-precision residual."""
         if self.quantization is None:
             return self.keys[:, :, :end], self.values[:, :, :end]
-        bits = self.quantization.bits
-        keys = dequantize(self.keys[:, :, :end], self.key_scale[:, :, :end], self.key_zero[:, :, :end], bits)
-        keys = (keys * self.key_channels).to(self.dtype)
-        values = dequantize(self.values[:, :, :end], self.value_scale[:, :, :end], self.value_zero[:, :, :end],
-                            bits).to(self.dtype)
-        residual = self.quantization.residual
-        if residual and end:
+        bits, residual = self.quantization.bits, self.quantization.residual
+        out = []
+        for name, new in (("key", new_keys), ("value", new_values)):
+            codes = getattr(self, name + "s")
+            tokens = end + (0 if new is None else new.shape[2])
+            x = torch.empty(*codes.shape[:2], tokens, codes.shape[-1] * 8 // bits, dtype=self.dtype,
+                            device=self.device)
+            dequantize(codes[:, :, :end], getattr(self, name + "_scale")[:, :, :end],
+                       getattr(self, name + "_zero")[:, :, :end], bits, out=x[:, :, :end])
+            if new is not None:
+                x[:, :, end:] = new
+            out.append(x)
+        keys, values = out
+        keys[:, :, :end] *= self.key_channels
+        if residual and end:  # the few slots whose token is in the ring: its full-precision K/V
             index = self.index[:, :, :end]
             ring_slot = index % residual
-            fresh = (self.ring_index.gather(1, ring_slot.flatten(1)).view_as(index) == index)[..., None]
-            ring_keys, ring_values = self.ring_keys, self.ring_values
-            if self.fan > 1:  # one ring per head, read as one row: head h's ring starts at h * (residual + 1)
-                ring_slot = ring_slot + self.head[:, :, :end] * (residual + 1)
-                ring_keys, ring_values = (x.flatten(1, 2)[:, None] for x in (ring_keys, ring_values))
-            take = ring_slot[..., None]
-            keys = torch.where(fresh, ring_keys.gather(2, take.expand(-1, -1, -1, keys.shape[-1])), keys)
-            values = torch.where(fresh, ring_values.gather(2, take.expand(-1, -1, -1, values.shape[-1])), values)
+            fresh = self.ring_index.gather(1, ring_slot.flatten(1)).view_as(index) == index
+            batch, row, slot = fresh.nonzero(as_tuple=True)
+            ring_slot = ring_slot[batch, row, slot]
+            heads = (batch, row) if self.fan == 1 else (batch, self.head[batch, row, slot])
+            keys[batch, row, slot] = self.ring_keys[(*heads, ring_slot)]
+            values[batch, row, slot] = self.ring_values[(*heads, ring_slot)]
         return keys, values
 
     def remember(self, step: Step, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -224,8 +232,7 @@ class EvictionLayer(CacheLayerMixin):
         self.peak_tokens = max(self.peak_tokens, end)
         if self.quantization is None:
             return self.keys[:, :, :end], self.values[:, :, :end]
-        keys, values = self.held(start)  # the call's own tokens are attended in full precision
-        return torch.cat([keys, key_states], 2), torch.cat([values, value_states], 2)
+        return self.held(start, key_states, value_states)  # the call's own tokens are attended in full precision
 
     def query_view(self) -> tuple[int, int] | None:
         """The policy's ``(sinks, recent)`` with the pinned prefix counted among the sinks."""
