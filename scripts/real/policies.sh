@@ -18,6 +18,10 @@ ALL="window streaming h2o streaming-h2o tova scissorhands snapkv pyramid adakv k
 mkdir -p "$OUT" "$PPL"
 once() { [ -f "$1" ] || "${@:2}"; }
 wants() { [[ " ${PARTS:-ppl fidelity passkey bench} " == *" $1 "* ]]; }
+if wants ppl; then
+  once "$PPL/ppl-full.json" $SG ppl --model "$MODEL" --stream --text "$DATA/books/test" --streams 8 \
+    --max-tokens $((8 * LENGTH)) --segment 128 --policy full --json "$PPL/ppl-full.json"
+fi
 for bits in ${BITS:-none 4}; do
   quant=() tag=""
   [ "$bits" = none ] || { quant=(--kv-bits "$bits"); tag="-kv$bits"; }
