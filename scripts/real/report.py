@@ -249,6 +249,57 @@ POLICY_LIBRARY = ("h2o", "streaming-h2o", "scissorhands", "tova", "adakv", "pyra
                   "keydiff", "window", "knorm", "random")
 
 
+def plot_policies(root: Path, model: str, ppl_root: Path, full: dict) -> None:
+    """policies.png: at a 20% budget, each policy's PPL change and pass-key accuracy, with and without 4-bit KV; and
+    PPL against the budget where several budgets were run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def value(path: Path, read_value):
+        r = read(path)
+        return None if r is None else read_value(r)
+
+    names = [p for p in POLICY_LIBRARY if (ppl_root / f"ppl-{p}-20pct.json").exists()
+             or (root / f"passkey-{p}-20pct.json").exists()]
+    if not names:
+        return
+    curves = {}
+    for policy in POLICY_LIBRARY:
+        points = [(pct, value(ppl_root / f"ppl-{policy}-{pct}pct.json", lambda r: r["ppl"])) for pct in (10, 20, 50)]
+        points = [(pct, v) for pct, v in points if v is not None]
+        if len(points) > 1:
+            curves[policy] = points
+    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(15 if curves else 10, 4.5))
+    width = 0.4
+    for offset, tag, label, color in ((-width / 2, "", "as computed", "C0"), (width / 2, "-kv4", "4-bit KV", "C1")):
+        change = [value(ppl_root / f"ppl-{p}-20pct{tag}.json", lambda r: r["ppl"] / full["ppl"] - 1) for p in names]
+        keys = [value(root / f"passkey-{p}-20pct{tag}.json",
+                      lambda r: next(iter(r["policies"].values()))["accuracy"]) for p in names]
+        x = [i + offset for i in range(len(names))]
+        axes[0].bar([i for i, c in zip(x, change) if c is not None], [100 * c for c in change if c is not None],
+                    width, label=label, color=color)
+        axes[1].bar([i for i, k in zip(x, keys) if k is not None], [100 * k for k in keys if k is not None], width,
+                    label=label, color=color)
+    axes[0].set(yscale="log", ylabel="streaming PPL over the full cache, %", title="PPL at a 20% budget")
+    axes[1].set(ylabel="pass-key accuracy, %", title="pass-key, 2,048 tokens, 20% budget")
+    for ax in axes[:2]:
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+    if curves:
+        for policy, points in curves.items():
+            axes[2].plot(*zip(*points), marker="o", label=policy)
+        axes[2].axhline(full["ppl"], color="black", linestyle="--", label="full")
+        axes[2].set(xlabel="KV budget, % of the stream", ylabel="streaming PPL", yscale="log",
+                    title="PPL against budget")
+        axes[2].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{model}: the policy library")
+    fig.tight_layout()
+    fig.savefig(root / "policies.png", dpi=110)
+    plt.close(fig)
+
+
 def policies(root: Path, model: str) -> str:
     """The policy-library comparison (scripts/real/policies.sh): one row per policy, columns per budget and KV bits;
     and a plot of PPL against budget."""
@@ -284,27 +335,7 @@ def policies(root: Path, model: str) -> str:
                     + [passkey(f"{policy}-20pct{tag}") for tag in ("", "-kv4")]
                     + [speed(policy, tag) for tag in ("", "-kv4")])
     rows.append(["full", "0", "0", "0", "-", "1", "-", "0", "-", passkey("full"), "-", speed("full", ""), "-"])
-    curves = {}
-    for policy in POLICY_LIBRARY:
-        points = [(pct, read(ppl_root / f"ppl-{policy}-{pct}pct.json")) for pct in (10, 20, 50)]
-        points = [(pct, r["ppl"]) for pct, r in points if r]
-        if len(points) > 1:
-            curves[policy] = points
-    if curves:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for policy, points in curves.items():
-            ax.plot(*zip(*points), marker="o", label=policy)
-        ax.axhline(full["ppl"], color="black", linestyle="--", label="full")
-        ax.set(xlabel="KV budget, % of the 2,048-token stream", ylabel="streaming PPL (books/test)", yscale="log",
-               title=f"{model}: the policy library")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(root / "ppl-vs-budget.png", dpi=120)
+    plot_policies(root, model, ppl_root, full)
     header = ["policy", "PPL 50%", "PPL 20%", "PPL 10%", "PPL 20% +4-bit KV", "ROUGE-L 20%", "+4-bit",
               "KL 20%", "+4-bit", "pass-key 20%", "+4-bit", "ms/token / KV MiB 20%", "+4-bit"]
     return (f"### The policy library on {model}\n\nPPL: change over the full cache ({full['ppl']:.2f}), 8 streams "
