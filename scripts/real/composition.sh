@@ -26,19 +26,21 @@ once "$SOFT" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --steps 100 --s
   --calib "$DATA/books/train" --out "$SOFT"
 once "$RUNS/composition/teal50/contextual.json" $SG contextual fit --model "$RUNS/pruned/wanda_0.5" \
   --calib "$DATA/books/train" --method teal --sparsity 0.5 --out "$RUNS/composition/teal50" --force
-row() {  # NAME MODEL POLICY [options for both ppl and bench]
-  local name=$1 model=$2 policy=$3 budget=()
+row() {  # NAME MODEL POLICY DECODE_DTYPE [options for both ppl and bench]
+  local name=$1 model=$2 policy=$3 dtype=$4 budget=()
   [ "$policy" = full ] || budget=(--budget "$BUDGET")
   once "$OUT/ppl-$name.json" $SG ppl --model "$model" --stream --text "$DATA/books/test" --streams "$STREAMS" \
-    --max-tokens $((STREAMS * LENGTH)) --segment 1024 --policy "$policy" "${budget[@]}" "${@:4}" \
+    --max-tokens $((STREAMS * LENGTH)) --segment 1024 --policy "$policy" "${budget[@]}" "${@:5}" \
     --json "$OUT/ppl-$name.json"
   once "$OUT/bench-$name.json" $SG bench --model "$model" --policies "$policy" "${budget[@]}" --contexts "$LENGTH" \
-    --batch 1 --prefill synthetic --new-tokens 32 "${@:4}" --json "$OUT/bench-$name.json"
+    --batch 1 --prefill synthetic --new-tokens 32 --dtype "$dtype" "${@:5}" --json "$OUT/bench-$name.json"
 }
-row 1-full "$MODEL" full
-row 2-streaming "$MODEL" streaming
-row 3-wanda50 "$RUNS/pruned/wanda_0.5" streaming
-row 4-int4 "$RUNS/prompt/wanda50-int4" streaming
-row 5-soft-prompt "$RUNS/prompt/wanda50-int4" streaming --soft-prompt "$SOFT"
-row 6-kv4 "$RUNS/prompt/wanda50-int4" streaming --soft-prompt "$SOFT" --kv-bits 4
-row 3b-teal50 "$RUNS/pruned/wanda_0.5" streaming --contextual "$RUNS/composition/teal50"
+# decode timed in float32, and from int4 on in bfloat16: the CPU int4 kernel takes bfloat16 activations (in float32
+# the weights are dequantized every call); perplexity is computed in float32 throughout
+row 1-full "$MODEL" full float32
+row 2-streaming "$MODEL" streaming float32
+row 3-wanda50 "$RUNS/pruned/wanda_0.5" streaming float32
+row 4-int4 "$RUNS/prompt/wanda50-int4" streaming bfloat16
+row 5-soft-prompt "$RUNS/prompt/wanda50-int4" streaming bfloat16 --soft-prompt "$SOFT"
+row 6-kv4 "$RUNS/prompt/wanda50-int4" streaming bfloat16 --soft-prompt "$SOFT" --kv-bits 4
+row 3b-teal50 "$RUNS/pruned/wanda_0.5" streaming float32 --contextual "$RUNS/composition/teal50"
