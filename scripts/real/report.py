@@ -307,7 +307,7 @@ def policies(root: Path, model: str) -> str:
     full = read(ppl_root / "ppl-full.json")
     if full is None or not root.exists():
         return ""
-    bench = {tag: {row["policy"]: row for row in json.loads((root / f"bench-20pct{tag}.json").read_text())}
+    bench = {tag: {row["policy"]: row for row in json.loads((root / f"bench-20pct{tag}.json").read_text())["rows"]}
              for tag in ("", "-kv4") if (root / f"bench-20pct{tag}.json").exists()}
 
     def ppl(name):
