@@ -6,7 +6,7 @@ levels) and values per token, and keeps the newest tokens in full precision. Its
 tokens, which ties tokens together that eviction removes one at a time; here each key is divided by a per-channel
 scale fixed at the row's first call (the outlier channels are a property of the layer, not of the token) and then
 quantized per token, so every token's codes stand alone and move with it. On SmolLM2's keys this halves the error of
-plain per-token quantization at 8, 4 and 2 bits (docs/kv-quantization.md). Codes are asymmetric min-max integers,
+plain per-token quantization at 8, 4 and 2 bits (docs/kv.md, "Quantized KV"). Codes are asymmetric min-max integers,
 packed into bytes; each token's scale and zero point are float16.
 """
 
