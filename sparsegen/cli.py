@@ -333,8 +333,8 @@ def cmd_fidelity(args: argparse.Namespace) -> None:
     report = {"model": args.model, "text": str(text), "policies": []}
     print(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(f"{'policy':<16}{'budget':>8}{'ROUGE-L':>9}{'tokens to divergence':>22}{'KL(full||policy)':>18}")
+    quantization = _kv_bits(args)
     for name, make in _policies(args, input_length=args.prompt_tokens):
-        quantization = _kv_bits(args)
         result = {**make().describe(), **(quantization.describe() if quantization else {}),
                   **fidelity(model, tokenizer, prompts, make, args.new_tokens, args.positions, args.chunk_size,
                              kv_bits=quantization)}
@@ -358,11 +358,12 @@ def cmd_passkey(args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     filler = read_tokens(text, tokenizer, 4 * max(lengths))
+    quantization = _kv_bits(args)
     results = {}
     for name, make in _policies(args):
-        results[name] = {**make().describe(), **(_kv_bits(args).describe() if args.kv_bits else {}), **passkey_accuracy(
+        results[name] = {**make().describe(), **(quantization.describe() if quantization else {}), **passkey_accuracy(
             model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions,
-            chat=chat, kv_bits=_kv_bits(args))}
+            chat=chat, kv_bits=quantization)}
         print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
         for length in lengths:
             row = [c["accuracy"] for c in results[name]["cells"] if c["length"] == length]

@@ -69,6 +69,11 @@ class Setup:
         # with contextual sparsity the bytes a step reads depend on the input: no roofline is claimed
         self.contextual = None if plan is None else plan.method
 
+    def kv_bytes_per_token(self, name: str) -> int:
+        """K/V bytes per token of row ``name``: the model's own cache for the baselines, an evicting cache's
+        storage (quantized under ``kv_bits``) for every policy."""
+        return self.kv_per_token if name in BASELINES else self.stored_kv_per_token
+
     def environment(self) -> dict:
         device = self.device
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
@@ -220,8 +225,7 @@ def estimate_bytes(setup: Setup, name: str, policy: Policy | None, context: int,
         held = context + setup.warmup + setup.new_tokens
     else:
         held = min(policy.budget, context) + chunk
-    per_token = setup.kv_per_token if name in ("dense", "recompute") else setup.stored_kv_per_token
-    return batch * (held * per_token + heads * chunk * held * 4)
+    return batch * (held * setup.kv_bytes_per_token(name) + heads * chunk * held * 4)
 
 
 @torch.inference_mode()
@@ -332,7 +336,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     return {
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
-        **_decode_stats(setup, timer.seconds(), batch, kv_tokens, name != "dense"),
+        **_decode_stats(setup, name, timer.seconds(), batch, kv_tokens),
         "mlp_ms_per_token": mlp_timer.close(),
         "peak_kv_bytes": _peak_kv_bytes(cache, setup, batch),
     }
@@ -351,14 +355,14 @@ def _measure_recompute(setup: Setup, ids: torch.Tensor, window: int) -> dict:
         recent = torch.cat([recent[:, 1:], logits.argmax(-1, keepdim=True)], dim=1)
         if step >= min(setup.warmup, 1):
             timer.stop(started)
-    stats = _decode_stats(setup, timer.seconds(), batch, kv_tokens=window)
+    stats = _decode_stats(setup, "recompute", timer.seconds(), batch, kv_tokens=window)
     stats["roofline_fraction"] = None  # compute-bound: every step encodes `window` tokens
     return {"prefill_seconds": None, "prefill_tokens_per_s": None, **stats,
             "peak_kv_bytes": window * setup.kv_per_token * batch}
 
 
-def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: float, stored: bool = False) -> dict:
-    """Step times and the roofline; ``stored``: the KV bytes read are the evicting cache's (quantized or not)."""
+def _decode_stats(setup: Setup, name: str, seconds: list[float], batch: int, kv_tokens: float) -> dict:
+    """Step times, and the roofline of row ``name`` (the KV bytes it reads as its cache stores them)."""
     median = statistics.median(seconds)
     stats = {
         "step_seconds": seconds,
@@ -368,7 +372,7 @@ def _decode_stats(setup: Setup, seconds: list[float], batch: int, kv_tokens: flo
         "timed_tokens": len(seconds),
         "kv_tokens": kv_tokens,
         "bytes_per_step": decode_bytes(setup.step_weight_bytes, kv_tokens,
-                                       setup.stored_kv_per_token if stored else setup.kv_per_token, batch),
+                                       setup.kv_bytes_per_token(name), batch),
     }
     if setup.bandwidth and setup.contextual is None:
         bound = roofline_tokens_per_s(setup.bandwidth, stats["bytes_per_step"], batch)
@@ -412,8 +416,7 @@ def _merge(setup: Setup, repeats: list[dict]) -> dict:
     if len(repeats) == 1 or "skipped" in first:
         return first
     seconds = [s for r in repeats for s in r["step_seconds"]]
-    stored = first["policy"] not in ("dense", "recompute")
-    merged = {**first, **_decode_stats(setup, seconds, first["batch"], first["kv_tokens"], stored),
+    merged = {**first, **_decode_stats(setup, first["policy"], seconds, first["batch"], first["kv_tokens"]),
               "repeats": len(repeats)}
     mlp = [r["mlp_ms_per_token"] for r in repeats if r.get("mlp_ms_per_token") is not None]
     merged["mlp_ms_per_token"] = statistics.median(mlp) if mlp else None

@@ -198,9 +198,7 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
     the lowest-priority token is evicted before token i+1 — the per-token steps replayed inside the layer, so the
     projections, MLPs and the rest of the model run once per chunk. Unpadded rows only (streams)."""
     step = cache.step
-    if cache.padded:
-        raise ValueError("stepwise eviction over a multi-token call needs unpadded rows; feed padded batches one "
-                         "token per call")
+    _check_unpadded(cache)
     batch, q_heads, q, _ = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     group, start = q_heads // kv_heads, total - q
@@ -283,9 +281,7 @@ def shared_attention(cache, layer, query, key, value, scaling: float, sliding_wi
     logits = _scores(query, key, scaling).view(batch, heads, group, q, total)
     stepwise = cache.stepwise and q > 1
     if stepwise:
-        if cache.padded:
-            raise ValueError("stepwise eviction over a multi-token call needs unpadded rows; feed padded batches one "
-                             "token per call")
+        _check_unpadded(cache)
         alive = layer.valid[:, 0, :total].clone()
         alive[:, start:] = False
         probs = logits.new_zeros(logits.shape)
@@ -313,6 +309,12 @@ def shared_attention(cache, layer, query, key, value, scaling: float, sliding_wi
         out = _attend(probs, value)  # before eviction moves the slots ``value`` views
         layer.evict(step.seen)
     return out.transpose(1, 2).contiguous()
+
+
+def _check_unpadded(cache) -> None:
+    if cache.padded:
+        raise ValueError("stepwise eviction over a multi-token call needs unpadded rows; feed padded batches one "
+                         "token per call")
 
 
 def _attend(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
