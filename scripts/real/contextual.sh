@@ -13,8 +13,8 @@ PLANS=runs/$MODEL/contextual
 WINDOWS=${WINDOWS:-64}
 mkdir -p "$OUT" "$PLANS"
 once() { [ -f "$1" ] || "${@:2}"; }
-fit() {  # TAG [fit options]
-  if [ ! -f "$OUT/$1.fit.json" ]; then
+fit() {  # TAG [fit options]: the plan is git-ignored, its report is kept; a fresh checkout refits what bench needs
+  if [ ! -f "$PLANS/$1/contextual.json" ]; then
     $SG contextual fit --model "$MODEL" --calib "$DATA/books/train" --out "$PLANS/$1" --force "${@:2}"
     cp "$PLANS/$1/contextual.json" "$OUT/$1.fit.json"
   fi

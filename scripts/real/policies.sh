@@ -29,8 +29,7 @@ for bits in ${BITS:-none 4}; do
     budget=$((LENGTH * pct / 100))
     for policy in ${POLICIES:-$ALL}; do
       name="$policy-${pct}pct$tag"
-      # lagkv rescores every held token per step: the per-token replay that streaming perplexity needs is too slow
-      if wants ppl && [ "$policy" != lagkv ]; then
+      if wants ppl; then
         once "$PPL/ppl-$name.json" $SG ppl --model "$MODEL" --stream --text "$DATA/books/test" --streams 8 \
           --max-tokens $((8 * LENGTH)) --segment 128 --policy "$policy" --budget "$budget" "${quant[@]}" \
           --json "$PPL/ppl-$name.json"

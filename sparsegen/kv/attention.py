@@ -250,10 +250,13 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         if attention is not None:
             observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None],
                     index=step.new_index[:, i:i + 1])
-        view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i),
-                         attention=None if attention is None else layer.observed(total),
-                         keys=keys_held, values=values_held)
-        alive = layer.drop_lowest(view, alive.sum(-1, keepdim=True) > budget)  # at most one over, as after a decode
+        over = alive.sum(-1, keepdim=True) > budget  # at most one over, as after a decode
+        if over.any():  # below the budget no policy is asked (a key-reading rule costs a pass over the held keys)
+            view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i),
+                             attention=None if attention is None else layer.observed(total),
+                             keys=keys_held, values=values_held,
+                             memo=None if layer.memo is None else layer.memo[:, :, :total])
+            alive = layer.drop_lowest(view, over)
     out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
     layer.pending = 0
     layer._compact(alive, alive.sum(-1))
@@ -294,8 +297,10 @@ def shared_attention(cache, layer, query, key, value, scaling: float, sliding_wi
                 observe(layer.policy, layer.attention[:, :, :total], p.reshape(batch, 1, q_heads, 1, total),
                         visible.sum(-1).repeat_interleave(group, 1)[:, None, :, None, None],
                         index=step.new_index[:, i:i + 1])
-            view = replace(layer.view(step.seen - (q - 1 - i)), valid=alive[:, None])
-            alive = layer.keep_highest(view, alive.sum(-1, keepdim=True).clamp(max=layer.slot_budget))[:, 0]
+            held = alive.sum(-1, keepdim=True)
+            if bool((held > layer.slot_budget).any()):
+                view = replace(layer.view(step.seen - (q - 1 - i)), valid=alive[:, None])
+                alive = layer.keep_highest(view, held.clamp(max=layer.slot_budget))[:, 0]
         out = _attend(probs, value)
         layer.pending = 0
         layer._compact(alive[:, None], alive.sum(-1, keepdim=True))

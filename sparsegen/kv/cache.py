@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -33,7 +33,8 @@ from sparsegen.models.anatomy import pinned_tokens
 DEFAULT_CHUNK = 512
 # per-slot state, all [batch, kv_heads, slots, ...]; keys and values are byte codes when the cache is quantized
 BUFFERS = ("keys", "values", "key_scale", "key_zero", "value_scale", "value_zero", "index", "valid", "attention",
-           "head")  # head: each slot's KV head, where the layer's heads share one pool of slots (``shares_slots``)
+           "memo", "head")  # memo: the policy's own numbers (``Policy.memo_width``); head: each slot's KV head,
+# where the layer's heads share one pool of slots (``shares_slots``)
 KV_BUFFERS = BUFFERS[:6]  # what a slot's K and V cost
 # per-row state of a quantized cache: each key channel's scale [B, H, 1, D]; the full-precision residual of the newest
 # tokens, at slot (token ordinal % residual) of a ring (one slot more, where other tokens' writes go) [B, H, R + 1, D]
@@ -108,6 +109,9 @@ class EvictionLayer(CacheLayerMixin):
             torch.zeros(batch, rows, capacity, *history, dtype=torch.float32, device=self.device)
             if self.policy.needs_attention else None
         )
+        if self.policy.memo_width:
+            self.memo = torch.full((batch, rows, capacity, self.policy.memo_width), torch.nan, dtype=torch.float64,
+                                   device=self.device)
         if self.fan > 1:
             self.head = torch.zeros(batch, 1, capacity, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -228,11 +232,19 @@ class EvictionLayer(CacheLayerMixin):
             self.head[:, :, start:end] = torch.arange(heads, device=self.device).repeat_interleave(tokens)
         if self.attention is not None:
             self.attention[:, :, start:end] = 0
+        if self.memo is not None:
+            self.memo[:, :, start:end] = torch.nan
         self.used, self.pending = end, q
         self.peak_tokens = max(self.peak_tokens, end)
-        if self.quantization is None:
-            return self.keys[:, :, :end], self.values[:, :, :end]
-        return self.held(start, key_states, value_states)  # the call's own tokens are attended in full precision
+        # the call's own tokens are attended in full precision
+        keys, values = self.held(end) if self.quantization is None else self.held(start, key_states, value_states)
+        if self.memo is not None:
+            self.memorize(step.seen, keys, values)
+        return keys, values
+
+    def memorize(self, seen: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Let a policy with a memo write what it can now, from the held keys and values as attention reads them."""
+        self.policy.memorize(replace(self.view(seen), keys=keys, values=values))
 
     def query_view(self) -> tuple[int, int] | None:
         """The policy's ``(sinks, recent)`` with the pinned prefix counted among the sinks."""
@@ -268,6 +280,7 @@ class EvictionLayer(CacheLayerMixin):
             keys=keys if self.policy.needs_keys else None,
             values=values if self.policy.needs_values else None,
             head=None if self.head is None else self.head[:, :, :t], heads=self.fan,
+            memo=None if self.memo is None else self.memo[:, :, :t],
         )
 
     def observed(self, end: int) -> torch.Tensor:
@@ -510,14 +523,19 @@ class EvictionCache(Cache):
             policy = layer.policy
             attention = torch.rand(shape, device=device, generator=generator) if policy.needs_attention else None
             # every token's random K/V, where the policy reads them to choose; else only the held ones are drawn
-            reads_kv = held < context and (policy.needs_keys or policy.needs_values)
+            reads_kv = held < context and (policy.needs_keys or policy.needs_values or policy.memo_width > 0)
             kv = [torch.randn(*shape, head_dim, dtype=dtype, device=device, generator=generator)
                   for _ in range(2)] if reads_kv else None
+            memo = None
             if policy.shares_slots:
                 keep = index[..., context - held:]
             elif held < context:
+                if policy.memo_width:
+                    memo = torch.full((*shape, policy.memo_width), torch.nan, dtype=torch.float64, device=device)
                 view = TokenView(index=index, valid=torch.ones(shape, dtype=torch.bool, device=device), seen=seen,
-                                 attention=attention, keys=kv and kv[0], values=kv and kv[1])
+                                 attention=attention, keys=kv and kv[0], values=kv and kv[1], memo=memo)
+                if memo is not None:
+                    policy.memorize(view)
                 priority = policy.priority(view).masked_fill(index < layer.pinned, torch.inf)
                 keep = priority.topk(held, dim=-1).indices
             else:
@@ -541,6 +559,10 @@ class EvictionCache(Cache):
                 target = layer.attention[:, :, :slots]
                 (target if target.dim() == 3 else target[..., 0]).copy_(kept_attention)
             layer.used = layer.peak_tokens = slots
+            if memo is not None:
+                layer.memo[:, :, :slots] = memo.gather(2, keep[..., None].expand(-1, -1, -1, memo.shape[-1]))
+            elif layer.memo is not None:
+                layer.memorize(seen, *layer.held(slots))
         self.seen, self.length = seen, context
 
     # --- batching separate sequences (a server's concurrent conversations) ---
@@ -653,6 +675,8 @@ class EvictionCache(Cache):
                 t = layer.used
                 kept = layer.valid[:, :, :t] & (layer.index[:, :, :t] < self.seen[:, None, None])
                 layer._compact(kept, kept.sum(-1))
+                if layer.memo is not None:  # numbers that counted the forgotten tokens
+                    layer.memorize(self.seen, *layer.held(layer.used))
         self.length -= int(counts.min())  # the longest row's length, its holes counted as padding
 
     # --- what users ask ---

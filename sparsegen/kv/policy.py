@@ -27,6 +27,8 @@ class TokenView:
     values: torch.Tensor | None = None  # the held values [batch, kv_head, slot, head_dim] (policies that set needs_values)
     head: torch.Tensor | None = None  # where a layer's heads share slots (``shares_slots``): each slot's KV head, and the
     heads: int = 1  # number of them; every tensor above is then [batch, 1, slot, ...]
+    memo: torch.Tensor | None = None  # float64 [batch, kv_head, slot, memo_width]: the policy's own numbers per token
+    # (policies that set memo_width), NaN until ``memorize`` writes them; the cache moves them with the tokens
 
     def is_recent(self, recent: int) -> torch.Tensor:
         return self.index >= (self.seen - recent)[:, None, None]
@@ -51,6 +53,7 @@ class Policy:
     shares_slots: ClassVar[bool] = False
 
     history: int | None = None  # count only the latest `history` queries' attention (None: all of them)
+    memo_width: ClassVar[int] = 0  # numbers per token the policy keeps in ``TokenView.memo`` (0: none)
 
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:
@@ -59,6 +62,11 @@ class Policy:
 
     def priority(self, view: TokenView) -> torch.Tensor:
         raise NotImplementedError
+
+    def memorize(self, view: TokenView) -> None:
+        """Write ``view.memo`` in place, after a call stored new tokens or the newest were forgotten: a score that
+        costs a pass over the keys is computed once per token here, not at every eviction. ``view`` carries the held
+        keys and values (as ``TokenView.keys`` says) whatever ``needs_keys`` says."""
 
     def query_view(self) -> tuple[int, int] | None:
         """``(sinks, recent)`` if each token sees exactly the first ``sinks`` tokens and the ``recent`` before

@@ -39,7 +39,7 @@ def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], see
     # h2o / streaming-h2o: protected sinks and recent tokens, then the largest scores (ties: the newer one);
     # tova, knorm, random: the largest scores alone
     protected = {t for t in candidates if t < sinks or t >= seen - policy.get("recent", 0)}
-    if name == "lagkv":  # sinks, partitions whose next one is not seen whole, and those with no later tokens held
+    if name == "lagkv":  # sinks, and partitions whose next one is not seen whole
         protected = {t for t in candidates if t not in scores}
     if name == "snapkv":  # votes average-pooled over 5 neighbouring held tokens (zeros beyond the ends)
         ordered = sorted(candidates)
@@ -108,7 +108,7 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 anchor = sum(directions.values())
                 anchor = anchor / anchor.norm()
                 scores.update({t: -float(directions[t] @ anchor) for t in candidates})
-            elif policy["policy"] == "lagkv":  # spread against the next held partition's range, softmaxed
+            elif policy["policy"] == "lagkv":  # spread against the next partition's range, shared out
                 scores.clear()
                 scores.update(_lagkv_scores(policy, candidates, key[b, h], value[b, h], seen=total))
             elif policy["policy"] == "random":  # a fixed hash of the position
@@ -150,8 +150,9 @@ def adaptive_keep_rule(policy: dict, candidates: list[set[int]], scores: list[di
 
 
 def _lagkv_scores(policy: dict, candidates: list[int], keys, values, seen: int) -> dict[int, float]:
-    """LagKV written out: partitions of ``lag`` after the sinks; each scored against the nearest later partition
-    holding tokens, once the next partition has been seen whole."""
+    """LagKV written out: partitions of ``lag`` after the sinks; once the next partition has been seen whole, each
+    token's spread against that whole next partition's range, exponentiated against its partition's largest, then
+    shared out over the partition's held tokens (the dense keys here hold every token, evicted or not)."""
     sinks, lag = policy["sinks"], policy["lag"]
     groups: dict[int, list[int]] = {}
     for t in candidates:
@@ -159,16 +160,16 @@ def _lagkv_scores(policy: dict, candidates: list[int], keys, values, seen: int) 
             groups.setdefault((t - sinks) // lag, []).append(t)
     scores: dict[int, float] = {}
     for n, members in groups.items():
-        later = [m for m in groups if m > n]
-        if (n + 2) * lag + sinks > seen or not later:
+        if (n + 2) * lag + sinks > seen:
             continue
-        reference = groups[min(later)]
+        start = sinks + n * lag
+        own, reference = range(start, start + lag), range(start + lag, start + 2 * lag)
         for x in (keys.double(), values.double()):
             low = torch.stack([x[t] for t in reference]).amin(0)
             high = torch.stack([x[t] for t in reference]).amax(0)
-            spread = {t: float(((x[t] - low) / (high - low).clamp(min=FLOOR)).std()) for t in members}
+            spread = {t: float(((x[t] - low) / (high - low).clamp(min=FLOOR)).std()) for t in own}
             peak = max(spread.values())
-            weights = {t: math.exp(s - peak) for t, s in spread.items()}
+            weights = {t: math.exp(spread[t] - peak) for t in members}
             total = sum(weights.values())
             for t in members:
                 scores[t] = scores.get(t, 0.0) + weights[t] / total

@@ -41,3 +41,26 @@ def test_forgetting_more_than_was_seen_is_refused():
         cache.forget_last(torch.tensor([1, 7]))
     with pytest.raises(ValueError, match="cannot forget"):
         cache.forget_last(-1)
+
+
+def test_a_memo_that_counted_forgotten_tokens_is_computed_again():
+    """LagKV scores a partition once the next is seen whole: tokens that completed it, then were forgotten, must not
+    leave their scores behind; the cache continues exactly as one that never saw them (held tokens and memo)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 18), generator=torch.Generator().manual_seed(0))
+    policy = make_policy("lagkv", 12, sinks=2)  # partitions of 2 after 2 sinks
+    rolled_back, direct = EvictionCache(model, policy, rollback=2), EvictionCache(model, policy)
+    with torch.no_grad():
+        model(input_ids=ids[:, :10], past_key_values=rolled_back)
+        model(input_ids=ids[:, 10:12], past_key_values=rolled_back)  # completes the partition after tokens 8-9
+        rolled_back.forget_last(2)
+        model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], past_key_values=rolled_back)
+        model(input_ids=ids[:, :10], past_key_values=direct)
+        model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], past_key_values=direct)
+    for ours, theirs in zip(rolled_back.layers, direct.layers):
+        for layer in (ours, theirs):
+            order = layer.index[:, :, :layer.used].argsort(-1)
+            layer.sorted = [x[:, :, :layer.used].gather(2, order if x.dim() == 3 else order[..., None].expand_as(
+                x[:, :, :layer.used])) for x in (layer.index, layer.memo)]
+        assert torch.equal(ours.sorted[0], theirs.sorted[0])
+        torch.testing.assert_close(ours.sorted[1], theirs.sorted[1], equal_nan=True)

@@ -1,5 +1,7 @@
 """Policy rules that are not about exactness: how a per-layer policy shares its budget, and what it allocates."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -28,22 +30,28 @@ def test_each_pyramid_layer_holds_and_allocates_its_own_budget():
     assert slots[1] < slots[0]  # storage sized by what the layer can hold, not one size for all
 
 
-def test_lagkv_scores_each_partition_against_the_next_and_keeps_the_recent_ones():
+def test_lagkv_scores_each_partition_once_against_the_next_and_keeps_the_recent_ones():
     """12 tokens, 2 sinks, partitions of 2: the sinks and the last partition (its next one is unseen) are kept; each
-    scored partition's key and value softmaxes sum to 2, also one whose next partition was evicted whole."""
+    scored partition's key and value shares sum to 2 over its held tokens, a lone survivor's to 2; the scores are
+    the memo's, computed once: keys changed afterwards change nothing."""
     policy = make_policy("lagkv", 10, sinks=2)
     assert policy.describe()["lag"] == 2
     generator = torch.Generator().manual_seed(0)
-    index = torch.arange(12).expand(1, 1, 12)
-    valid = torch.ones(1, 1, 12, dtype=torch.bool)
-    valid[..., 8:10] = False  # partition 3 evicted whole: partition 2 is scored against partition 4
-    view = TokenView(index=index, valid=valid, seen=torch.tensor([12]), attention=None,
-                     keys=torch.randn(1, 1, 12, 8, generator=generator), values=torch.randn(1, 1, 12, 8, generator=generator))
-    priority = policy.priority(view)[0, 0]
+    view = TokenView(index=torch.arange(12).expand(1, 1, 12), valid=torch.ones(1, 1, 12, dtype=torch.bool),
+                     seen=torch.tensor([12]), attention=None, keys=torch.randn(1, 1, 12, 8, generator=generator),
+                     values=torch.randn(1, 1, 12, 8, generator=generator),
+                     memo=torch.full((1, 1, 12, 2), torch.nan, dtype=torch.float64))
+    policy.memorize(view)
+    assert view.memo[0, 0, 2:10].isfinite().all() and view.memo[0, 0, [0, 1, 10, 11]].isnan().all()
+    view.keys.normal_(generator=generator)
+    valid = view.valid.clone()
+    valid[..., 8] = False  # partition 3 lost a token
+    priority = policy.priority(replace(view, valid=valid))[0, 0]
     assert torch.isinf(priority[[0, 1, 10, 11]]).all()
     for start in (2, 4, 6):
         assert torch.isfinite(priority[start:start + 2]).all()
         assert abs(float(priority[start:start + 2].sum()) - 2) < 1e-9
+    assert abs(float(priority[9]) - 2) < 1e-12
 
 
 @pytest.mark.parametrize("budget, sinks, words", [(10, 10, "sinks"), (7, 4, "raise the budget")])
