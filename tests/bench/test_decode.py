@@ -74,6 +74,10 @@ def test_synthetic_prefill_of_a_policy_reading_keys_keeps_what_it_chooses_from_t
     if name == "knorm":
         norms = layer.keys[:, :, :12].norm(dim=-1)
         assert (norms.max(-1).values < 3.2).all()  # 12 smallest of 40 eight-dimensional normal norms
+    if name == "lagkv":  # the held tokens keep the scores they were chosen by: set where the next partition is whole
+        index = layer.index[:, :, :12]
+        scored = (index >= 4) & (index < 38)  # 4 sinks, partitions of 2: the last two of 40 tokens not scored yet
+        assert torch.equal(layer.memo[:, :, :12].isfinite().all(-1), scored)
 
 
 def test_synthetic_and_real_prefill_leave_the_same_state(tiny_model):
