@@ -61,16 +61,21 @@ def streaming(root: Path, model: str, trained: int) -> str:
     if any(c != "-" for row in sweep for c in row[1:]):
         out.append("\nSink sweep (PPL over the stream / after the trained length):\n")
         out.append(table(["budget", "0 sinks (window)", "1", "2", "4", "8"], sweep))
-    recompute, latency = read(root / "recompute-256.json"), read(root / "latency-recompute.json")
+    recompute = read(root / "recompute-256.json")
     if recompute:
+        same = {p: read(root / f"{p}-256-short.json") for p in ("window", "streaming")}
+        others = "".join(f"; {p} {r['ppl']:.2f} at {r['tokens_per_s']:,.0f}" for p, r in same.items() if r)
         out.append(f"\nSliding window with re-computation (window 256, one stream of {recompute['tokens']:,} tokens): "
-                   f"PPL {recompute['ppl']:.2f} at {recompute['tokens_per_s']:,.1f} tokens/s.\n")
-    if latency:
-        ms = {row["policy"]: row["ms_per_token"] for row in latency["rows"]}
+                   f"PPL {recompute['ppl']:.2f} at {recompute['tokens_per_s']:,.1f} tokens/s{others} on the same "
+                   f"tokens.\n")
+    for window, name in ((256, "latency-recompute"), (1024, "latency-recompute-1024")):
+        latency = read(root / f"{name}.json")
+        ms = {row["policy"]: row for row in latency["rows"]} if latency else {}
         if {"streaming", "recompute"} <= set(ms):
-            out.append(f"\nDecode latency at the same window (256) after a 1,024-token context: streaming "
-                       f"{ms['streaming']:.1f} ms/token, recompute {ms['recompute']:.1f} ms/token "
-                       f"(**{ms['recompute'] / ms['streaming']:.1f}×**).\n")
+            streaming_ms, recompute_ms = ms["streaming"]["ms_per_token"], ms["recompute"]["ms_per_token"]
+            out.append(f"\nDecode latency at the same window ({window:,}) after a {ms['streaming']['context']:,}-token "
+                       f"context: streaming {streaming_ms:.1f} ms/token, recompute {recompute_ms:.1f} ms/token "
+                       f"(**{recompute_ms / streaming_ms:.1f}×**).\n")
     million = read(root / "million.json")
     if million:
         trace = million["trace"]

@@ -25,12 +25,20 @@ for budget in ${BUDGETS:-256 1024}; do
     run "sinks$sinks-$budget" --policy streaming --sinks "$sinks" --budget "$budget"
   done
 done
-# sliding window with re-computation: every token re-encodes its last 256 (short: it costs 256x per token)
+# sliding window with re-computation: every token re-encodes its last 256 (short: it costs 256x per token), and
+# window and streaming over the same 1,500 tokens to compare with
 once "$OUT/recompute-256.json" $SG ppl --model "$MODEL" --stream --text "$TEXT" --streams 1 --max-tokens 1500 \
   --segment 250 --policy recompute --budget 256 --json "$OUT/recompute-256.json"
-# per-token decode latency at the same window: streaming (cache) vs recompute (re-encode the window every token)
+for policy in window streaming; do
+  once "$OUT/$policy-256-short.json" $SG ppl --model "$MODEL" --stream --text "$TEXT" --streams 1 --max-tokens 1500 \
+    --segment 250 --policy "$policy" --budget 256 --json "$OUT/$policy-256-short.json"
+done
+# per-token decode latency at the same window: streaming (cache) vs recompute (re-encode the window every token),
+# at windows of 256 and 1,024
 once "$OUT/latency-recompute.json" $SG bench --model "$MODEL" --policies streaming,recompute --budget 256 \
   --contexts 1024 --new-tokens 64 --recompute-tokens 16 --json "$OUT/latency-recompute.json"
+once "$OUT/latency-recompute-1024.json" $SG bench --model "$MODEL" --policies streaming,recompute --budget 1024 \
+  --contexts 2048 --new-tokens 64 --recompute-tokens 16 --json "$OUT/latency-recompute-1024.json"
 if [ "${MILLION:-0}" = 1 ]; then  # the four books as 8 streams of 125K tokens through 4 sinks + 252 recent
   once "$OUT/million.json" $SG ppl --model "$MODEL" --stream --text "$TEXT" --streams 8 --policy streaming --sinks 4 \
     --budget 256 --max-tokens 1000000 --segment 10000 --every 4096 --json "$OUT/million.json" \
