@@ -301,11 +301,12 @@ class EvictionLayer(CacheLayerMixin):
         valid = self.valid[:, :, :self.used]
         held = valid.sum(-1)  # [batch, rows]
         keep_count = held.clamp(max=budget)
-        view = self.view(seen)
-        if self.cache.step.new_valid.shape[1] == 1 and self.fan == 1:  # at most one token over the budget per row
-            kept = self.drop_lowest(view, (held > budget)[..., None])
+        if not bool((held > budget).any()):
+            kept = valid  # no row over its budget: no policy is asked (only padding leaves)
+        elif self.cache.step.new_valid.shape[1] == 1 and self.fan == 1:  # at most one token over per row
+            kept = self.drop_lowest(self.view(seen), (held > budget)[..., None])
         else:
-            kept = self.keep_highest(view, keep_count)
+            kept = self.keep_highest(self.view(seen), keep_count)
         self._compact(kept, keep_count)
 
     def keep_highest(self, view: TokenView, keep_count: torch.Tensor) -> torch.Tensor:
