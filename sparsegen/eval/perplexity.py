@@ -21,6 +21,9 @@ def windows(token_arrays: Sequence[np.ndarray], length: int, max_windows: int | 
     return stacked[:max_windows] if max_windows else stacked
 
 
+LOGIT_BYTES = 2**30  # float32 logits one forward may produce
+
+
 @torch.inference_mode()
 def window_perplexity(
     model: torch.nn.Module,
@@ -39,6 +42,8 @@ def window_perplexity(
     device = next(model.parameters()).device
     body = ctx - 1 if bos_id is not None else ctx
     data = windows(token_arrays, body, max_windows)
+    # fewer windows per forward where the vocabulary is large: Gemma's 262K logits are 1 GiB per 1,024-token window
+    batch_size = max(1, min(batch_size, LOGIT_BYTES // (ctx * model.config.get_text_config().vocab_size * 4)))
     total, count = 0.0, 0
     for start in tqdm(range(0, len(data), batch_size), desc="ppl", disable=not progress, leave=False):
         batch = data[start : start + batch_size].to(device)

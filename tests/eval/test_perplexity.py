@@ -25,3 +25,19 @@ def test_matches_the_models_own_loss(tiny_checkpoint, bos):
         losses = [model(input_ids=row[None], labels=row[None]).loss.item() for row in data]
     assert result["tokens"] == len(data) * 31
     assert result["nll"] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_a_large_vocabulary_gets_fewer_windows_per_forward(tiny_checkpoint, monkeypatch):
+    """Logits are capped per forward (Gemma's 262K vocabulary made 8 windows of 1,024 tokens 8 GiB): the same
+    perplexity, in more, smaller calls."""
+    import sparsegen.eval.perplexity as perplexity
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    tokens = [np.random.default_rng(1).integers(2, 300, size=200)]
+    whole = window_perplexity(model, tokens, ctx=32, batch_size=6, progress=False)
+    calls = []
+    model.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape[0]),
+                                with_kwargs=True)
+    monkeypatch.setattr(perplexity, "LOGIT_BYTES", 2 * 32 * model.config.vocab_size * 4)
+    capped = window_perplexity(model, tokens, ctx=32, batch_size=6, progress=False)
+    assert max(calls) == 2 and capped["nll"] == pytest.approx(whole["nll"], rel=1e-6)
