@@ -73,7 +73,9 @@ def fidelity(
         mask = torch.ones_like(ids)
         with suspended(model):
             full, *_ = generate_tokens(model, ids, mask, Full(), max_new_tokens=new_tokens, chunk_size=chunk_size)
-            dense = model(input_ids=torch.cat([ids, full[:, :-1]], dim=1)).logits[:, ids.shape[1] - 1:].float()
+            # only the continuation's logits: a whole prompt's are GiBs under a large vocabulary (Gemma's 262K)
+            dense = model(input_ids=torch.cat([ids, full[:, :-1]], dim=1),
+                          logits_to_keep=full.shape[1]).logits.float()
         ours, *_ = generate_tokens(model, ids, mask, make(), positions, max_new_tokens=new_tokens,
                                    chunk_size=chunk_size, kv_bits=kv_bits)
         differs = full != ours
