@@ -193,7 +193,7 @@ def contextual(root: Path, model: str) -> str:
         out.append(table(["plan", "units", "K kept", "recall", "worst layer", "mass recall"], recall))
     bench = read(root / "bench.json")
     if bench:
-        rows = [[Path(row["contextual"]).name if row.get("contextual") else "dense", f"{row['ms_per_token']:.2f}",
+        rows = [[Path(row["model"].split(" + ")[1]).name if " + " in row["model"] else "dense", f"{row['ms_per_token']:.2f}",
                  f"{row.get('mlp_ms_per_token') or float('nan'):.2f}"] for row in bench["rows"]]
         out.append("\nBatch-1 decode after a 512-token context (ms/token, whole step and MLP blocks):\n")
         out.append(table(["plan", "ms/token", "MLP ms/token"], rows))
