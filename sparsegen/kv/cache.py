@@ -300,11 +300,11 @@ class EvictionLayer(CacheLayerMixin):
             return
         valid = self.valid[:, :, :self.used]
         held = valid.sum(-1)  # [batch, rows]
-        keep_count = held.clamp(max=budget)
-        if not bool((held > budget).any()):
+        keep_count, over = held.clamp(max=budget), held > budget
+        if not bool(over.any()):
             kept = valid  # no row over its budget: no policy is asked (only padding leaves)
         elif self.cache.step.new_valid.shape[1] == 1 and self.fan == 1:  # at most one token over per row
-            kept = self.drop_lowest(self.view(seen), (held > budget)[..., None])
+            kept = self.drop_lowest(self.view(seen), over[..., None])
         else:
             kept = self.keep_highest(self.view(seen), keep_count)
         self._compact(kept, keep_count)

@@ -46,11 +46,11 @@ class LagKV(Policy):
         first = part.masked_fill(~due, torch.iinfo(torch.long).max).amin(-1, keepdim=True)
         local = (part - first + 1).clamp(min=0).masked_fill(part < 0, 0)
         buckets = int(local.max()) + 2
-        for column, x in enumerate((view.keys, view.values)):
-            low, high, held = _ranges(x.double(), local, buckets)
+        for column, x in enumerate((view.keys.double(), view.values.double())):
+            low, high, held = _ranges(x, local, buckets)
             reference = (local + 1)[..., None].expand_as(x)
             low, high = low.gather(2, reference), high.gather(2, reference)
-            spread = ((x.double() - low) / (high - low).clamp(min=FLOOR)).std(-1)
+            spread = ((x - low) / (high - low).clamp(min=FLOOR)).std(-1)
             # a reference with no token left (evicted, then the tokens after it forgotten): all its tokens alike
             spread = torch.where(held.gather(2, local + 1), spread, 0.0).masked_fill(~due, -torch.inf)
             peak = spread.new_full(spread.shape[:2] + (buckets,), -torch.inf).scatter_reduce(2, local, spread, "amax")
