@@ -315,7 +315,7 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
         from sparsegen.eval.plots import plot_stream
 
         plot_stream(summaries, [(r.kv_bytes, r.every) for r in results], args.plot,
-                    title=f"{args.model}: {data.shape[0]} streams from {text}")
+                    title=f"{args.model}: {data.shape[0]} streams from {text}", rss=[r.rss_bytes for r in results])
     if len(summaries) == 1:
         return {**meta, **summaries[0]}
     return {**meta, "policies": summaries}

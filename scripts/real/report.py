@@ -80,6 +80,10 @@ def streaming(root: Path, model: str, trained: int) -> str:
     if million:
         trace = million["trace"]
         rss = [b / MiB for b in trace["rss_bytes"] if b]
+        plot_stream([million], [(trace["kv_bytes"], trace["every"])], root / "million.png",
+                    f"{model}: {million['streams']} streams of {million['tokens'] // million['streams']:,} books/test "
+                    f"tokens through streaming ({million['cache']['sinks']} sinks, budget {million['cache']['budget']})",
+                    rss=[trace["rss_bytes"]])
         out.append(f"\nOne million tokens: {million['streams']} streams, {million['tokens']:,} tokens predicted in "
                    f"{million['seconds'] / 60:.0f} min ({million['tokens_per_s']:,.0f} tokens/s); PPL "
                    f"{million['ppl']:.2f}; KV held {max(trace['kv_bytes']) / MiB:.1f} MiB throughout; process RSS "
