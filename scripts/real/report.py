@@ -111,7 +111,7 @@ def h2o(root: Path, model: str) -> str:
     full = read(root / "ppl-full.json")
     if full is None:
         return ""
-    out = [f"### H2O on {model}\n", f"8 streams of {full['tokens'] // full['streams'] + 1:,} tokens; full cache PPL "
+    out = [f"### H2O on {model}\n", f"{full['streams']} streams, {full['tokens'] // full['streams']:,} tokens predicted in each; full cache PPL "
            f"**{full['ppl']:.2f}**. Fidelity: 8 prompts of half that length from Dracula, 64 greedy tokens, against "
            f"the full cache (budget a fraction of the prompt).\n"]
     rows = []
@@ -120,6 +120,9 @@ def h2o(root: Path, model: str) -> str:
         scores = {f["policy"]: f for f in fidelity["policies"]} if fidelity else {}
         for policy in ("h2o", "streaming-h2o", "window", "streaming"):
             r, f = read(root / f"ppl-{policy}-{pct}pct.json"), scores.get(policy)
+            if f is None:  # scripts/real/policies.sh writes one fidelity file per policy
+                alone = read(root.parent / "policies" / f"fidelity-{policy}-{pct}pct.json")
+                f = alone["policies"][0] if alone else None
             if r is None:
                 continue
             rows.append([f"{pct}%", policy, f"{r['ppl']:.2f}", f"{r['ppl'] / full['ppl'] - 1:+.1%}",
