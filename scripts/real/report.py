@@ -25,10 +25,10 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def after(result: dict, start: int) -> float:
-    """PPL over the segments that begin at or after ``start`` tokens (equal-length segments)."""
-    tail = [s["ppl"] for s in result["segments"] if s["start"] >= start]
-    return math.exp(sum(math.log(p) for p in tail) / len(tail)) if tail else float("nan")
+def span(result: dict, start: int = 0, end: float = math.inf) -> float:
+    """PPL over the segments that lie in [start, end) tokens (equal-length segments)."""
+    inside = [s["ppl"] for s in result["segments"] if s["start"] >= start and s["end"] <= end]
+    return math.exp(sum(math.log(p) for p in inside) / len(inside)) if inside else float("nan")
 
 
 def streaming(root: Path, model: str, trained: int) -> str:
@@ -39,14 +39,15 @@ def streaming(root: Path, model: str, trained: int) -> str:
         if r is None:
             continue
         label = name if name == "full" else f"{name.rsplit('-', 1)[0]}, {name.rsplit('-', 1)[1]}"
-        rows.append([label, f"{r['ppl']:.2f}", f"{after(r, trained):.2f}",
+        rows.append([label, f"{r['ppl']:.2f}", f"{span(r, end=trained):.2f}", f"{span(r, trained):.2f}",
                      f"{r['kv_tokens_peak']:,}", f"{r['kv_bytes_peak'] / MiB:.1f}", f"{r['tokens_per_s']:,.0f}"])
         curves.append((label, r))
     if rows:
         first = read(root / "full.json") or curves[0][1]
         out.append(f"{first['streams']} books streamed side by side, {first['tokens'] // first['streams']:,} tokens "
                    f"each; PPL after {trained:,} = tokens past the trained length.\n")
-        out.append(table(["policy, budget", "PPL", f"PPL after {trained:,}", "KV tokens peak", "KV MiB peak",
+        out.append(table(["policy, budget", "PPL", f"PPL up to {trained:,}", f"PPL after {trained:,}",
+                          "KV tokens peak", "KV MiB peak",
                           "tokens/s"], rows))
         plot_curves(curves, root / "policies.png", f"{model}: streaming perplexity per 1,000 tokens, and KV held")
         out.append(f"![policies]({model}/streaming/policies.png)\n")
@@ -56,7 +57,7 @@ def streaming(root: Path, model: str, trained: int) -> str:
         for sinks in (0, 1, 2, 4, 8):
             name = {0: f"window-{budget}", 4: f"streaming-{budget}"}.get(sinks, f"sinks{sinks}-{budget}")
             r = read(root / f"{name}.json")
-            cells.append(f"{r['ppl']:.2f} / {after(r, trained):.2f}" if r else "-")
+            cells.append(f"{r['ppl']:.2f} / {span(r, trained):.2f}" if r else "-")
         sweep.append([budget] + cells)
     if any(c != "-" for row in sweep for c in row[1:]):
         out.append("\nSink sweep (PPL over the stream / after the trained length):\n")
