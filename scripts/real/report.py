@@ -47,8 +47,7 @@ def streaming(root: Path, model: str, trained: int) -> str:
         out.append(f"{first['streams']} books streamed side by side, {first['tokens'] // first['streams']:,} tokens "
                    f"each; PPL after {trained:,} = tokens past the trained length.\n")
         out.append(table(["policy, budget", "PPL", f"PPL up to {trained:,}", f"PPL after {trained:,}",
-                          "KV tokens peak", "KV MiB peak",
-                          "tokens/s"], rows))
+                          "KV tokens peak", "KV MiB peak", "tokens/s"], rows))
         plot_curves(curves, root / "policies.png", f"{model}: streaming perplexity per 1,000 tokens, and KV held")
         out.append(f"![policies]({model}/streaming/policies.png)\n")
     sweep = []
@@ -112,7 +111,8 @@ def h2o(root: Path, model: str) -> str:
     full = read(root / "ppl-full.json")
     if full is None:
         return ""
-    out = [f"### H2O on {model}\n", f"{full['streams']} streams, {full['tokens'] // full['streams']:,} tokens predicted in each; full cache PPL "
+    out = [f"### H2O on {model}\n", f"{full['streams']} streams, {full['tokens'] // full['streams']:,} tokens "
+           f"predicted in each; full cache PPL "
            f"**{full['ppl']:.2f}**. Fidelity: 8 prompts of half that length from Dracula, 64 greedy tokens, against "
            f"the full cache (budget a fraction of the prompt).\n"]
     rows = []

@@ -16,13 +16,13 @@ def plot_stream(summaries: list[dict], traces: list[tuple[list[int], int]], path
     """Log-perplexity per segment vs tokens (one line per policy) above KV memory vs tokens; with ``rss`` (the
     process's resident bytes at the same samples as each trace), that too, dashed, on a log scale."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[3, 2])
-    for i, (summary, (kv_bytes, every)) in enumerate(zip(summaries, traces)):
+    for n, (summary, (kv_bytes, every)) in enumerate(zip(summaries, traces)):
         xs = [(s["start"] + s["end"]) / 2 for s in summary["segments"]]
         top.plot(xs, [math.log(s["ppl"]) for s in summary["segments"]], label=f"{summary['label']} (PPL {summary['ppl']:.1f})")
         steps = [i * every for i in range(len(kv_bytes))]
-        bottom.plot(steps, [b / 2**20 for b in kv_bytes], color=f"C{i}", label=f"{summary['label']}: KV held")
-        if rss and rss[i]:
-            bottom.plot(steps[: len(rss[i])], [b / 2**20 for b in rss[i]], color=f"C{i}", ls="--",
+        bottom.plot(steps, [b / 2**20 for b in kv_bytes], color=f"C{n}", label=f"{summary['label']}: KV held")
+        if rss and any(rss[n]):  # zeros where the platform reports no RSS
+            bottom.plot(steps[: len(rss[n])], [b / 2**20 for b in rss[n]], color=f"C{n}", ls="--",
                         label=f"{summary['label']}: process RSS")
     top.set_ylabel("log PPL per segment")
     top.legend(fontsize=8)
