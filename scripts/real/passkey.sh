@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Pass-key retrieval on a real model: full vs streaming vs h2o at a KV budget well under the length, lengths
-# LENGTHS, depths 0-100%, 5 keys per cell; asked in the model's chat template when it has one (the JSON records the
-# prompt). Results and heatmaps in docs/results/$MODEL/passkey/.
-# usage: scripts/real/passkey.sh smollm2 [LENGTHS] [BUDGET]   (gemma3-270m: 1024,4096,16384,32768)
+# LENGTHS, DEPTHS (default 0-100% in quarters), TRIALS keys per cell (default 5); asked in the model's chat template
+# when it has one (the JSON records the prompt). Results and heatmaps in docs/results/$MODEL/passkey/.
+# usage: scripts/real/passkey.sh smollm2 [LENGTHS] [BUDGET]
+#        DEPTHS=0,0.5,1 scripts/real/passkey.sh gemma3-270m 1024,8192,32768 2048   (a 32K prompt: ~2 min of a core)
 set -euo pipefail
 MODEL=${1:-smollm2}
 LENGTHS=${2:-1024,2048,4096,8192}
@@ -12,5 +13,5 @@ OUT=docs/results/$MODEL/passkey
 mkdir -p "$OUT"
 for policy in full streaming h2o; do
   [ -f "$OUT/$policy.json" ] || $SG passkey --model "$MODEL" --policy "$policy" --budget "$BUDGET" \
-    --lengths "$LENGTHS" --depths 0,0.25,0.5,0.75,1 --trials 5 --json "$OUT/$policy.json" --plot "$OUT/$policy.png"
+    --lengths "$LENGTHS" --depths "${DEPTHS:-0,0.25,0.5,0.75,1}" --trials "${TRIALS:-5}" --json "$OUT/$policy.json" --plot "$OUT/$policy.png"
 done

@@ -243,7 +243,6 @@ def passkey(root: Path, model: str) -> str:
     results = {p: r for p, r in results.items() if r}
     if not results:
         return ""
-    any_result = next(iter(results.values()))
     rows = []
     for policy, r in results.items():
         cells = r["policies"][policy]
@@ -251,11 +250,13 @@ def passkey(root: Path, model: str) -> str:
         budget = cells.get("budget") or "-"
         rows.append([policy, budget] + [f"{sum(a) / len(a):.0%}" for a in per_length.values()]
                     + [f"{cells['accuracy']:.0%}"])
-    lengths = next(iter(results.values()))["policies"][next(iter(results))]["lengths"]
-    prompt_text = any_result["prompt"].replace("\n", "\\n")
-    return (f"### Pass-key retrieval on {model}\n\nAccuracy over depths 0–100% (5 depths × 5 keys per length). "
-            f"Prompt: `{prompt_text}`\n\n"
-            + table(["policy", "budget"] + [f"{n:,}" for n in lengths] + ["all"], rows))
+    first = next(iter(results))
+    grid = results[first]["policies"][first]
+    depths = ", ".join(f"{d:.0%}" for d in grid["depths"])
+    prompt_text = results[first]["prompt"].replace("\n", "\\n")
+    return (f"### Pass-key retrieval on {model}\n\nAccuracy over depths {depths} ({len(grid['depths'])} depths × "
+            f"{grid['trials']} keys per length). Prompt: `{prompt_text}`\n\n"
+            + table(["policy", "budget"] + [f"{n:,}" for n in grid["lengths"]] + ["all"], rows))
 
 
 POLICY_LIBRARY = ("h2o", "streaming-h2o", "scissorhands", "tova", "adakv", "pyramid", "streaming", "snapkv", "lagkv",
