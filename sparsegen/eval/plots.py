@@ -54,7 +54,7 @@ def plot_passkey(results: dict[str, dict], path: str | Path) -> None:
         ax.set_title(f"{label} ({result['accuracy']:.0%})", fontsize=9)
     axes[0][0].set_ylabel("needle depth")
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the colorbar's layout leaves the y label outside the figure
     plt.close(fig)
 
 
