@@ -13,5 +13,6 @@ OUT=docs/results/$MODEL/passkey
 mkdir -p "$OUT"
 for policy in full streaming h2o; do
   [ -f "$OUT/$policy.json" ] || $SG passkey --model "$MODEL" --policy "$policy" --budget "$BUDGET" \
-    --lengths "$LENGTHS" --depths "${DEPTHS:-0,0.25,0.5,0.75,1}" --trials "${TRIALS:-5}" --json "$OUT/$policy.json" --plot "$OUT/$policy.png"
+    --lengths "$LENGTHS" --depths "${DEPTHS:-0,0.25,0.5,0.75,1}" --trials "${TRIALS:-5}" \
+    --json "$OUT/$policy.json" --plot "$OUT/$policy.png"
 done
