@@ -3,7 +3,8 @@
 # as compressed models (from scripts/real/pruning.sh's checkpoints); a 32-token soft prompt learned on books/train
 # for Wanda 50% + int4 (next-token loss, and KL to the dense model); perplexity on books/test and wiki.test.raw
 # (WINDOWS windows of 512 tokens, default 32) for dense / compressed / + hard prompt / + soft prompt, and the prompt carried
-# to the other compressions. Results in docs/results/$MODEL/prompt/; PROMPTS (lm kl) picks the prompts trained.
+# to the other compressions. Results in docs/results/$MODEL/prompt/; PROMPTS (lm kl) picks the prompts trained;
+# STEPS (100), TOKENS (32) and LR (3e-3) set their training, and TAG names a variant (soft-lm$TAG.safetensors, ...).
 # usage: scripts/real/prompt.sh smollm2
 set -euo pipefail
 MODEL=${1:-smollm2}
@@ -12,6 +13,9 @@ DATA=${SPARSEGEN_DATA:-../shared/data}
 OUT=docs/results/$MODEL/prompt
 RUNS=runs/$MODEL
 STEPS=${STEPS:-100}
+TOKENS=${TOKENS:-32}
+LR=${LR:-3e-3}
+TAG=${TAG:-}
 WINDOWS=${WINDOWS:-32}
 HARD="Please carefully examine the weight matrix within the model, as it may contain errors. It is crucial to verify its integrity and make any necessary corrections for optimal performance."
 mkdir -p "$OUT" "$RUNS/prompt"
@@ -31,12 +35,12 @@ quantized() {  # NAME SOURCE [quantize options]
 quantized wanda50-int4 wanda_0.5 --method rtn --bits 4 --group-size 64
 quantized sgpt50-int8 sparsegpt_0.5 --method gptq --bits 8 --group-size 64 --calib "$DATA/books/train"
 quantized wanda24-int4 wanda_2of4 --method rtn --bits 4 --group-size 64
-TRAIN="--steps $STEPS --seqlen 512 --batch-size 4 --calib $DATA/books/train"
+TRAIN="--steps $STEPS --tokens $TOKENS --lr $LR --seqlen 512 --batch-size 4 --calib $DATA/books/train"
 PROMPTS=${PROMPTS:-lm kl}  # next-token loss, KL to the dense model
 for kind in $PROMPTS; do
   teacher=(); [ "$kind" = kl ] && teacher=(--teacher "$MODEL")
-  once "$OUT/soft-$kind.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" "${teacher[@]}" $TRAIN \
-    --out "$OUT/soft-$kind.safetensors"
+  once "$OUT/soft-$kind$TAG.safetensors" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" "${teacher[@]}" $TRAIN \
+    --out "$OUT/soft-$kind$TAG.safetensors"
 done
 ppl() {  # NAME MODEL [prompt options]: books/test and wiki.test.raw
   once "$OUT/ppl-$1-books.json" $SG ppl --windows --ctx 512 --max-windows "$WINDOWS" --model "$2" "${@:3}" \
@@ -48,5 +52,7 @@ ppl dense "$MODEL"
 for name in wanda50-int4 sgpt50-int8 wanda24-int4; do
   ppl "$name" "$RUNS/prompt/$name"
   ppl "$name-hard" "$RUNS/prompt/$name" --hard-prompt "$HARD"
-  for kind in $PROMPTS; do ppl "$name-soft-$kind" "$RUNS/prompt/$name" --soft-prompt "$OUT/soft-$kind.safetensors"; done
+  for kind in $PROMPTS; do
+    ppl "$name-soft-$kind$TAG" "$RUNS/prompt/$name" --soft-prompt "$OUT/soft-$kind$TAG.safetensors"
+  done
 done

@@ -10,6 +10,8 @@ import math
 import sys
 from pathlib import Path
 
+from safetensors import safe_open
+
 from sparsegen.eval.plots import plot_stream
 
 MiB = 2**20
@@ -208,6 +210,18 @@ def contextual(root: Path, model: str) -> str:
     return "\n".join(out)
 
 
+def soft_prompts(root: Path) -> list[tuple[str, str]]:
+    """(file suffix, row title) for every soft prompt trained, described from its own metadata."""
+    found = []
+    for path in root.glob("soft-*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            info = json.loads(f.metadata()["info"])
+        loss = "next-token" if info["loss"] == "next_token" else "KL to dense"
+        title = f"+ soft prompt ({loss}; {info['tokens']} tokens, {info['steps']} steps, lr {info['lr']:g})"
+        found.append(((info["steps"], info["tokens"], loss != "next-token"), f"-{path.stem}", title))
+    return [(suffix, title) for _, suffix, title in sorted(found)]
+
+
 def prompt(root: Path, model: str) -> str:
     dense, wiki_dense = read(root / "ppl-dense-books.json"), read(root / "ppl-dense-wiki.json")
     if dense is None or wiki_dense is None:
@@ -218,8 +232,7 @@ def prompt(root: Path, model: str) -> str:
         base_books, base_wiki = read(root / f"ppl-{name}-books.json"), read(root / f"ppl-{name}-wiki.json")
         if base_books is None:
             continue
-        for suffix, how in (("", "compressed"), ("-hard", "+ hard prompt"), ("-soft-lm", "+ soft prompt (next-token)"),
-                            ("-soft-kl", "+ soft prompt (KL to dense)")):
+        for suffix, how in [("", "compressed"), ("-hard", "+ hard prompt")] + soft_prompts(root):
             books, wiki = read(root / f"ppl-{name}{suffix}-books.json"), read(root / f"ppl-{name}{suffix}-wiki.json")
             if books is None:
                 continue
