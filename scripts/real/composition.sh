@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Composition on a real model: the sparsities stacked one at a time. Each row adds one to the row before:
-#   full cache -> streaming (4 sinks, BUDGET tokens) -> Wanda 50% -> int4 weights (RTN, groups of 64) -> a 32-token
-#   soft prompt (scripts/real/prompt.sh's, trained on Wanda 50% + int4) -> 4-bit KV;
+#   full cache -> streaming (4 sinks, BUDGET tokens) -> Wanda 50% -> int4 weights (RTN, groups of 64) -> a
+#   64-token
+#   soft prompt (scripts/real/prompt.sh's best: 300 steps on Wanda 50% + int4) -> 4-bit KV;
 # and a branch: streaming + Wanda 50% + TEAL 50% (contextual kernels gather float weights, so TEAL runs on the float
 # pruned model, not the int4 one). Per row: streaming PPL over STREAMS streams of LENGTH books/test tokens, the KV
 # held, the weight bytes, and batch-1 decode ms/token after a synthetic LENGTH-token prefill.
@@ -15,14 +16,14 @@ RUNS=runs/$MODEL
 BUDGET=${BUDGET:-1024}
 LENGTH=${LENGTH:-8192}
 STREAMS=${STREAMS:-4}
-SOFT=docs/results/$MODEL/prompt/soft-lm.safetensors
+SOFT=docs/results/$MODEL/prompt/soft-lm-t64-s300.safetensors
 mkdir -p "$OUT" "$RUNS/pruned" "$RUNS/prompt" "$RUNS/composition"
 once() { [ -e "$1" ] || "${@:2}"; }
 once "$RUNS/pruned/wanda_0.5/config.json" $SG prune --model "$MODEL" --calib "$DATA/books/train" --nsamples 128 \
   --seqlen 512 --out "$RUNS/pruned/wanda_0.5" --force --method wanda --sparsity 0.5
 once "$RUNS/prompt/wanda50-int4/config.json" $SG quantize --model "$RUNS/pruned/wanda_0.5" \
   --out "$RUNS/prompt/wanda50-int4" --force --method rtn --bits 4 --group-size 64
-once "$SOFT" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --steps 100 --seqlen 512 --batch-size 4 \
+once "$SOFT" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --steps 300 --tokens 64 --lr 3e-2 --seqlen 512 --batch-size 4 \
   --calib "$DATA/books/train" --out "$SOFT"
 once "$RUNS/composition/teal50/contextual.json" $SG contextual fit --model "$RUNS/pruned/wanda_0.5" \
   --calib "$DATA/books/train" --method teal --sparsity 0.5 --out "$RUNS/composition/teal50" --force
