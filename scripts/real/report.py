@@ -252,7 +252,13 @@ def prompt(root: Path, model: str) -> str:
 
 
 def passkey(root: Path, model: str) -> str:
-    results = {p: read(root / f"{p}.json") for p in ("full", "streaming", "h2o")}
+    """One table per grid that passkey.sh wrote (full.json, full-TAG.json, ...)."""
+    tags = sorted(path.stem[len("full"):] for path in root.glob("full*.json"))
+    return "\n".join(passkey_grid(root, model, tag) for tag in tags)
+
+
+def passkey_grid(root: Path, model: str, tag: str) -> str:
+    results = {p: read(root / f"{p}{tag}.json") for p in ("full", "streaming", "h2o")}
     results = {p: r for p, r in results.items() if r}
     if not results:
         return ""
