@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Composition on a real model: the sparsities stacked one at a time. Each row adds one to the row before:
-#   full cache -> streaming (4 sinks, BUDGET tokens) -> Wanda 50% -> int4 weights (RTN, groups of 64) -> a
-#   64-token
+#   full cache -> streaming (4 sinks, BUDGET tokens) -> Wanda 50% -> int4 weights (RTN, groups of 64) -> a 64-token
 #   soft prompt (scripts/real/prompt.sh's best: 300 steps on Wanda 50% + int4) -> 4-bit KV;
 # and a branch: streaming + Wanda 50% + TEAL 50% (contextual kernels gather float weights, so TEAL runs on the float
 # pruned model, not the int4 one). Per row: streaming PPL over STREAMS streams of LENGTH books/test tokens, the KV
@@ -23,8 +22,8 @@ once "$RUNS/pruned/wanda_0.5/config.json" $SG prune --model "$MODEL" --calib "$D
   --seqlen 512 --out "$RUNS/pruned/wanda_0.5" --force --method wanda --sparsity 0.5
 once "$RUNS/prompt/wanda50-int4/config.json" $SG quantize --model "$RUNS/pruned/wanda_0.5" \
   --out "$RUNS/prompt/wanda50-int4" --force --method rtn --bits 4 --group-size 64
-once "$SOFT" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --steps 300 --tokens 64 --lr 3e-2 --seqlen 512 --batch-size 4 \
-  --calib "$DATA/books/train" --out "$SOFT"
+once "$SOFT" $SG prompt-tune --model "$RUNS/prompt/wanda50-int4" --steps 300 --tokens 64 --lr 3e-2 --seqlen 512 \
+  --batch-size 4 --calib "$DATA/books/train" --out "$SOFT"
 once "$RUNS/composition/teal50/contextual.json" $SG contextual fit --model "$RUNS/pruned/wanda_0.5" \
   --calib "$DATA/books/train" --method teal --sparsity 0.5 --out "$RUNS/composition/teal50" --force
 row() {  # NAME MODEL POLICY DECODE_DTYPE [options for both ppl and bench]
