@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compress, then prompt, on a real model: Wanda 50% + int4 (RTN), SparseGPT 50% + int8 (GPTQ) and Wanda 2:4 + int4
-# as compressed models (from scripts/real/pruning.sh's checkpoints); a 32-token soft prompt learned on books/train
+# as compressed models (from scripts/real/pruning.sh's checkpoints); a soft prompt learned on books/train
 # for Wanda 50% + int4 (next-token loss, and KL to the dense model); perplexity on books/test and wiki.test.raw
 # (WINDOWS windows of 512 tokens, default 32) for dense / compressed / + hard prompt / + soft prompt, and the prompt carried
 # to the other compressions. Results in docs/results/$MODEL/prompt/; PROMPTS (lm kl) picks the prompts trained;
