@@ -10,9 +10,8 @@ import math
 import sys
 from pathlib import Path
 
-from safetensors import safe_open
-
 from sparsegen.eval.plots import plot_stream
+from sparsegen.prompt import PromptPrefix
 
 MiB = 2**20
 
@@ -214,8 +213,7 @@ def soft_prompts(root: Path) -> list[tuple[str, str]]:
     """(file suffix, row title) for every soft prompt trained, described from its own metadata."""
     found = []
     for path in root.glob("soft-*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            info = json.loads(f.metadata()["info"])
+        info = PromptPrefix.load(path).info
         loss = "next-token" if info["loss"] == "next_token" else "KL to dense"
         title = f"+ soft prompt ({loss}; {info['tokens']} tokens, {info['steps']} steps, lr {info['lr']:g})"
         found.append(((info["steps"], info["tokens"], loss != "next-token"), f"-{path.stem}", title))
