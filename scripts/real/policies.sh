@@ -63,6 +63,10 @@ for bits in ${BITS:-none 4}; do  # the full cache quantized: what the bits alone
       --policy full --prompts 8 --prompt-tokens $((LENGTH / 2)) --new-tokens 64 --kv-bits "$bits" \
       --json "$OUT/fidelity-full-kv$bits.json"
   fi
+  if wants passkey; then
+    once "$OUT/passkey-full-kv$bits.json" $SG passkey --model "$MODEL" --policy full --lengths "$LENGTH" \
+      --depths 0,0.25,0.5,0.75,1 --trials 4 --kv-bits "$bits" --json "$OUT/passkey-full-kv$bits.json"
+  fi
 done
 if wants passkey; then
   once "$OUT/passkey-full.json" $SG passkey --model "$MODEL" --policy full --lengths "$LENGTH" \

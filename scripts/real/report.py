@@ -366,7 +366,7 @@ def policies(root: Path, model: str) -> str:
                     + [passkey(f"{policy}-20pct{tag}") for tag in ("", "-kv4")]
                     + [speed(policy, tag) for tag in ("", "-kv4")])
     rows.append(["full", "0", "0", "0", ppl("full-kv4"), "1", fidelity("full-kv4", "rouge_l", 3), "0",
-                 fidelity("full-kv4", "kl", 3), passkey("full"), "-", speed("full", ""), speed("full", "-kv4")])
+                 fidelity("full-kv4", "kl", 3), passkey("full"), passkey("full-kv4"), speed("full", ""), speed("full", "-kv4")])
     plot_policies(root, model, ppl_root, full)
     header = ["policy", "PPL 50%", "PPL 20%", "PPL 10%", "PPL 20% +4-bit KV", "ROUGE-L 20%", "+4-bit",
               "KL 20%", "+4-bit", "pass-key 20%", "+4-bit", "ms/token / KV MiB 20%", "+4-bit"]
