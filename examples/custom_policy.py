@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from sparsegen import cache_kwargs
 from sparsegen.kv import EvictionCache, Policy, TokenView
 
 
@@ -25,6 +26,6 @@ if __name__ == "__main__":
     cache = EvictionCache(model, Strided(budget=64))
     ids = tokenizer("It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, "
                     "when it was checked by a violent gust of wind which swept up the streets.", return_tensors="pt")
-    out = model.generate(**ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
+    out = model.generate(**ids, **cache_kwargs(cache), max_new_tokens=64, do_sample=False)
     print(tokenizer.decode(out[0, ids.input_ids.shape[1]:]))
     print("held per layer:", max(cache.held_tokens()), "of a budget of 64")

@@ -8,6 +8,7 @@ from sparsegen.contextual import Contextual, DejaVuConfig, fit_dejavu, fit_teal
 from sparsegen.generation import Generation, compare, generate
 from sparsegen.kv import EvictionCache, Policy, TokenView, make_policy
 from sparsegen.models import ModelLoadError, ModelSpec, load, model_spec
+from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.prompt import PromptPrefix, TuneConfig, tune_prompt
 from sparsegen.pruning import PruneConfig, prune_model, save_pruned
 from sparsegen.quant import QuantizeConfig, quantize_model
@@ -15,5 +16,5 @@ from sparsegen.speculative import Speculation
 
 __version__ = "0.1.0"
 __all__ = ["Contextual", "DejaVuConfig", "EvictionCache", "Generation", "ModelLoadError", "ModelSpec", "Policy", "PromptPrefix",
-           "PruneConfig", "QuantizeConfig", "Speculation", "TokenView", "TuneConfig", "compare", "fit_dejavu", "fit_teal", "generate", "load", "make_policy", "model_spec",
+           "PruneConfig", "QuantizeConfig", "Speculation", "TokenView", "TuneConfig", "cache_kwargs", "compare", "fit_dejavu", "fit_teal", "generate", "load", "make_policy", "model_spec",
            "prune_model", "quantize_model", "save_pruned", "tune_prompt", "__version__"]

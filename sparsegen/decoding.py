@@ -7,6 +7,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from sparsegen.models.cache_arg import cache_kwargs
+
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
 
 
@@ -53,6 +55,6 @@ def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor
         end = min(start + chunk_size, length)
         logits = model(
             input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
-            position_ids=position_ids[:, start:end], past_key_values=cache, logits_to_keep=1,
+            position_ids=position_ids[:, start:end], **cache_kwargs(cache), logits_to_keep=1,
         ).logits[:, -1]
     return logits

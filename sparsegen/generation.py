@@ -11,6 +11,7 @@ import torch
 from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
+from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 
@@ -96,7 +97,7 @@ def generate_tokens(
             on_token(new, counts)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        logits = model(input_ids=token[:, None], position_ids=next_position, past_key_values=cache).logits[:, -1]
+        logits = model(input_ids=token[:, None], position_ids=next_position, **cache_kwargs(cache)).logits[:, -1]
         next_position = next_position + 1
     return new, counts, cache.stats(), prefill_seconds, time.perf_counter() - t0
 

@@ -25,6 +25,7 @@ from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, prefill
 from sparsegen.kv import EvictionCache, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.policies.full import Full
+from sparsegen.models.cache_arg import cache_kwargs
 
 MOST_DRAFT_TOKENS = 16
 FIRST_AUTO_DRAFT = 4
@@ -244,10 +245,10 @@ def speculative_tokens(
                     attention_mask=None if every else torch.cat(
                         [torch.ones(batch, draft.length, dtype=torch.long, device=device),
                          carried.long()[:, None], torch.ones_like(fed)[:, None]], 1),
-                    past_key_values=draft, logits_to_keep=1).logits[:, -1]
+                    **cache_kwargs(draft), logits_to_keep=1).logits[:, -1]
             else:
                 logits = drafter(input_ids=token[:, None], position_ids=(fed + i)[:, None],
-                                 past_key_values=draft).logits[:, -1]
+                                 **cache_kwargs(draft)).logits[:, -1]
             token, probs = draft_token(logits, temperature, top_p, generator)
             drafts.append(token)
             if probs is not None:
@@ -256,7 +257,7 @@ def speculative_tokens(
         drafted = torch.stack(drafts, 1) if drafts else pending.new_empty(batch, 0)
         logits = model(input_ids=torch.cat([pending[:, None], drafted], 1),
                        position_ids=fed[:, None] + torch.arange(k_round + 1, device=device),
-                       past_key_values=target).logits
+                       **cache_kwargs(target)).logits
         accepted, bonus = accept(drafted, torch.stack(draft_probs, 1) if draft_probs else None, logits, temperature,
                                  top_p, generator)
         t3 = _synchronized(device)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from sparsegen.models.cache_arg import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache
 
@@ -19,7 +20,7 @@ def test_the_custom_policy_example_keeps_sinks_recent_and_every_eighth(tiny_chec
     cache = EvictionCache(model, module.Strided(budget=16))
     ids = torch.arange(2, 60)[None]
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **cache_kwargs(cache))
     kept = sorted(cache.layers[0].index[0, 0, :16].tolist())
     # 4 sinks, the 8 most recent, and the 4 newest multiples of 8 before them (ties go to the newer token)
     assert kept == [0, 1, 2, 3] + [24, 32, 40, 48] + list(range(50, 58))

@@ -1,5 +1,6 @@
 import pytest
 
+from sparsegen.models.cache_arg import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
 
@@ -29,7 +30,7 @@ def test_policy_equals_transformers_generate_with_our_cache(model_and_tokenizer)
     enc = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     cache = EvictionCache(model, make_policy("h2o", 6))
     theirs = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                            past_key_values=cache)
+                            **cache_kwargs(cache))
     assert ours.texts == tokenizer.batch_decode(theirs[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
     assert cache.stats()["kv_tokens"] == 6
     assert ours.cache["kv_tokens"] == 6
@@ -79,7 +80,7 @@ def test_transformers_chunked_prefill_stays_within_budget_plus_chunk(model_and_t
     cache = EvictionCache(model, make_policy("h2o", 16), chunk_size=32)
     enc = tokenizer(prompt, return_tensors="pt")
     theirs = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                            past_key_values=cache, prefill_chunk_size=32)
+                            **cache_kwargs(cache), prefill_chunk_size=32)
     assert enc.input_ids.shape[1] > 100
     assert cache.stats()["kv_tokens_peak"] <= 16 + 32
     ours = sparsegen.generate(model, tokenizer, prompt, policy="h2o", budget=16, chunk_size=32, max_new_tokens=8,

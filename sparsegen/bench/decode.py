@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
+from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
 from sparsegen.speculative import Speculation, speculative_tokens
 
@@ -311,7 +312,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         for start in tqdm(starts, desc=f"prefill {name}", unit="chunk", disable=len(starts) < 8, leave=False):
             end = min(start + setup.chunk_size, context)
             position = torch.arange(start, end, device=device)[None].expand(batch, -1)
-            logits = model(input_ids=ids[:, start:end], position_ids=position, past_key_values=cache,
+            logits = model(input_ids=ids[:, start:end], position_ids=position, **cache_kwargs(cache),
                            logits_to_keep=1).logits[:, -1]
         synchronize(device)
         prefill_seconds = time.perf_counter() - t0
@@ -326,7 +327,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         if step in (setup.warmup, steps - 1):
             attended.append(_held_tokens(cache) + 1)
         started = timer.start()
-        logits = model(input_ids=token, position_ids=position, past_key_values=cache).logits[:, -1]
+        logits = model(input_ids=token, position_ids=position, **cache_kwargs(cache)).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
         if step >= setup.warmup:
             timer.stop(started)
@@ -386,8 +387,8 @@ def _warm_up(setup: Setup) -> None:
     """One short untimed prefill and decode, so one-time costs (allocator, kernels, compilation) stay out of rows."""
     cache = DynamicCache(config=setup.model.config)
     ids = torch.zeros(1, min(setup.chunk_size, 64), dtype=torch.long, device=setup.device)
-    setup.model(input_ids=ids, past_key_values=cache)
-    setup.model(input_ids=ids[:, :1], past_key_values=cache)
+    setup.model(input_ids=ids, **cache_kwargs(cache))
+    setup.model(input_ids=ids[:, :1], **cache_kwargs(cache))
     synchronize(setup.device)
 
 

@@ -17,6 +17,7 @@ from sparsegen.contextual.runtime import suspended
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.policies import Full
+from sparsegen.models.cache_arg import cache_kwargs
 
 
 def cut_prompts(tokens: np.ndarray, count: int, length: int, bos_id: int | None) -> torch.Tensor:
@@ -40,13 +41,13 @@ def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, pol
     for start in range(0, length, chunk_size):
         end = min(start + chunk_size, length)
         position = torch.arange(start, end, device=prompts.device)[None].expand(len(prompts), -1)
-        last = model(input_ids=prompts[:, start:end], position_ids=position, past_key_values=cache,
+        last = model(input_ids=prompts[:, start:end], position_ids=position, **cache_kwargs(cache),
                      logits_to_keep=1).logits[:, -1]
     logits = [last]
     for i in range(continuation.shape[1] - 1):
         position = torch.full((len(prompts), 1), length + i, device=prompts.device)
         logits.append(model(input_ids=continuation[:, i:i + 1], position_ids=position,
-                            past_key_values=cache).logits[:, -1])
+                            **cache_kwargs(cache)).logits[:, -1])
     return torch.stack(logits, dim=1).float()
 
 

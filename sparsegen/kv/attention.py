@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sparsegen.kv.policy import TokenView
+from sparsegen.models.cache_arg import passed_cache
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "phi3", "opt")
 BACKENDS = ("sdpa", "eager")
@@ -354,7 +355,7 @@ for _backend in BACKENDS:
 def _begin(module, args, kwargs):
     """Before the decoder runs: tell an evicting cache what the call brings, and pass it on to every attention call
     (transformers hands a layer's attention function the decoder's extra keyword arguments, not the cache)."""
-    cache = kwargs.get("past_key_values")
+    cache = passed_cache(kwargs)
     if not getattr(cache, "evicting", False):  # any other cache: transformers' own attention, unchanged
         return None
     inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")

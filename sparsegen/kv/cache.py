@@ -389,7 +389,7 @@ class EvictionLayer(CacheLayerMixin):
 
 
 class EvictionCache(Cache):
-    """Pass as ``past_key_values`` to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it)."""
+    """Pass to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it) as its cache: ``**cache_kwargs(cache)``."""
 
     evicting = True  # how the prepared model's attention tells this cache from transformers' own caches
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sparsegen.models.anatomy import PINNED
+from sparsegen.models.cache_arg import passed_cache
 
 FORMAT = "sparsegen-prompt"
 _STATE = threading.local()  # per-thread stack: whether each running decoder forward put the prefix in front
@@ -119,7 +120,7 @@ def _before(decoder: nn.Module, args: tuple, kwargs: dict):
     kwargs["input_ids"], kwargs["inputs_embeds"] = None, embeds
     batch, length = embeds.shape[:2]
     k, device = prefix.length, embeds.device
-    first = _starts_sequence(kwargs.get("past_key_values"))
+    first = _starts_sequence(passed_cache(kwargs))
     mask = kwargs.get("attention_mask")
     if mask is not None:
         if mask.dim() != 2:

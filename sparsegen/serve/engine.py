@@ -31,6 +31,7 @@ from sparsegen.decoding import check_sampling, next_token
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.quantized import as_quantization
+from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.serve.template import ChatTemplate
 from sparsegen.speculative import Speculation, accept, draft_length, draft_token
 
@@ -288,7 +289,7 @@ class Engine:
         tokens = torch.tensor([[job.tokens[-1]] for job in jobs], device=self.device)
         try:
             logits = self.model(input_ids=tokens, position_ids=torch.tensor(positions, device=self.device)[:, None],
-                                past_key_values=cache).logits[:, -1]
+                                **cache_kwargs(cache)).logits[:, -1]
         except Exception as err:  # noqa: BLE001  the rows may be half-updated: every reply in the step fails
             self.discard_batch()
             for job in jobs:
@@ -310,7 +311,7 @@ class Engine:
         start = cache.length - (self.offset if cache.length else 0)
         positions = torch.arange(start, start + len(chunk), device=self.device)[None]
         logits = self.model(input_ids=torch.tensor([chunk], device=self.device), position_ids=positions,
-                            past_key_values=cache, logits_to_keep=1).logits
+                            **cache_kwargs(cache), logits_to_keep=1).logits
         self.counters["prefill_tokens"] += len(chunk)
         if job.session.draft is not None:
             job.session.draft_lag += chunk
@@ -330,14 +331,14 @@ class Engine:
         start = draft.length - (self.offset if draft.length else 0)
         for i in range(0, len(catch_up), self.chunk_size):  # the missed tokens, a chunk at a time
             chunk = catch_up[i:i + self.chunk_size]
-            logits = drafter(input_ids=torch.tensor([chunk], device=self.device), past_key_values=draft,
+            logits = drafter(input_ids=torch.tensor([chunk], device=self.device), **cache_kwargs(draft),
                              position_ids=torch.arange(start + i, start + i + len(chunk), device=self.device)[None],
                              logits_to_keep=1).logits[0, -1]
         drafts, probs = [], []
         position = start + len(catch_up)
         for i in range(k):
             if i:
-                logits = drafter(input_ids=torch.tensor([[drafts[-1]]], device=self.device), past_key_values=draft,
+                logits = drafter(input_ids=torch.tensor([[drafts[-1]]], device=self.device), **cache_kwargs(draft),
                                  position_ids=torch.tensor([[position + i - 1]], device=self.device)).logits[0, -1]
             token, distribution = draft_token(logits, sampling.temperature, sampling.top_p, job.generator)
             drafts.append(int(token))
@@ -345,7 +346,7 @@ class Engine:
                 probs.append(distribution)
         first = target.length - self.offset
         verify = torch.tensor([job.tokens[-1:] + drafts], device=self.device)
-        logits = self.model(input_ids=verify, past_key_values=target,
+        logits = self.model(input_ids=verify, **cache_kwargs(target),
                             position_ids=torch.arange(first, first + k + 1, device=self.device)[None]).logits
         accepted, bonus = accept(torch.tensor([drafts], device=self.device),
                                  torch.stack(probs)[None] if probs else None, logits, sampling.temperature,

@@ -10,6 +10,7 @@ from sparsegen.contextual.runtime import LowRankPredictor, model_info, predictor
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.anatomy import HEAD_FAMILIES, decoder_layers, mlp_layout
+from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -92,9 +93,9 @@ def _reference_logits(model, plan, ids):
 
 def _decode_logits(model, ids, cache):
     """Prefill the first 8 tokens, then one token per step (teacher forced): logits at every position."""
-    logits = [model(ids[:, :8], past_key_values=cache).logits]
+    logits = [model(ids[:, :8], **cache_kwargs(cache)).logits]
     for position in range(8, ids.shape[1]):
-        logits.append(model(ids[:, position:position + 1], past_key_values=cache).logits)
+        logits.append(model(ids[:, position:position + 1], **cache_kwargs(cache)).logits)
     return torch.cat(logits, dim=1)
 
 

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from sparsegen.models.cache_arg import cache_kwargs
 import sparsegen
 from sparsegen.cli import main
 from sparsegen.eval.perplexity import window_perplexity
@@ -49,7 +50,7 @@ def test_stream_policy_matches_token_by_token_generation_cache(model_and_tokeniz
     cache = sparsegen.kv.EvictionCache(model, make_policy("streaming", 8, sinks=2))
     with torch.no_grad():
         for t in range(39):
-            logits = model(input_ids=data[:, t:t + 1], past_key_values=cache).logits[:, -1]
+            logits = model(input_ids=data[:, t:t + 1], **cache_kwargs(cache)).logits[:, -1]
             expected = torch.nn.functional.cross_entropy(logits, data[:, t + 1], reduction="none")
             assert torch.allclose(result.nll[:, t].float(), expected, atol=1e-5)
     assert result.summary(10)["kv_tokens_peak"] == 39  # the whole stream went in one chunk

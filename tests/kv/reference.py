@@ -19,6 +19,7 @@ import math
 from sparsegen.kv.policies.knorm import RESOLUTION
 from sparsegen.kv.policies.lagkv import FLOOR
 from sparsegen.kv.policies.random import MULTIPLIER, SPAN
+from sparsegen.models.cache_arg import cache_kwargs
 
 _STATE = {}
 
@@ -212,7 +213,7 @@ class ReferenceRun:
         self.model.set_attn_implementation("reference_masked")
         _STATE["current"] = self.state
         try:
-            return self.model(input_ids=input_ids, past_key_values=self.cache).logits
+            return self.model(input_ids=input_ids, **cache_kwargs(self.cache)).logits
         finally:
             self.model.set_attn_implementation(previous)
 

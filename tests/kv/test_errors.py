@@ -3,6 +3,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import tiny_model
 
 
@@ -39,7 +40,7 @@ def test_custom_4d_mask_is_refused():
     cache = EvictionCache(model, make_policy("window", 16))
     with pytest.raises(ValueError, match="4D"):
         model(input_ids=torch.ones(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 1, 4, 4),
-              past_key_values=cache)
+              **cache_kwargs(cache))
 
 
 def test_other_caches_keep_transformers_behaviour():
@@ -68,5 +69,5 @@ def test_release_leaves_no_trace_and_the_cache_prepares_again():
     assert not decoder._forward_pre_hooks and not decoder._forward_hooks
     assert torch.equal(model(ids).logits, before)
     cache = EvictionCache(model, make_policy("window", 8))
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(cache))
     assert max(cache.held_tokens()) == 8

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import FAMILIES, ROPE_FAMILIES, VOCAB, tiny_model
 from tests.kv.reference import ReferenceRun
 
@@ -41,7 +42,7 @@ def _run_chunks(model, cache, ids, mask, chunks):
         for n in chunks:
             end = start + n
             out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                        position_ids=positions[:, start:end], past_key_values=cache)
+                        position_ids=positions[:, start:end], **cache_kwargs(cache))
             logits.append(out.logits)
             start = end
     return torch.cat(logits, dim=1)
@@ -75,7 +76,7 @@ def test_generate_with_full_budget_equals_plain_generate(family, name):
                   return_dict_in_generate=True, output_logits=True)
     plain = model.generate(**kwargs)
     cache = EvictionCache(model, _policy(name, 64), positions=_positions(family, name))
-    ours = model.generate(**kwargs, past_key_values=cache)
+    ours = model.generate(**kwargs, **cache_kwargs(cache))
     assert torch.equal(plain.sequences, ours.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(plain.logits, ours.logits)) <= TOL
 
@@ -163,10 +164,10 @@ def test_memory_is_bounded_over_a_long_stream(name):
     shapes = set()
     with torch.no_grad():
         for start in range(0, 64, chunk):  # chunked prefill
-            model(input_ids=ids[:, start:start + chunk], past_key_values=cache)
+            model(input_ids=ids[:, start:start + chunk], **cache_kwargs(cache))
             assert max(cache.held_tokens()) <= budget
         for t in range(64, 600):  # decode, one token at a time
-            model(input_ids=ids[:, t:t + 1], past_key_values=cache)
+            model(input_ids=ids[:, t:t + 1], **cache_kwargs(cache))
             assert cache.held_tokens() == [budget] * 2
             shapes.add(tuple(cache.layers[0].keys.shape))
     assert shapes == {(2, 2, budget + chunk, 8)}
@@ -180,7 +181,7 @@ def test_bf16_keeps_fp32_scores():
     cache = EvictionCache(model, _policy("h2o", 8))
     ids = torch.randint(3, VOCAB, (1, 20))
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache).logits
+        out = model(input_ids=ids, **cache_kwargs(cache)).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert cache.layers[0].attention.dtype == torch.float32
     assert cache.layers[0].keys.dtype == torch.bfloat16
@@ -199,7 +200,7 @@ def test_rolling_ignores_absolute_positions(family):
         with torch.no_grad():
             for t in range(0, 300, 25):
                 positions = torch.arange(t, t + 25)[None] + offset
-                logits.append(model(input_ids=ids[:, t:t + 25], position_ids=positions, past_key_values=cache).logits)
+                logits.append(model(input_ids=ids[:, t:t + 25], position_ids=positions, **cache_kwargs(cache)).logits)
         runs.append(torch.cat(logits, dim=1))
     assert (runs[0] - runs[1]).abs().max() <= 1e-4
 

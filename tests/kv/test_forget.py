@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 TOL = 1e-5
@@ -18,16 +19,16 @@ def test_rows_forgetting_different_counts_continue_as_if_never_fed(family):
     forget = torch.tensor([3, 0, 5])
     cache = EvictionCache(model, make_policy("full"), rollback=8)
     with torch.no_grad():
-        model(input_ids=ids[:, :12], past_key_values=cache)
-        model(input_ids=ids[:, 12:], position_ids=torch.arange(12, 20).expand(3, -1), past_key_values=cache)
+        model(input_ids=ids[:, :12], **cache_kwargs(cache))
+        model(input_ids=ids[:, 12:], position_ids=torch.arange(12, 20).expand(3, -1), **cache_kwargs(cache))
         cache.forget_last(forget)
         kept = 20 - forget
         after = torch.randint(3, VOCAB, (3, 2), generator=torch.Generator().manual_seed(1))
         logits = model(input_ids=after, position_ids=kept[:, None] + torch.arange(2),
-                       past_key_values=cache).logits
+                       **cache_kwargs(cache)).logits
         for row in range(3):
             alone = torch.cat([ids[row, : kept[row]], after[row]])[None]
-            expected = model(input_ids=alone, past_key_values=DynamicCache(config=model.config)).logits[:, -2:]
+            expected = model(input_ids=alone, **cache_kwargs(DynamicCache(config=model.config))).logits[:, -2:]
             torch.testing.assert_close(logits[row:row + 1], expected, atol=TOL, rtol=TOL)
     assert cache.seen.tolist() == (kept + 2).tolist()
 
@@ -36,7 +37,7 @@ def test_forgetting_more_than_was_seen_is_refused():
     model = tiny_model("llama")
     cache = EvictionCache(model, make_policy("full"))
     with torch.no_grad():
-        model(input_ids=torch.randint(3, VOCAB, (2, 6)), past_key_values=cache)
+        model(input_ids=torch.randint(3, VOCAB, (2, 6)), **cache_kwargs(cache))
     with pytest.raises(ValueError, match="cannot forget"):
         cache.forget_last(torch.tensor([1, 7]))
     with pytest.raises(ValueError, match="cannot forget"):
@@ -51,12 +52,12 @@ def test_a_memo_that_counted_forgotten_tokens_is_computed_again():
     policy = make_policy("lagkv", 12, sinks=2)  # partitions of 2 after 2 sinks
     rolled_back, direct = EvictionCache(model, policy, rollback=2), EvictionCache(model, policy)
     with torch.no_grad():
-        model(input_ids=ids[:, :10], past_key_values=rolled_back)
-        model(input_ids=ids[:, 10:12], past_key_values=rolled_back)  # completes the partition after tokens 8-9
+        model(input_ids=ids[:, :10], **cache_kwargs(rolled_back))
+        model(input_ids=ids[:, 10:12], **cache_kwargs(rolled_back))  # completes the partition after tokens 8-9
         rolled_back.forget_last(2)
-        model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], past_key_values=rolled_back)
-        model(input_ids=ids[:, :10], past_key_values=direct)
-        model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], past_key_values=direct)
+        model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], **cache_kwargs(rolled_back))
+        model(input_ids=ids[:, :10], **cache_kwargs(direct))
+        model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], **cache_kwargs(direct))
     for ours, theirs in zip(rolled_back.layers, direct.layers):
         for layer in (ours, theirs):
             order = layer.index[:, :, :layer.used].argsort(-1)

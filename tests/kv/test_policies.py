@@ -8,6 +8,7 @@ import torch
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policy import TokenView
 from sparsegen.kv.policies.pyramid import pyramid_budgets
+from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 
 
@@ -24,7 +25,7 @@ def test_each_pyramid_layer_holds_and_allocates_its_own_budget():
     ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for start in range(0, 40, 8):
-            model(input_ids=ids[:, start:start + 8], past_key_values=cache)
+            model(input_ids=ids[:, start:start + 8], **cache_kwargs(cache))
     assert cache.held_tokens() == [19, 1]
     slots = [layer.keys.shape[2] for layer in cache.layers]
     assert slots[1] < slots[0]  # storage sized by what the layer can hold, not one size for all
@@ -68,7 +69,7 @@ def test_adakv_gives_the_layer_budget_to_the_heads_that_score_highest_and_frees_
     cache = EvictionCache(model, policy)
     ids = torch.randint(3, VOCAB, (1, 60), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **cache_kwargs(cache))
     layer = cache.layers[0]
     index = torch.arange(40).repeat(2)[None, None]  # 40 tokens of each head in one row
     head = torch.arange(2).repeat_interleave(40)[None, None]
@@ -81,7 +82,7 @@ def test_adakv_gives_the_layer_budget_to_the_heads_that_score_highest_and_frees_
     assert t == 2 * 20 and layer.keys.shape[1] == 1
     h2o = EvictionCache(model, make_policy("h2o", 20, recent=4))
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=h2o)
+        model(input_ids=ids, **cache_kwargs(h2o))
     assert cache.stats()["kv_bytes_peak"] == h2o.stats()["kv_bytes_peak"]
     assert cache.held_tokens() == h2o.held_tokens() == [20, 20]
 
@@ -101,9 +102,9 @@ def test_adakv_on_a_single_kv_head_is_h2o_with_a_floor():
     ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     caches = {name: EvictionCache(model, make_policy(name, 12, recent=4), chunk_size=8) for name in ("adakv", "h2o")}
     with torch.no_grad():
-        logits = {name: model(input_ids=ids, past_key_values=cache).logits for name, cache in caches.items()}
+        logits = {name: model(input_ids=ids, **cache_kwargs(cache)).logits for name, cache in caches.items()}
         for _ in range(3):
-            step = {name: model(input_ids=ids[:, :1], past_key_values=cache).logits for name, cache in caches.items()}
+            step = {name: model(input_ids=ids[:, :1], **cache_kwargs(cache)).logits for name, cache in caches.items()}
     assert caches["adakv"].layers[0].fan == 1 and caches["adakv"].held_tokens() == [12, 12]
     torch.testing.assert_close(logits["adakv"], logits["h2o"])
     torch.testing.assert_close(step["adakv"], step["h2o"])  # the floor keeps what H2O keeps anyway

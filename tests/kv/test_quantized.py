@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.quantized import KVQuantization, dequantize, pack, quantize, unpack
+from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 from tests.kv.test_exactness import CHUNKS, _padded_batch, _run_chunks
 
@@ -148,14 +149,14 @@ def test_stacked_rows_decode_as_alone():
         for target in (alone, rows):
             cache = EvictionCache(model, make_policy("h2o", 12), kv_bits=quantization)
             with torch.no_grad():
-                model(prompt, past_key_values=cache)
+                model(prompt, **cache_kwargs(cache))
             target.append(cache)
     token = torch.tensor([[5], [7]])
     with torch.no_grad():
-        expected = [model(token[i:i + 1], position_ids=torch.tensor([[p.shape[1]]]), past_key_values=c).logits
+        expected = [model(token[i:i + 1], position_ids=torch.tensor([[p.shape[1]]]), **cache_kwargs(c)).logits
                     for i, (p, c) in enumerate(zip(prompts, alone))]
         batched = EvictionCache.stacked(model, rows, capacity=2)
-        got = model(token, position_ids=torch.tensor([[13], [20]]), past_key_values=batched,
+        got = model(token, position_ids=torch.tensor([[13], [20]]), **cache_kwargs(batched),
                     attention_mask=torch.ones(2, 1, dtype=torch.long)).logits
     for i in range(2):
         torch.testing.assert_close(got[i:i + 1], expected[i], atol=1e-5, rtol=1e-5)

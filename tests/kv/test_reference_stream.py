@@ -2,6 +2,7 @@
 
 import torch
 
+from sparsegen.models.cache_arg import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
 
@@ -14,7 +15,7 @@ def test_streaming_40k_tokens_holds_exactly_the_budget():
     shapes = set()
     with torch.inference_mode():
         for start in range(0, total, chunk):
-            logits = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, logits_to_keep=1).logits
+            logits = model(input_ids=ids[:, start:start + chunk], **cache_kwargs(cache), logits_to_keep=1).logits
             held = cache.held_tokens()
             assert held == [min(start + chunk, budget)] * model.config.num_hidden_layers
             shapes.add(tuple(cache.layers[0].keys.shape))

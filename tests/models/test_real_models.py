@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from sparsegen.models.cache_arg import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.gguf import PACKAGED
@@ -69,8 +70,8 @@ def test_every_policy_at_full_budget_equals_dynamic_cache(real, policy):
         start = 0
         for n in chunks:
             piece = ids[:, start:start + n]
-            ours = model(input_ids=piece, past_key_values=cache).logits
-            theirs = model(input_ids=piece, past_key_values=dense).logits
+            ours = model(input_ids=piece, **cache_kwargs(cache)).logits
+            theirs = model(input_ids=piece, **cache_kwargs(dense)).logits
             worst = max(worst, (ours - theirs).abs().max().item())
             start += n
     assert worst <= 1e-4, worst  # logits of a real model are O(10-30); fp32 summation order differs

@@ -4,6 +4,7 @@ from transformers import DynamicCache
 
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.prompt import PromptPrefix, attach, detach
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
@@ -56,12 +57,12 @@ def test_generation_with_a_prefix_equals_a_dense_cache_loop_over_prepended_embed
             text = ids[row:row + 1, mask[row].bool()]
             embeds = torch.cat([prefix.embeddings[None], model.get_input_embeddings()(text)], dim=1)
             cache = DynamicCache(config=model.config)
-            logits = model(inputs_embeds=embeds, past_key_values=cache).logits[:, -1]
+            logits = model(inputs_embeds=embeds, **cache_kwargs(cache)).logits[:, -1]
             tokens = []
             for _ in range(new_tokens):
                 token = logits.argmax(-1)
                 tokens.append(int(token))
-                logits = model(input_ids=token[:, None], past_key_values=cache).logits[:, -1]
+                logits = model(input_ids=token[:, None], **cache_kwargs(cache)).logits[:, -1]
             expected.append(tokens)
         attach(model, prefix)
         new, *_ = generate_tokens(model, ids, mask, make_policy("full"), max_new_tokens=new_tokens, chunk_size=4)
@@ -83,10 +84,10 @@ def test_prefix_tokens_are_never_evicted(policy, padded):
     with torch.no_grad():
         for start in range(0, 30, 8):  # chunked prefill, then one token at a time
             model(input_ids=ids[:, start:start + 8], attention_mask=mask[:, :start + 8],
-                  position_ids=positions[:, start:start + 8], past_key_values=cache)
+                  position_ids=positions[:, start:start + 8], **cache_kwargs(cache))
         for step in range(12):
             model(input_ids=ids[:, step:step + 1], attention_mask=torch.cat([mask, torch.ones(2, step + 1)], 1).long(),
-                  position_ids=positions[:, -1:] + step + 1, past_key_values=cache)
+                  position_ids=positions[:, -1:] + step + 1, **cache_kwargs(cache))
     for layer in cache.layers:
         assert layer.used <= budget + 1
         for row in range(2):

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from sparsegen.models.cache_arg import cache_kwargs
 import sparsegen
 from sparsegen.generation import generate
 from sparsegen.kv import EvictionCache, make_policy
@@ -102,7 +103,7 @@ def test_stacking_refuses_unfed_or_different_caches():
     fed = []
     for policy in ("window", "streaming"):
         fed.append(EvictionCache(model, make_policy(policy, 8)))
-        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=fed[-1])
+        model(input_ids=torch.tensor([[5, 6, 7]]), **cache_kwargs(fed[-1]))
     with pytest.raises(ValueError, match="same policy"):
         EvictionCache.stacked(model, fed)
 
