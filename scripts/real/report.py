@@ -338,8 +338,8 @@ def policies(root: Path, model: str) -> str:
     full = read(ppl_root / "ppl-full.json")
     if full is None or not root.exists():
         return ""
-    bench = {tag: {row["policy"]: row for row in json.loads((root / f"bench-20pct{tag}.json").read_text())["rows"]}
-             for tag in ("", "-kv4") if (root / f"bench-20pct{tag}.json").exists()}
+    bench = {f"{pct}pct{tag}": {row["policy"]: row for row in json.loads(path.read_text())["rows"]}
+             for pct in (50, 20, 10) for tag in ("", "-kv4") if (path := root / f"bench-{pct}pct{tag}.json").exists()}
 
     def ppl(name):
         r = read(ppl_root / f"ppl-{name}.json")
@@ -353,8 +353,8 @@ def policies(root: Path, model: str) -> str:
         r = read(root / f"passkey-{name}.json")
         return "-" if r is None else f"{next(iter(r['policies'].values()))['accuracy']:.0%}"
 
-    def speed(policy, tag):
-        row = bench.get(tag, {}).get(policy)
+    def speed(policy, name):
+        row = bench.get(name, {}).get(policy)
         return "-" if row is None or "ms_per_token" not in row else \
             f"{row['ms_per_token']:.1f} / {row['peak_kv_bytes'] / MiB:.1f}"
 
@@ -364,20 +364,26 @@ def policies(root: Path, model: str) -> str:
                     + [fidelity(f"{policy}-20pct{tag}", key, digits) for key, digits in (("rouge_l", 3), ("kl", 3))
                        for tag in ("", "-kv4")]
                     + [passkey(f"{policy}-20pct{tag}") for tag in ("", "-kv4")]
-                    + [speed(policy, tag) for tag in ("", "-kv4")])
+                    + [speed(policy, f"20pct{tag}") for tag in ("", "-kv4")])
     rows.append(["full", "0", "0", "0", ppl("full-kv4"), "1", fidelity("full-kv4", "rouge_l", 3), "0",
-                 fidelity("full-kv4", "kl", 3), passkey("full"), passkey("full-kv4"), speed("full", ""), speed("full", "-kv4")])
+                 fidelity("full-kv4", "kl", 3), passkey("full"), passkey("full-kv4"), speed("full", "20pct"), speed("full", "20pct-kv4")])
     plot_policies(root, model, ppl_root, full)
     header = ["policy", "PPL 50%", "PPL 20%", "PPL 10%", "PPL 20% +4-bit KV", "ROUGE-L 20%", "+4-bit",
               "KL 20%", "+4-bit", "pass-key 20%", "+4-bit", "ms/token / KV MiB 20%", "+4-bit"]
     by_budget = [[policy] + [fidelity(f"{policy}-{pct}pct", key, 3) for key in ("rouge_l", "kl") for pct in (50, 20, 10)]
                  for policy in POLICY_LIBRARY]
+    retrieval_and_speed = [[policy] + [passkey(f"{policy}-{pct}pct") for pct in (50, 20, 10)]
+                           + [speed(policy, f"{pct}pct{tag}") for tag in ("", "-kv4") for pct in (50, 20, 10)]
+                           for policy in POLICY_LIBRARY]
     return (f"### The policy library on {model}\n\nPPL: change over the full cache ({full['ppl']:.2f}), 8 streams "
             f"of 2,048 books/test tokens, budget a share of the stream. Fidelity (ROUGE-L, KL(full‖policy)): 8 "
             f"Dracula prompts of 1,024 tokens, 64 greedy tokens. Pass-key: 2,048 tokens, depths 0–100%, 4 keys "
             f"each. Decode: batch 1 after a synthetic 2,048-token prefill.\n\n" + table(header, rows)
             + "\n\nFidelity against the full cache at every budget:\n\n"
-            + table(["policy", "ROUGE-L 50%", "20%", "10%", "KL 50%", "20%", "10%"], by_budget))
+            + table(["policy", "ROUGE-L 50%", "20%", "10%", "KL 50%", "20%", "10%"], by_budget)
+            + "\n\nPass-key and decode (ms/token / KV MiB) at every budget:\n\n"
+            + table(["policy", "pass-key 50%", "20%", "10%", "decode 50%", "20%", "10%", "4-bit KV 50%", "20%", "10%"],
+                    retrieval_and_speed))
 
 
 TRAINED = {"smollm2": 8192, "gemma3-270m": 32768}
