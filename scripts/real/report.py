@@ -375,6 +375,8 @@ def policies(root: Path, model: str) -> str:
     retrieval_and_speed = [[policy] + [passkey(f"{policy}-{pct}pct") for pct in (50, 20, 10)]
                            + [speed(policy, f"{pct}pct{tag}") for tag in ("", "-kv4") for pct in (50, 20, 10)]
                            for policy in POLICY_LIBRARY]
+    retrieval_and_speed.append(["full"] + [passkey("full")] * 3
+                               + [speed("full", f"{pct}pct{tag}") for tag in ("", "-kv4") for pct in (50, 20, 10)])
     return (f"### The policy library on {model}\n\nPPL: change over the full cache ({full['ppl']:.2f}), 8 streams "
             f"of 2,048 books/test tokens, budget a share of the stream. Fidelity (ROUGE-L, KL(full‖policy)): 8 "
             f"Dracula prompts of 1,024 tokens, 64 greedy tokens. Pass-key: 2,048 tokens, depths 0–100%, 4 keys "
