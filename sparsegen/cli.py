@@ -648,9 +648,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import os
 
-    import uvicorn
-
-    from sparsegen.serve.server import Limits, build_app, kv_bound
+    from sparsegen.serve.server import Limits, build_app, kv_bound, run_server
 
     keys = list(args.api_key or [])
     if args.api_keys_file:
@@ -678,7 +676,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
           + (f" ({len(keys)} API keys)" if keys else " (no API key)"), flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    status = run_server(app, args.host, args.port, args.log_level)
+    if status:
+        sys.exit(status)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:

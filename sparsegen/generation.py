@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, prefill
+from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.models.cache_arg import cache_kwargs
@@ -159,12 +160,13 @@ def generate(
         speculation = Speculation(draft_policy(speculative, ids.shape[1]), draft_tokens, positions, draft_model)
     elif draft_model is not None:
         raise ValueError("draft_model drafts for speculative decoding: give speculative too, e.g. 'streaming:512'")
-    shown = [""]
+    text = Detokenizer(tokenizer)
 
     def stream_text(new: torch.Tensor, counts: torch.Tensor) -> None:
-        text = tokenizer.decode(new[0, : counts[0]], skip_special_tokens=True)
-        on_text(text[len(shown[0]):])
-        shown[0] = text
+        for token in new[0, len(text.tokens):int(counts[0])].tolist():  # the first row's tokens not shown yet
+            piece = text.add(token)
+            if piece:
+                on_text(piece)
 
     common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   chunk_size=chunk_size, eos_id=tokenizer.eos_token_id if stop_at_eos else None,
@@ -176,6 +178,8 @@ def generate(
     else:
         new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
                                                                               kv_bits=kv_bits, **common)
+    if on_text is not None and (tail := text.flush()):
+        on_text(tail)
     return Generation(
         texts=[tokenizer.decode(new[row, : counts[row]], skip_special_tokens=True) for row in range(len(prompts))],
         new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),

@@ -17,6 +17,7 @@ slots (``Policy.shares_slots``, Ada-KV) gives a layer one row of ``budget x kv_h
 from __future__ import annotations
 
 import sys
+import weakref
 
 from dataclasses import dataclass, field, replace
 
@@ -63,7 +64,9 @@ class EvictionLayer(CacheLayerMixin):
     def __init__(self, cache: EvictionCache, layer_idx: int, policy: Policy, pinned: int, rotary=None,
                  is_sliding: bool = False):
         super().__init__()
-        self.cache = cache
+        # a weak reference: a strong one makes every cache a reference cycle, which only Python's cyclic collector
+        # frees, rarely, so a server's dropped sessions kept their K/V memory for good
+        self.cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
         self.policy, self.pinned, self.rotary, self.is_sliding = policy, pinned, rotary, is_sliding
         self.used = 0  # slots in use (the largest held count of any sequence, plus the pending chunk)
@@ -260,11 +263,14 @@ class EvictionLayer(CacheLayerMixin):
         return sys.maxsize if budget is None else (budget + max(self.cache.chunk_size, chunk)) * self.fan
 
     def capacity(self, first_chunk: int) -> int:
-        """Slots allocated at first: what the sequence is expected to need (a budget far above it, say 10**9, is
-        not allocated up front), at most what the policy can ever hold; ``_grow`` adds more when needed."""
-        expected = max(first_chunk, self.cache.expected_length, self.cache.chunk_size, 64)
-        expected = expected if self.policy.budget is None else max(expected, 4096)
-        return min(self.most_slots(first_chunk), expected * self.fan)
+        """Slots allocated at first: what the sequence is expected to need, at most what the policy can ever hold;
+        ``_grow`` doubles it when needed. A short conversation under a large budget so costs what it holds, not its
+        budget (a server keeps many); a first call of a whole chunk announces a long sequence, which gets every slot
+        it can ever use at once (no growth, no moment with two copies)."""
+        most = self.most_slots(first_chunk)
+        if first_chunk >= self.cache.chunk_size and self.policy.budget is not None:
+            return most
+        return min(most, max(first_chunk, self.cache.expected_length, 64) * self.fan)
 
     @property
     def slot_budget(self) -> int | None:
@@ -504,8 +510,9 @@ class EvictionCache(Cache):
         return self.layers[layer_idx].used + query_length, 0
 
     def reset(self) -> None:
+        """Empty the cache and give its memory back (every buffer is let go, not zeroed)."""
         super().reset()
-        self.length, self.seen, self.step, self.padded = 0, None, None, False
+        self.length, self.seen, self.step, self.padded, self._workspace = 0, None, None, False, None
 
     def fill_random(self, batch: int, context: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device, generator: torch.Generator | None = None) -> None:

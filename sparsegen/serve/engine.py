@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsegen.decoding import check_sampling, next_token
+from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.quantized import as_quantization
@@ -43,11 +44,28 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # return each reply token's log-probability and this many top alternatives
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_p, self.seed)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MOST_LOGPROBS):
+            raise ValueError(f"logprobs takes 0 to {MOST_LOGPROBS} alternatives per token, got {self.logprobs!r}")
+
+
+MOST_LOGPROBS = 20  # OpenAI's own limit on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A reply token's log-probability under the model (before temperature and top-p) and the ``top`` most likely
+    tokens at its place, as ``(token id, log-probability)``."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,12 @@ class Session:
         self.turns = 0
         self.busy = False
 
+    def release(self) -> None:
+        """Give the caches' memory back now (the session is dropped or starts over)."""
+        for cache in (self.cache, self.draft):
+            if cache is not None:
+                cache.reset()
+
 
 @dataclass
 class Job:
@@ -83,19 +107,29 @@ class Job:
     strip_leading: bool  # a base model's reply starts with the space after "Assistant:": not part of the content
     generator: torch.Generator | None
     on_text: Callable[[Job, str], None] | None = None
+    text: Detokenizer | None = None  # the reply's raw text (a base model's template space included)
+    stops: tuple[str, ...] = ()
     feed: list[int] = field(default_factory=list)  # prompt tokens not encoded yet
     tokens: list[int] = field(default_factory=list)
-    content: str = ""  # the reply as returned: stop strings and what follows them removed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per reply token, when the sampling asks
+    shown: list[str] = field(default_factory=list)  # the reply as returned so far, in the pieces sent
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     error: str | None = None
     cancelled: bool = False
-    searched: int = 0  # characters of the reply already searched for stop strings
+    lead: int | None = None  # characters of the raw text before the reply (None: not known yet)
+    searched: int = 0  # characters of the raw text already searched for stop strings
+    emitted: int = 0  # characters of the raw text already shown (``lead`` included)
     served: int = 0  # the engine step that last encoded a chunk of its prompt (or began it)
     forget: int = 0  # reply tokens in the cache past a stop string: dropped when the row is back in its session
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def content(self) -> str:
+        """The reply as returned: stop strings and what follows them removed."""
+        return "".join(self.shown)
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -107,6 +141,14 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 held = n
                 break
     return held
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under ``logits`` (one row) and the ``top`` likeliest tokens'."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.topk(top) if top else None
+    pairs = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def _template_space(reply: str) -> int:
@@ -185,13 +227,14 @@ class Engine:
                 idle = next((k for k, s in self.sessions.items() if not s.busy), None)
                 if idle is None:
                     raise RuntimeError(f"all {self.max_sessions} sessions are busy")
-                del self.sessions[idle]
+                self.sessions.pop(idle).release()
                 self.counters["evicted_sessions"] += 1
             session = self.sessions[session_id] = Session(session_id, self._new_cache(), self._new_draft())
         self.sessions.move_to_end(session_id)
         return session
 
     def reset(self, session: Session) -> None:
+        session.release()
         session.cache, session.text, session.pending = self._new_cache(), "", []
         session.draft, session.draft_lag = self._new_draft(), []
 
@@ -254,8 +297,10 @@ class Engine:
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        return Job(session, sampling, len(ids), reencoded=history, strip_leading=messages is not None and not
-                   self.template.native, generator=generator, on_text=on_text, feed=ids, served=self._ticks)
+        strip = messages is not None and not self.template.native
+        return Job(session, sampling, len(ids), reencoded=history, strip_leading=strip, generator=generator,
+                   on_text=on_text, text=Detokenizer(self.tokenizer), feed=ids, served=self._ticks,
+                   stops=tuple(sampling.stop) + tuple(self.template.stop if strip else ()))
 
     @torch.inference_mode()
     def step(self, jobs: list[Job]) -> None:
@@ -362,7 +407,7 @@ class Engine:
         kept = drafts[:n] + [int(bonus)]
         for taken, token in enumerate(kept, 1):
             self.counters["decode_tokens"] += 1
-            self._take(job, token)
+            self._take(job, token, logits[0, taken - 1])
             if job.done:  # the caches hold every reply token but the last: drop the accepted ones after it
                 self._forget(session, len(kept) - taken)
                 return
@@ -383,10 +428,22 @@ class Engine:
         except Exception as err:  # noqa: BLE001  one reply's failure is that reply's only
             self.fail(job, err)
 
+    @torch.inference_mode()
     def fail(self, job: Job, err: Exception) -> None:
         """End ``job`` with an error."""
         job.error = f"{type(err).__name__}: {err}"
         self._abandon(job, "error")
+
+    def recover(self, jobs: list[Job], err: BaseException) -> None:
+        """After an error outside any one reply, when the engine's state is in doubt: forget the stacked batch
+        without reading it, fail every unfinished job in ``jobs`` and start their sessions over. Touches no tensor in
+        place, so it cannot fail the way the step did."""
+        self.discard_batch()
+        for job in jobs:
+            if not job.done:
+                job.error, job.finish_reason, job.forget = f"{type(err).__name__}: {err}", "error", 0
+            self.reset(job.session)
+            job.session.busy = False
 
     def _abandon(self, job: Job, reason: str) -> None:
         """End ``job`` without keeping its turn: its session starts over (its cache may hold part of a prompt or
@@ -396,7 +453,10 @@ class Engine:
         self.reset(job.session)
         job.session.busy = False
 
+    @torch.inference_mode()
     def cancel(self, job: Job) -> None:
+        """Stop ``job`` at any point (queued work, prompt, decoding alone or in the batch): its row leaves the
+        batch, which goes on for the others; a reply cut mid-way stays in its session as far as it went."""
         job.cancelled = True
         if job.done:
             return
@@ -447,36 +507,46 @@ class Engine:
     def _accept(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token and take it."""
         sampling = job.sampling
-        self._take(job, int(next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0]))
+        self._take(job, int(next_token(logits[None], sampling.temperature, sampling.top_p, job.generator)[0]), logits)
 
-    def _take(self, job: Job, token: int) -> None:
-        """Add ``token`` to the reply, update its visible text, and finish it at EOS, a stop string or the limit."""
-        sampling = job.sampling
+    def _take(self, job: Job, token: int, scores: torch.Tensor | None = None) -> None:
+        """Add ``token`` (sampled from the logits ``scores``) to the reply, show the text it completes, and finish
+        the reply at EOS, a stop string or the limit. Costs O(1) amortized in the reply's length: only the new text,
+        and a stop string's length before it, are searched."""
+        sampling, raw = job.sampling, job.text
         job.tokens.append(token)
+        if sampling.logprobs is not None and scores is not None:
+            job.logprobs.append(token_logprob(scores, token, sampling.logprobs))
         eos = token == self.tokenizer.eos_token_id
-        raw = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)
-        lead = _template_space(raw) if job.strip_leading else 0
-        text = raw[lead:]
-        stops = tuple(sampling.stop) + tuple(self.template.stop if job.strip_leading else ())
-        # only the text that is new since the last search (and a stop's length before it) can hold a new match
-        since = max(0, job.searched - max(map(len, stops), default=0) - 8)  # 8: a multi-byte character completing
-        cut = min((found for s in stops if (found := text.find(s, since)) >= 0), default=-1)
-        job.searched = len(text)
+        last = eos or len(job.tokens) >= sampling.max_tokens
+        if not eos:
+            raw.add(token)
+        if last:
+            raw.flush()
+        if job.lead is None:  # a base model's reply starts after the template's space: known from two characters
+            if raw.length < 2 and not last:
+                return
+            job.lead = _template_space(raw.text[:2]) if job.strip_leading else 0
+            job.searched = job.emitted = job.lead
+        longest = max(map(len, job.stops), default=0)
+        start = max(job.lead, job.searched - longest + 1)  # a match may begin in text searched before
+        window = raw.tail(raw.length - start)
+        cut = min((start + found for s in job.stops if (found := window.find(s)) >= 0), default=-1)
+        job.searched = raw.length
         if cut >= 0:
-            self._emit(job, text[:cut])
-            self._finish(job, "stop", shown=raw[:lead + cut])
-        elif eos:
-            self._emit(job, text)
-            self._finish(job, "stop")
-        else:
-            self._emit(job, text[:len(text) - _held_back(text, stops)])
-            if len(job.tokens) >= sampling.max_tokens:
-                self._emit(job, text)
-                self._finish(job, "length")
+            self._emit(job, cut)
+            self._finish(job, "stop", shown=raw.text[:cut])
+            return
+        self._emit(job, raw.length if last else raw.length - _held_back(window, job.stops))
+        if last:
+            self._finish(job, "stop" if eos else "length")
 
-    def _emit(self, job: Job, visible: str) -> None:
-        if len(visible) > len(job.content) and visible.startswith(job.content):
-            new, job.content = visible[len(job.content):], visible
+    def _emit(self, job: Job, end: int) -> None:
+        """Show the raw text up to character ``end``."""
+        if end > job.emitted:
+            new = job.text.tail(job.text.length - job.emitted)[:end - job.emitted]
+            job.emitted = end
+            job.shown.append(new)
             if job.on_text is not None:
                 job.on_text(job, new)
 

@@ -17,16 +17,19 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import queue
 import re
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,8 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException
 
 from sparsegen.bench.memory import current_rss
-from sparsegen.serve.engine import Engine, Job, Prepared, Sampling
+from sparsegen.serve.engine import MOST_LOGPROBS, Engine, Job, Prepared, Sampling, TokenLogprob
 
+log = logging.getLogger("sparsegen.serve")
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 SESSION_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ -"
 
@@ -81,11 +85,53 @@ def _no_surrogates(value):
     return value
 
 
+def _content_text(content) -> str | None:
+    """A message's content as one string: a string, a list of text parts (joined), or None. Parts of any other
+    type (images, audio, files) are refused by name: this server serves text models."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("content must be a string, a list of content parts, or null")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"content part {i} has type {kind!r}: this server serves a text-only model and reads "
+                             f'only {{"type": "text", "text": ...}} parts')
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f'content part {i} needs a string "text"')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 class Message(BaseModel):
+    """A chat message as OpenAI clients send it: ``content`` a string, a list of text parts (joined), or null on an
+    assistant turn; the ``developer`` role is the system role of newer models."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # a string, a list of text parts, or null (``_content_text``)
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value):
+        return _content_text(value)
+
+    @model_validator(mode="after")
+    def _readable(self):
+        if self.role == "tool" or self.tool_calls or self.tool_call_id is not None:
+            raise ValueError("tool messages and tool calls are not supported: this server calls no tools")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (only an assistant turn may have null content)")
+        return self
+
+    def as_engine(self) -> dict:
+        """``{"role", "content"}`` as the chat template takes them."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
 
 
 class StreamOptions(BaseModel):
@@ -105,10 +151,17 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    n: int = Field(default=1, ge=1, le=1)
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # any 64-bit seed, as OpenAI takes
+    n: int = Field(default=1, ge=1)
     user: str | None = None
     session_id: str | None = Field(default=None, pattern=f"^{SESSION_ID.pattern}$")
+    # sent by OpenAI clients; neutral values are accepted, others are refused (REFUSED says why)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -124,12 +177,68 @@ class _Request(BaseModel):
         return stops
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MOST_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Request):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[str] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, value):
+        if any(not prompt for prompt in ([value] if isinstance(value, str) else value)):
+            raise ValueError("a prompt must be a non-empty string")
+        return value
+
+
+# What this server refuses of OpenAI's request fields, and why (docs/serving.md lists the same): field -> (the values
+# accepted, the reason any other is refused).
+REFUSED = {
+    "n": ("1", "one reply per request: send several requests (each with its own seed) for several samples"),
+    "best_of": ("1", "one reply per request"),
+    "echo": ("false", "the prompt is not returned with the reply"),
+    "suffix": ("null", "no fill-in-the-middle"),
+    "frequency_penalty": ("0", "no repetition penalties: sampling is temperature and top_p"),
+    "presence_penalty": ("0", "no repetition penalties: sampling is temperature and top_p"),
+    "logit_bias": ("{}", "no logit biases"),
+    "tools": ("[]", "this server calls no tools"),
+    "tool_choice": ('"none"', "this server calls no tools"),
+    "response_format": ('{"type": "text"}', "no constrained decoding (JSON modes and schemas)"),
+}
+
+
+def refused_field(parsed: _Request) -> str | None:
+    """The first field of ``parsed`` set to a value this server does not honour (see ``REFUSED``), if any."""
+    checks = {
+        "n": parsed.n != 1,
+        "best_of": getattr(parsed, "best_of", None) not in (None, 1),
+        "echo": getattr(parsed, "echo", False),
+        "suffix": getattr(parsed, "suffix", None) is not None,
+        "frequency_penalty": bool(parsed.frequency_penalty),
+        "presence_penalty": bool(parsed.presence_penalty),
+        "logit_bias": bool(parsed.logit_bias),
+        "tools": bool(getattr(parsed, "tools", None)),
+        "tool_choice": getattr(parsed, "tool_choice", None) not in (None, "none"),
+        "response_format": getattr(parsed, "response_format", None) is not None
+        and parsed.response_format.type != "text",
+    }
+    return next((name for name, refused in checks.items() if refused), None)
 
 
 class Usage(BaseModel):
@@ -146,13 +255,14 @@ class ReplyMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ReplyMessage
+    logprobs: dict | None = None
     finish_reason: Literal["stop", "length"]
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -218,25 +328,47 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ClientGone(Exception):
+    """The client closed its connection: its reply was cancelled, and nobody is left to answer."""
+
+
 @dataclass
 class Pending:
-    """A request on its way through the worker: what it asks, and the channel its text comes back on."""
+    """A request (one choice of it) on its way through the worker: what it asks, and the channel its text comes back
+    on, shared by the request's choices: events are ``(index, kind, payload)``."""
 
     kind: str  # "chat" or "completion"
     request: _Request
+    text: dict  # ``messages=`` or ``prompt=``, as the engine takes them
     session_id: str | None  # namespaced by API key
     sampling: Sampling
     prepared: Prepared
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue
+    index: int = 0
     job: Job | None = None
     cancelled: bool = False
+    sent_logprobs: int = 0  # the reply's token log-probabilities already sent with its text
 
-    def send(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+    def send(self, kind: str, payload=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
+        except RuntimeError:  # the handler's event loop is closed (shutdown): nobody is waiting
+            pass
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The reply's token log-probabilities not sent yet (marked sent)."""
+        job = self.job
+        new, self.sent_logprobs = job.logprobs[self.sent_logprobs:], len(job.logprobs)
+        return new
 
 
 class Worker(threading.Thread):
+    """Owns the engine: admits queued requests between steps, cancels those whose clients left, steps. It never dies
+    of an error: one in a reply fails that reply (the engine's own guard), one anywhere else fails the replies in
+    flight, whose sessions start over (``rebuilds``, logged once each). If it dies anyway (a ``BaseException``), it
+    fails everything waiting and calls ``on_death``: the server then reports it and exits."""
+
     def __init__(self, engine: Engine, limits: Limits):
         super().__init__(name="sparsegen-engine", daemon=True)
         self.engine, self.limits = engine, limits
@@ -245,11 +377,16 @@ class Worker(threading.Thread):
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self.errors = 0
+        self.cancelled = 0
+        self.rebuilds = 0
+        self.last_rebuild: str | None = None
+        self.died: str | None = None
+        self.on_death: Callable[[], None] | None = None
         self.snapshot: dict = {}
         self._publish()
 
     def submit(self, pending: Pending) -> None:
-        if self.stopping.is_set():
+        if self.stopping.is_set() or self.died is not None:
             raise ApiError(503, "the server is shutting down", "server_error")
         try:
             self.inbox.put_nowait(pending)
@@ -258,21 +395,55 @@ class Worker(threading.Thread):
                            "rate_limit_error", "overloaded") from None
 
     def run(self) -> None:
-        while not self.stopping.is_set():
-            self._admit()
-            for pending in self.active:
-                if pending.cancelled and not pending.job.done:
-                    self.engine.cancel(pending.job)
-            self._retire()
-            if self.active:
+        try:
+            while not self.stopping.is_set():
                 try:
-                    self.engine.step([p.job for p in self.active])
-                except Exception as err:  # noqa: BLE001  an engine bug fails the replies in flight, not the server
-                    self._fail_active(err)
-                self._retire()
-            self._publish()
+                    self._tick()
+                except Exception as err:  # noqa: BLE001  outside any one reply: the state is in doubt
+                    self._rebuild(err)
+                self._publish()
+        except BaseException as err:
+            self.died = f"{type(err).__name__}: {err}"
+            log.critical("the engine thread died (%s); the server stops", self.died, exc_info=True)
+            raise
+        finally:
+            self._fail_all()
+            if self.died is not None and self.on_death is not None:
+                self.on_death()
+
+    def _tick(self) -> None:
+        self._admit()
         for pending in self.active:
-            pending.send(("error", ApiError(503, "the server shut down before the reply finished", "server_error")))
+            if pending.cancelled and not pending.job.done:
+                self.engine.cancel(pending.job)
+                self.cancelled += 1
+        self._retire()
+        if self.active:
+            self.engine.step([p.job for p in self.active])
+            self._retire()
+
+    def _rebuild(self, err: Exception) -> None:
+        """Fail the replies in flight, start their sessions over and forget the stacked batch: the engine is as if
+        they had never come."""
+        self.rebuilds += 1
+        self.last_rebuild = f"{type(err).__name__}: {err}"
+        log.error("engine error outside any one reply; %d replies in flight fail and the engine's batch is rebuilt",
+                  len(self.active), exc_info=True)
+        self.engine.recover([p.job for p in self.active if p.job is not None], err)
+        self._retire()
+
+    def _fail_all(self) -> None:
+        """The worker stops: every reply in flight or queued gets a 503."""
+        gone = ApiError(503, "the server shut down before the reply finished", "server_error")
+        waiting = list(self.active)
+        while True:
+            try:
+                waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for pending in waiting:
+            pending.send("error", gone)
+        self.active = []
 
     def _retire(self) -> None:
         for pending in self.active:
@@ -280,9 +451,9 @@ class Worker(threading.Thread):
             if job.done and not pending.cancelled:
                 if job.finish_reason == "error":
                     self.errors += 1
-                    pending.send(("error", ApiError(500, f"the reply failed: {job.error}", "server_error")))
+                    pending.send("error", ApiError(500, f"the reply failed: {job.error}", "server_error"))
                 else:
-                    pending.send(("done", job))
+                    pending.send("done", job)
         self.active = [p for p in self.active if not p.job.done]
 
     def _admit(self) -> None:
@@ -292,14 +463,15 @@ class Worker(threading.Thread):
             except queue.Empty:
                 return
             if pending.cancelled:
+                self.cancelled += 1
                 continue
             try:
                 self.active.append(self._begin(pending))
             except ApiError as err:
-                pending.send(("error", err))
+                pending.send("error", err)
             except Exception as err:  # noqa: BLE001
                 self.errors += 1
-                pending.send(("error", ApiError(500, f"the request failed: {err}", "server_error")))
+                pending.send("error", ApiError(500, f"the request failed: {err}", "server_error"))
 
     def _begin(self, pending: Pending) -> Pending:
         engine, request = self.engine, pending.request
@@ -310,37 +482,32 @@ class Worker(threading.Thread):
             session = engine.session(pending.session_id)
         except RuntimeError as err:
             raise ApiError(503, str(err), "server_error", "overloaded") from None
-        # a streamed reply's text goes out as it comes; an unstreamed one's handler waits quietly for the end (and
-        # notices a disconnected client meanwhile)
-        on_text = (lambda job, text: pending.send(("text", text))) if request.stream else None  # noqa: E731
+        # a streamed reply's text goes out as it comes (with its tokens' log-probabilities, when asked); an
+        # unstreamed one's handler waits quietly for the end (and notices a disconnected client meanwhile)
+        on_text = (lambda job, text: pending.send("text", (text, pending.new_logprobs()))) \
+            if request.stream else None  # noqa: E731
         try:
             pending.job = engine.begin(session, pending.sampling, on_text=on_text, prepared=pending.prepared,
-                                       **_text_of(request))
+                                       **pending.text)
         except ValueError as err:
             raise ApiError(400, str(err)) from None
         return pending
 
-    def _fail_active(self, err: Exception) -> None:
-        """An engine bug: the replies in flight fail (their sessions start over), the server goes on."""
-        self.engine.discard_batch()  # the stacked rows may be half-updated
-        for pending in self.active:
-            self.engine.fail(pending.job, err)
-        self._retire()
-
     def _publish(self) -> None:
         engine = self.engine
         snapshot = {**{f"{k}_total": v for k, v in engine.counters.items()}, "errors_total": self.errors,
+                    "cancelled_total": self.cancelled, "engine_rebuilds_total": self.rebuilds,
                     "sessions": len(engine.sessions), "active_replies": len(self.active),
                     "queued_requests": self.inbox.qsize(), "kv_bytes": engine.kv_bytes()}
         with self.lock:
             self.snapshot = snapshot
 
 
-def _text_of(request: _Request) -> dict:
-    """``messages=`` or ``prompt=``, as the engine takes them."""
+def _texts_of(request: _Request) -> list[dict]:
+    """``messages=`` or ``prompt=`` for each choice the request asks, as the engine takes them."""
     if isinstance(request, ChatRequest):
-        return {"messages": [m.model_dump(exclude={"name"}) for m in request.messages]}
-    return {"prompt": request.prompt}
+        return [{"messages": [m.as_engine() for m in request.messages]}]
+    return [{"prompt": prompt} for prompt in ([request.prompt] if isinstance(request.prompt, str) else request.prompt)]
 
 
 def kv_bound(engine: Engine, limits: Limits) -> int:
@@ -458,10 +625,11 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, err: RequestValidationError):
-        first = err.errors()[0]
+        errors = err.errors()  # our own checks' messages name the fix: shown first
+        first = next((e for e in errors if e["type"] == "value_error"), errors[0])
         where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
-        if first["type"] == "json_invalid":
-            message = "the body is not valid JSON"
+        if first["type"] == "json_invalid":  # its location is a character offset, not a field
+            where, message = "body", f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'malformed')})"
         elif where == "body":
             message = f"the body must be a JSON object with the request's fields ({first['msg']})"
         else:
@@ -473,11 +641,21 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         worker.errors += 1
         return error(ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request, err: ClientGone):  # a normal event: one info line, no traceback
+        log.info("client disconnected from %s; its reply was cancelled", request.url.path)
+        return PlainTextResponse("", status_code=499)
+
     def check(parsed: _Request, request: Request) -> tuple[str | None, Sampling]:
         """The server's own limits on a well-formed request; its session id (namespaced) and sampling."""
         if parsed.model is not None and parsed.model != model_name:
             raise ApiError(404, f"the model {parsed.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+        refused = refused_field(parsed)
+        if refused is not None:
+            accepted, why = REFUSED[refused]
+            raise ApiError(400, f"{refused} is not supported beyond {accepted}: {why}", param=refused,
+                           code="unsupported_value")
         wanted = parsed.max_completion_tokens or parsed.max_tokens or defaults.max_tokens
         if wanted > limits.max_tokens:
             raise ApiError(400, f"max_tokens {wanted} is over this server's limit of {limits.max_tokens}",
@@ -492,105 +670,169 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         session_id = parsed.session_id or request.headers.get("x-session-id")
         if session_id is not None and not SESSION_ID.fullmatch(session_id):
             raise ApiError(400, f"a session id has {SESSION_ID_RULE}", param="session_id")
+        prompts = getattr(parsed, "prompt", "")
+        if not isinstance(prompts, str):
+            if session_id is not None and len(prompts) > 1:
+                raise ApiError(400, "a session holds one conversation: send one prompt with a session id",
+                               param="prompt")
+            if len(prompts) > limits.max_batch:
+                raise ApiError(400, f"{len(prompts)} prompts is over this server's limit of {limits.max_batch} per "
+                                    f"request", param="prompt")
+        if isinstance(parsed, ChatRequest):
+            if parsed.top_logprobs is not None and not parsed.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
+        else:
+            logprobs = parsed.logprobs
+        seed = defaults.seed if parsed.seed is None else parsed.seed % 2**63  # a negative seed is a seed too
         sampling = Sampling(
             max_tokens=wanted,
             temperature=defaults.temperature if parsed.temperature is None else parsed.temperature,
             top_p=defaults.top_p if parsed.top_p is None else parsed.top_p,
-            seed=defaults.seed if parsed.seed is None else parsed.seed, stop=tuple(parsed.stop))
+            seed=seed, stop=tuple(parsed.stop), logprobs=logprobs)
         namespace = request.scope.get("state", {}).get("namespace", "")
         return (None if session_id is None else f"{namespace}/{session_id}"), sampling
 
     async def serve(request: Request, kind: str, parsed: _Request):
         session_id, sampling = check(parsed, request)
         session = engine.sessions.get(session_id) if session_id else None
-        try:  # tokenized beside the worker: a long text costs its sender, not the replies decoding
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                preparer, partial(engine.prepare, session, elsewhere=True, **_text_of(parsed)))
-        except ValueError as err:
-            raise ApiError(400, str(err)) from None
-        pending = Pending(kind, parsed, session_id, sampling, prepared, asyncio.get_running_loop())
-        worker.submit(pending)
-        ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        shown_id = session_id.split("/", 1)[1] if session_id else None
-        if parsed.stream:
-            first = await next_event(request, pending)  # errors found on admission keep their HTTP status
-            if first[0] == "error":
-                raise first[1]
-            usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-            return StreamingResponse(stream(request, pending, kind, ident, created, first, usage),
-                                     media_type="text/event-stream", headers={"X-Session-Id": shown_id or ""})
-        job = await wait(request, pending)
-        common = dict(id=ident, created=created, model=model_name, usage=usage_of(job), session_id=shown_id)
-        if kind == "chat":
-            reply = ChatCompletion(choices=[ChatChoice(message=ReplyMessage(content=job.content),
-                                                       finish_reason=job.finish_reason)], **common)
-        else:
-            reply = Completion(choices=[CompletionChoice(text=job.content, finish_reason=job.finish_reason)],
-                               **common)
-        return JSONResponse(reply.model_dump())
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        pendings: list[Pending] = []
+        try:
+            for index, text in enumerate(_texts_of(parsed)):
+                try:  # tokenized beside the worker: a long text costs its sender, not the replies decoding
+                    prepared = await loop.run_in_executor(
+                        preparer, partial(engine.prepare, session, elsewhere=True, **text))
+                except ValueError as err:
+                    raise ApiError(400, str(err)) from None
+                pending = Pending(kind, parsed, text, session_id, sampling, prepared, loop, events, index)
+                worker.submit(pending)
+                pendings.append(pending)
+            ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+            shown_id = session_id.split("/", 1)[1] if session_id else None
+            reply = Reply(ident, int(time.time()), shown_id, kind, pendings)
+            if parsed.stream:
+                first = await next_event(request, events)  # errors found on admission keep their HTTP status
+                if first[1] == "error":
+                    raise first[2]
+                usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+                return StreamingResponse(stream(request, reply, first, usage), media_type="text/event-stream",
+                                         headers={"X-Session-Id": shown_id or ""})
+            jobs = await wait(request, events, len(pendings))
+        except BaseException:
+            for pending in pendings:
+                pending.cancelled = True  # stop decoding what nobody will read
+            raise
+        return JSONResponse(reply.whole(jobs))
 
-    def usage_of(job: Job) -> Usage:
-        return Usage(prompt_tokens=job.prompt_tokens, completion_tokens=len(job.tokens),
-                     total_tokens=job.prompt_tokens + len(job.tokens))
-
-    async def next_event(request: Request, pending: Pending):
+    async def next_event(request: Request, events: asyncio.Queue) -> tuple:
         while True:
             try:
-                return await asyncio.wait_for(pending.events.get(), timeout=0.25)
+                return await asyncio.wait_for(events.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    pending.cancelled = True
-                    raise asyncio.CancelledError from None
+                    raise ClientGone from None
 
-    async def wait(request: Request, pending: Pending) -> Job:
+    async def wait(request: Request, events: asyncio.Queue, choices: int) -> list[Job]:
+        jobs: dict[int, Job] = {}
+        while len(jobs) < choices:
+            index, what, payload = await next_event(request, events)
+            if what == "error":
+                raise payload
+            if what == "done":
+                jobs[index] = payload
+        return [jobs[i] for i in range(choices)]
+
+    @dataclass
+    class Reply:
+        """What every response of one request shares, and its shapes."""
+
+        ident: str
+        created: int
+        session_id: str | None
+        kind: str
+        pendings: list[Pending]
+
+        def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
+                  logprobs: list[TokenLogprob] | None = None, usage: Usage | None = None) -> str:
+            if usage is not None:
+                choices = []
+            elif self.kind == "chat":
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choices = [{"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
+                            "finish_reason": finish}]
+            else:
+                choices = [{"index": index, "text": text or "", "logprobs": self.logprobs(logprobs),
+                            "finish_reason": finish}]
+            body = {"id": self.ident, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                    "created": self.created, "model": model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage.model_dump()
+            return f"data: {json.dumps(body)}\n\n"
+
+        def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+            """OpenAI's ``logprobs`` object of a choice (of a chunk) for ``entries``; None when not asked."""
+            if self.pendings[0].sampling.logprobs is None or entries is None:
+                return None
+            if self.kind == "chat":
+                def item(token: int, logprob: float) -> dict:
+                    text = token_text(token)
+                    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+                return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(*t) for t in e.top]}
+                                    for e in entries], "refusal": None}
+            tokens = [token_text(e.token) for e in entries]
+            offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+            return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                    "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+        def whole(self, jobs: list[Job]) -> dict:
+            common = dict(id=self.ident, created=self.created, model=model_name, usage=usage_of(jobs),
+                          session_id=self.session_id)
+            if self.kind == "chat":
+                return ChatCompletion(choices=[
+                    ChatChoice(index=i, message=ReplyMessage(content=job.content), logprobs=self.logprobs(job.logprobs),
+                               finish_reason=job.finish_reason) for i, job in enumerate(jobs)], **common).model_dump()
+            return Completion(choices=[
+                CompletionChoice(index=i, text=job.content, logprobs=self.logprobs(job.logprobs),
+                                 finish_reason=job.finish_reason) for i, job in enumerate(jobs)], **common).model_dump()
+
+    def token_text(token: int) -> str:
+        return engine.tokenizer.decode([token])
+
+    def usage_of(jobs: list[Job]) -> Usage:
+        prompt, completion = sum(job.prompt_tokens for job in jobs), sum(len(job.tokens) for job in jobs)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def stream(request: Request, reply: Reply, event: tuple, usage: bool):
+        finished: dict[int, Job] = {}
         try:
+            if reply.kind == "chat":
+                for index in range(len(reply.pendings)):
+                    yield reply.chunk(index, None, None, role=True)
             while True:
-                event = await next_event(request, pending)
-                if event[0] == "error":
-                    raise event[1]
-                if event[0] == "done":
-                    return event[1]
-        finally:
-            if pending.job is None or not pending.job.done:
-                pending.cancelled = True  # the handler was cancelled (the client went away): stop decoding
-
-    def chunk(kind: str, ident: str, created: int, text: str | None, finish: str | None, role: bool = False,
-              usage: dict | None = None) -> str:
-        if usage is not None:
-            choices = []
-        elif kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choices = [{"index": 0, "delta": delta, "finish_reason": finish}]
-        else:
-            choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-        body = {"id": ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": created, "model": model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage.model_dump()
-        return f"data: {json.dumps(body)}\n\n"
-
-    async def stream(request: Request, pending: Pending, kind: str, ident: str, created: int, event: tuple,
-                     usage: bool):
-        try:
-            if kind == "chat":
-                yield chunk(kind, ident, created, None, None, role=True)
-            while True:
-                if event[0] == "text":
-                    yield chunk(kind, ident, created, event[1], None)
-                elif event[0] == "done":
-                    yield chunk(kind, ident, created, None, event[1].finish_reason)
-                    if usage:
-                        yield chunk(kind, ident, created, None, None, usage=usage_of(event[1]))
-                    yield "data: [DONE]\n\n"
-                    return
+                index, what, payload = event
+                if what == "text":
+                    yield reply.chunk(index, payload[0], None, logprobs=payload[1])
+                elif what == "done":
+                    finished[index] = payload
+                    yield reply.chunk(index, None, payload.finish_reason,
+                                      logprobs=reply.pendings[index].new_logprobs())
+                    if len(finished) == len(reply.pendings):
+                        if usage:
+                            yield reply.chunk(0, None, None, usage=usage_of(list(finished.values())))
+                        yield "data: [DONE]\n\n"
+                        return
                 else:
-                    yield f"data: {json.dumps(event[1].body())}\n\n"
+                    yield f"data: {json.dumps(payload.body())}\n\n"
                     return
-                event = await next_event(request, pending)
+                event = await next_event(request, reply.pendings[0].events)
+        except ClientGone:
+            log.info("client disconnected mid-stream; its reply was cancelled")
         finally:
-            if pending.job is None or not pending.job.done:
-                pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
+            for pending in reply.pendings:
+                if pending.job is None or not pending.job.done:
+                    pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_documented(ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):
@@ -604,10 +846,23 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=int(started))])
 
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorReply}})
+    async def model(model_id: str) -> ModelCard:
+        if model_id != model_name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return ModelCard(id=model_name, created=int(started))
+
     @app.get("/health")
     async def health():
-        alive = worker.is_alive()
-        return JSONResponse({"status": "ok" if alive else "down"}, status_code=200 if alive else 503)
+        """ok, or 503 once the engine thread is gone (the process then exits); after an engine rebuild, how many
+        and the last error."""
+        if not worker.is_alive():
+            return JSONResponse({"status": "down", "error": worker.died}, status_code=503)
+        body = {"status": "ok"}
+        if worker.rebuilds:
+            body.update(engine_rebuilds=worker.rebuilds, last_rebuild=worker.last_rebuild)
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics():
@@ -622,3 +877,22 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "warning") -> int:
+    """Serve ``app`` until stopped; the exit status: 0, or 3 when the engine thread died (so that a supervisor,
+    systemd or Kubernetes, restarts the server instead of leaving it hanging)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    worker: Worker = app.state.worker
+    worker.on_death = lambda: setattr(server, "should_exit", True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
+        pass
+    if worker.died is not None:
+        print(f"sparsegen serve: the engine thread died ({worker.died}); exiting with status 3", file=sys.stderr)
+        return 3
+    return 0
