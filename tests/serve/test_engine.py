@@ -8,6 +8,7 @@ from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.serve import ChatTemplate, Engine, Sampling
 from sparsegen.serve.chat import chat
 from tests.kv.families import VOCAB, tiny_model
+from tests.serve.ids import IdTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +40,7 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits):
     tokens each gives alone, and their caches come back as they would be (quantized ones too)."""
     model = tiny_model("llama")
 
-    class Tokens:  # a stand-in tokenizer over space-separated ids
-        eos_token_id, chat_template = None, None
-
-        def __call__(self, text, add_special_tokens=True):
-            return {"input_ids": [int(t) for t in text.split()]}
-
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(f" {i}" for i in ids)
-
-    engine = Engine(model, Tokens(), lambda: make_policy(policy, None if policy == "full" else 12), chunk_size=5,
+    engine = Engine(model, IdTokenizer(), lambda: make_policy(policy, None if policy == "full" else 12), chunk_size=5,
                     kv_bits=kv_bits)
     generator = torch.Generator().manual_seed(0)
     prompts = [" ".join(map(str, torch.randint(3, VOCAB, (n,), generator=generator).tolist())) for n in (7, 19, 3, 11)]
