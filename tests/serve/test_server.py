@@ -28,9 +28,9 @@ def _free_port() -> int:
 class Running:
     """A server in a thread: ``url``, ``app`` and ``stop()``."""
 
-    def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None):
+    def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None, kv_bits=None):
         self.engine = Engine(model, tokenizer, lambda: make_policy(policy, BUDGET), chunk_size=32,
-                             max_sessions=limits.max_sessions, max_batch=limits.max_batch)
+                             max_sessions=limits.max_sessions, max_batch=limits.max_batch, kv_bits=kv_bits)
         self.app = build_app(self.engine, limits, "reference", defaults)
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
