@@ -10,7 +10,7 @@ from typing import TextIO
 from sparsegen.bench.memory import current_rss
 from sparsegen.serve.engine import Engine, Sampling, Session
 
-HELP = "/reset starts over, /stats shows the cache, /quit leaves (Ctrl-D too)"
+HELP = "/reset starts over, /stats shows the cache, /quit leaves (Ctrl-D too); Ctrl-C stops a reply"
 
 
 def turn_stats(engine: Engine, session: Session, job, seconds: float) -> dict:
@@ -63,8 +63,16 @@ def chat(engine: Engine, sampling: Sampling, turns: Iterable[str] | None = None,
         started = time.perf_counter()
         job = engine.begin(session, sampling, messages=messages,
                            on_text=lambda job, text: print(text, end="", file=out, flush=True))
-        while not job.done:
-            engine.step([job])
+        try:
+            while not job.done:
+                engine.step([job])
+        except KeyboardInterrupt as interrupt:  # Ctrl-C: stop this reply, keep the conversation
+            engine.recover([job], interrupt, reason="cancelled")  # mid-step, the cache is in doubt: start over
+            print(" [interrupted]", end="", file=out)
+            if not job.content:  # nothing answered: the question is not part of the conversation
+                messages.pop()
+                print(file=out, flush=True)
+                continue
         print(file=out, flush=True)
         messages.append({"role": "assistant", "content": job.content})
         history.append(turn_stats(engine, session, job, time.perf_counter() - started))
@@ -72,8 +80,12 @@ def chat(engine: Engine, sampling: Sampling, turns: Iterable[str] | None = None,
 
 
 def _typed():
+    """Lines typed at the prompt: Ctrl-D ends, Ctrl-C at the prompt only clears the line (as in a shell)."""
     while True:
         try:
             yield input("> ")
         except EOFError:
             return
+        except KeyboardInterrupt:
+            print()
+            yield ""

@@ -434,14 +434,14 @@ class Engine:
         job.error = f"{type(err).__name__}: {err}"
         self._abandon(job, "error")
 
-    def recover(self, jobs: list[Job], err: BaseException) -> None:
-        """After an error outside any one reply, when the engine's state is in doubt: forget the stacked batch
-        without reading it, fail every unfinished job in ``jobs`` and start their sessions over. Touches no tensor in
-        place, so it cannot fail the way the step did."""
+    def recover(self, jobs: list[Job], err: BaseException, reason: str = "error") -> None:
+        """After an error outside any one reply or an interrupt mid-step, when the engine's state is in doubt: forget
+        the stacked batch without reading it, end every unfinished job in ``jobs`` (``reason``) and start their
+        sessions over. Touches no tensor in place, so it cannot fail the way the step did."""
         self.discard_batch()
         for job in jobs:
             if not job.done:
-                job.error, job.finish_reason, job.forget = f"{type(err).__name__}: {err}", "error", 0
+                job.error, job.finish_reason, job.forget = f"{type(err).__name__}: {err}", reason, 0
             self.reset(job.session)
             job.session.busy = False
 

@@ -355,3 +355,27 @@ def test_chat_command_speculates_with_the_full_caches_replies(tmp_path, capsys):
     assert replies[True] == replies[False]
     assert main(["chat", "--model", "reference", "--speculative", "streaming:16", "--script", str(script)]) == 2
     assert "--policy full" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("at_step", [1, 7])  # inside the prompt, inside the reply
+def test_ctrl_c_in_chat_stops_the_reply_and_the_conversation_goes_on(reference, monkeypatch, at_step):
+    import io
+
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, lambda: make_policy("streaming", 64), chunk_size=4)
+    step, calls = engine.step, []
+
+    def interrupted(jobs):
+        calls.append(1)
+        if len(calls) == at_step:
+            raise KeyboardInterrupt
+        step(jobs)
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    out = io.StringIO()
+    turns = chat(engine, Sampling(max_tokens=6), ["Tell me a long story about the sea.", "And then?"], out=out)
+    assert "[interrupted]" in out.getvalue()
+    answered = 2 if at_step == 7 else 1  # a question interrupted before any text is dropped from the conversation
+    assert len(turns) == answered and turns[-1]["new_tokens"] == 6
+    assert turns[-1]["reencoded"] == (at_step == 7)  # the interrupted step left its cache in doubt: encoded again
+    assert not engine.sessions["chat"].busy and engine._batch is None
