@@ -689,18 +689,28 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
     key = args.api_key or os.environ.get("SPARSEGEN_API_KEY")
     report = asyncio.run(run_load(args.url.rstrip("/"), args.sessions, args.turns, args.max_tokens,
-                                  {"Authorization": f"Bearer {key}"} if key else None, hostile=args.hostile))
-    memory = report["memory"]
-    print(f"{report['sessions']} sessions x {report['turns']} turns: {report['requests']} requests, {report['errors']} "
-          f"errors in {report['seconds']} s; time to first token p50 {report['ttft_p50_s']} s, p99 "
-          f"{report['ttft_p99_s']} s; {report['tokens_per_s']} tokens/s generated; {report['reencoded_sessions']:.0f} "
-          f"sessions re-encoded")
+                                  {"Authorization": f"Bearer {key}"} if key else None, hostile=args.hostile,
+                                  concurrency=args.concurrency, chaos=args.chaos, duration=args.duration,
+                                  sample_every=args.sample_every))
+    memory, samples = report["memory"], report["samples"]
+    print(f"{report['sessions']} sessions x {report['turns']} turns ({report['concurrency']} at a time): "
+          f"{report['requests']} requests, {report['errors']} errors in {report['seconds']} s; time to first token "
+          f"p50 {report['ttft_p50_s']} s, p99 {report['ttft_p99_s']} s; {report['tokens_per_s']} tokens/s generated; "
+          f"{report['reencoded_sessions']:.0f} sessions re-encoded")
     if report["hostile"] is not None:
         print("hostile client meanwhile: " + ", ".join(f"{k} x{v}" for k, v in sorted(report["hostile"].items())))
+    if report["chaos"] is not None:
+        print(f"{args.chaos} chaos clients meanwhile: " + ", ".join(f"{k} x{v}" for k, v in
+                                                                    sorted(report["chaos"].items()))
+              + f"; {report['server_faults']} server faults")
     if memory:
         print(f"server RSS after turn 1 {memory[0]['rss_bytes'] / 2**20:.0f} MiB, after turn {memory[-1]['turn']} "
               f"{memory[-1]['rss_bytes'] / 2**20:.0f} MiB; K/V {memory[0]['kv_bytes'] / 2**20:.1f} -> "
               f"{memory[-1]['kv_bytes'] / 2**20:.1f} MiB (bound {report['kv_bytes_bound'] / 2**20:.1f} MiB)")
+    if samples:
+        print("server RSS after " + ", ".join(f"{s['conversations']}: {s['rss_bytes'] / 2**20:.0f} MiB"
+                                              for s in samples) + " conversations")
+    print(f"health after: {report['health']}; engine rebuilds {report['engine_rebuilds']:.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -708,6 +718,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
         from sparsegen.eval.plots import plot_load
 
         plot_load(report, args.plot)
+    failed = report["errors"] or report["server_faults"] or report["health"].get("status") != "ok"
+    if failed:
+        print("bench-serve: FAILED: good replies failed, the server answered a fault with a 5xx, or it is not "
+              "healthy", file=sys.stderr)
+        sys.exit(1)
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
@@ -1038,8 +1053,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-serve", help="load a running `sparsegen serve`: concurrent sessions x turns, time to "
                                            "first token, tokens/s, errors, memory per turn")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
-    p.add_argument("--sessions", type=int, default=64, help="concurrent conversations (default 64)")
-    p.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
+    p.add_argument("--sessions", type=positive_int, default=64, help="conversations in all (default 64)")
+    p.add_argument("--concurrency", type=positive_int, default=None,
+                   help="conversations at a time (default: all of them at once)")
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="instead of --sessions conversations, start new ones for this long (a soak)")
+    p.add_argument("--sample-every", type=positive_int, default=None, metavar="N",
+                   help="sample the server's memory after every N conversations")
+    p.add_argument("--chaos", type=int, default=0, metavar="N",
+                   help="N more clients that hang up mid-stream, time out, send garbage, reuse a session at once and "
+                        "send slow bodies meanwhile; exit status 1 if any good reply fails or any fault gets a 5xx")
+    p.add_argument("--turns", type=positive_int, default=10, help="turns per conversation (default 10)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (default 16)")
     p.add_argument("--api-key", default=None, help="the server's key (or SPARSEGEN_API_KEY)")
     p.add_argument("--hostile", action="store_true",

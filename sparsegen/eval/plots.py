@@ -81,14 +81,17 @@ def plot_turns(runs: dict[str, list[dict]], path: str | Path, title: str = "") -
 
 
 def plot_load(report: dict, path: str | Path, title: str = "") -> None:
-    """Server memory (process RSS and K/V bytes held, with the K/V bound) after each turn of a load run."""
+    """Server memory (process RSS and K/V bytes held, with the K/V bound) after each turn of a load run, or every few
+    conversations of a run that starts more than it runs at once."""
     fig, ax = plt.subplots(figsize=(8, 4))
-    turns = [m["turn"] for m in report["memory"]]
-    ax.plot(turns, [m["rss_bytes"] / 2**20 for m in report["memory"]], label="server RSS")
-    ax.plot(turns, [m["kv_bytes"] / 2**20 for m in report["memory"]], label="K/V allocated")
+    by_turn = bool(report["memory"])  # else sampled every few conversations
+    points = report["memory"] if by_turn else report.get("samples", [])
+    x = [m["turn"] if by_turn else m["conversations"] for m in points]
+    ax.plot(x, [m["rss_bytes"] / 2**20 for m in points], label="server RSS")
+    ax.plot(x, [m["kv_bytes"] / 2**20 for m in points], label="K/V allocated")
     if report.get("kv_bytes_bound"):
         ax.axhline(report["kv_bytes_bound"] / 2**20, color="gray", ls="--", lw=0.8, label="K/V bound (start-up)")
-    ax.set_xlabel("turns completed by every session")
+    ax.set_xlabel("turns completed by every session" if by_turn else "conversations completed")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax.legend()

@@ -250,7 +250,7 @@ def test_bench_serve_reports_latency_and_memory(server, tmp_path, capsys):
     assert report["requests"] == 12 and report["errors"] == 0 and report["reencoded_sessions"] == 0
     assert [m["turn"] for m in report["memory"]] == [1, 2, 3]
     assert 0 < report["ttft_p50_s"] <= report["ttft_p99_s"] and report["tokens_per_s"] > 0
-    assert "4 sessions x 3 turns: 12 requests, 0 errors" in capsys.readouterr().out
+    assert "4 sessions x 3 turns (4 at a time): 12 requests, 0 errors" in capsys.readouterr().out
     assert (tmp_path / "load.png").stat().st_size > 0
 
 
@@ -502,9 +502,47 @@ def test_bench_serve_hostile_client_does_not_fail_the_others(server, capsys):
     assert main(["bench-serve", "--url", server.url, "--sessions", "3", "--turns", "2", "--max-tokens", "4",
                  "--hostile"]) == 0
     out = capsys.readouterr().out
-    assert "6 requests, 0 errors" in out
+    assert "6 requests, 0 errors" in out and "engine rebuilds 0" in out
     hostile = next(line for line in out.splitlines() if line.startswith("hostile client meanwhile:"))
     assert "tiny temperature: 200" in hostile and "upload: 413" in hostile and ": 5" not in hostile
+
+
+def test_bench_serve_chaos_soak_fails_no_good_reply_and_memory_stays_flat(reference, tmp_path, capsys):
+    """Far more distinct conversations than the server keeps, with clients misbehaving meanwhile: every good reply
+    succeeds, no fault gets a 5xx, and the K/V the server holds stops growing once it keeps max_sessions."""
+    from sparsegen.cli import main
+
+    running = Running(*reference, Limits(max_sessions=6, max_batch=8, max_tokens=64))
+    try:
+        out = tmp_path / "soak.json"
+        assert main(["bench-serve", "--url", running.url, "--sessions", "48", "--concurrency", "4", "--turns", "2",
+                     "--max-tokens", "4", "--chaos", "3", "--sample-every", "12", "--json", str(out),
+                     "--plot", str(tmp_path / "soak.png")]) == 0
+        report = json.loads(out.read_text())
+        assert report["errors"] == 0 and report["server_faults"] == 0 and report["health"] == {"status": "ok"}
+        faults = {outcome.split(":")[0] for outcome in report["chaos"]}
+        assert len(faults) >= 3 and sum(report["chaos"].values()) >= 10
+        samples = report["samples"]
+        assert [s["conversations"] for s in samples] == [12, 24, 36, 48]
+        assert all(s["sessions_kept"] <= 6 for s in samples)
+        assert samples[-1]["kv_bytes"] <= samples[0]["kv_bytes"] * 1.5  # bounded by 6 small sessions, not growing
+        assert running.engine.counters["evicted_sessions"] >= 48 - 6
+        assert "server faults" in capsys.readouterr().out
+    finally:
+        running.stop()
+
+
+def test_bench_serve_exits_non_zero_when_a_good_reply_fails(reference, monkeypatch, capsys):
+    from sparsegen.cli import main
+
+    running = Running(*reference, Limits(max_sessions=4, max_batch=4, max_tokens=64))
+    try:
+        monkeypatch.setattr(running.engine, "step", lambda jobs: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench-serve", "--url", running.url, "--sessions", "2", "--turns", "1", "--max-tokens", "2"])
+        assert exit_.value.code == 1 and "FAILED" in capsys.readouterr().err
+    finally:
+        running.stop()
 
 
 def test_the_memory_bound_counts_quantized_caches_as_they_are_stored(reference):
