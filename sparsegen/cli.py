@@ -707,9 +707,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
         print(f"server RSS after turn 1 {memory[0]['rss_bytes'] / 2**20:.0f} MiB, after turn {memory[-1]['turn']} "
               f"{memory[-1]['rss_bytes'] / 2**20:.0f} MiB; K/V {memory[0]['kv_bytes'] / 2**20:.1f} -> "
               f"{memory[-1]['kv_bytes'] / 2**20:.1f} MiB (bound {report['kv_bytes_bound'] / 2**20:.1f} MiB)")
-    if samples:
+    if samples:  # at most 8 of them, evenly spread, the last included
+        shown = samples[::-(-len(samples) // 8)]
+        shown = shown if shown[-1] is samples[-1] else shown[:7] + samples[-1:]
         print("server RSS after " + ", ".join(f"{s['conversations']}: {s['rss_bytes'] / 2**20:.0f} MiB"
-                                              for s in samples) + " conversations")
+                                              for s in shown) + f" conversations (K/V {samples[-1]['kv_bytes'] / 2**20:.1f}"
+              f" MiB held at the end)")
     print(f"health after: {report['health']}; engine rebuilds {report['engine_rebuilds']:.0f}")
     if args.json:
         with open(args.json, "w") as f:

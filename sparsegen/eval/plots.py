@@ -95,7 +95,9 @@ def plot_load(report: dict, path: str | Path, title: str = "") -> None:
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
     ax.legend()
-    ax.set_title(title or f"{report['sessions']} concurrent sessions")
+    concurrency = report.get("concurrency", report["sessions"])
+    ax.set_title(title or (f"{report['sessions']} concurrent sessions" if concurrency == report["sessions"] else
+                           f"{report['sessions']} sessions, {concurrency} at a time"))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -104,19 +104,26 @@ def _content_text(content) -> str | None:
     return "".join(texts)
 
 
+class TextPart(BaseModel):
+    """A part of a message's content (what the schema documents; ``_content_text`` reads them)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class Message(BaseModel):
     """A chat message as OpenAI clients send it: ``content`` a string, a list of text parts (joined), or null on an
     assistant turn; the ``developer`` role is the system role of newer models."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None  # a string, a list of text parts, or null (``_content_text``)
+    content: str | list[TextPart] | None = None  # read as one string (``_content_text``)
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value):
         return _content_text(value)
@@ -828,11 +835,13 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
                     return
                 event = await next_event(request, reply.pendings[0].events)
         except ClientGone:
-            log.info("client disconnected mid-stream; its reply was cancelled")
+            pass  # (or the server cancelled this generator when the client left): either way, one line below
         finally:
-            for pending in reply.pendings:
-                if pending.job is None or not pending.job.done:
-                    pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
+            unfinished = [p for p in reply.pendings if p.job is None or not p.job.done]
+            for pending in unfinished:
+                pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
+            if unfinished:
+                log.info("client disconnected mid-stream from %s; its reply was cancelled", reply.ident)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_documented(ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):
@@ -888,6 +897,11 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "warning") -
                                            timeout_graceful_shutdown=5))
     worker: Worker = app.state.worker
     worker.on_death = lambda: setattr(server, "should_exit", True)
+    if not log.handlers:  # the server's own lines (disconnects, rebuilds) beside uvicorn's, at its level
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(log_level.upper())
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop

@@ -25,6 +25,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, alive=lambda: True, seconds: float = 60) -> None:
+    """Until ``url``'s /health answers 200 (the server process, while ``alive()``, is still starting)."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            assert time.time() < deadline and alive(), "the server did not start"
+            time.sleep(0.1)
+
+
 class Running:
     """A server in a thread: ``url``, ``app`` and ``stop()``."""
 
@@ -268,14 +280,7 @@ def test_the_serve_command_prints_its_memory_bound_answers_and_stops_cleanly(tmp
     try:
         banner = next(line for line in process.stdout if "sparsegen serve:" in line)
         assert "worst-case KV memory" in banner and "4 sessions + 2 in flight" in banner
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                assert time.time() < deadline and process.poll() is None
-                time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: process.poll() is None)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The sea", "max_tokens": 3},
                            headers={"Authorization": "Bearer k"}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3

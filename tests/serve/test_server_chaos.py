@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from sparsegen.serve.server import Limits, build_app, run_server
-from tests.serve.test_server import Running, _free_port, reference  # noqa: F401  (the fixture)
+from tests.serve.test_server import Running, _free_port, reference, wait_healthy  # noqa: F401  (the fixture)
 
 PROMPTS = [f"Story {i}: once upon a time, in a town by the sea," for i in range(8)]
 HANG_UP = {0: 1, 3: 3, 6: 5}  # client -> the events it reads before closing the connection
@@ -147,14 +147,7 @@ def test_a_dead_engine_thread_fails_what_waits_reports_down_and_exits_non_zero(r
     thread = threading.Thread(target=lambda: status.append(run_server(app, "127.0.0.1", port, "critical")))
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.ConnectError:
-            assert time.time() < deadline
-            time.sleep(0.05)
+    wait_healthy(url)
     original = worker._tick
 
     def dying():
