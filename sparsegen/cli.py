@@ -450,6 +450,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     contexts, batches = _int_list(args.contexts, "contexts"), _int_list(args.batch, "batch")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    if args.baseline == "llama.cpp":
+        from sparsegen.bench import llamacpp
+        from sparsegen.models.gguf import gguf_file
+
+        if not llamacpp.available():
+            raise ValueError(llamacpp.INSTALL)
+        ggufs = {m.strip(): gguf_file(m.strip()) for m in args.model.split(",") if m.strip()}  # fails before loading
     if not isinstance(args.budget, int) and any(n not in ("dense", "full") and not n.startswith("speculative:")
                                                 for n in names):
         raise ValueError("--budget (a token count) is needed for every policy but dense and full (recompute: its "
@@ -496,6 +503,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             measured, env = _bench_model(args, model, label, is_random(name), bandwidth, policies, contexts, batches,
                                          _bench_text(args, tokenizer, name))
             rows += measured
+            if args.baseline == "llama.cpp" and variant == "none":
+                rows += _llamacpp_rows(args, ggufs[name], label, contexts, measured)
             detach(model)
         del model
     for line in report.model_speedups(rows):
@@ -507,6 +516,28 @@ def cmd_bench(args: argparse.Namespace) -> None:
             json.dump({"environment": env, "rows": rows}, f, indent=2)
     if args.plot:
         report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
+
+
+def _llamacpp_rows(args: argparse.Namespace, gguf, label: str, contexts: list[int], measured: list[dict]) -> list[dict]:
+    """llama.cpp's rows (batch 1) for ``contexts``, printed, and each measured row's tok/s over llama.cpp's."""
+    import torch
+
+    from sparsegen.bench import llamacpp, report
+
+    rows = []
+    for context in contexts:
+        row = {"model": label, **llamacpp.measure(gguf, context, args.new_tokens, args.warmup,
+                                                  args.threads or torch.get_num_threads(), args.seed)}
+        print(report.format_row(row), flush=True)
+        rows.append(row)
+    base = {row["context"]: row["tokens_per_s"] for row in rows}
+    ratios = []
+    for row in measured:
+        if row.get("tokens_per_s") and row["batch"] == 1 and row["context"] in base:
+            row["vs_llama_cpp"] = row["tokens_per_s"] / base[row["context"]]
+            ratios.append(f"{row['policy']} {row['context']:,} {row['vs_llama_cpp']:.2f}x")
+    print(f"tok/s over llama.cpp's ({gguf.name}, batch 1): " + "; ".join(ratios))
+    return rows
 
 
 def _bench_text(args: argparse.Namespace, tokenizer, model_name: str):
@@ -995,6 +1026,9 @@ def build_parser() -> argparse.ArgumentParser:
     _prompt_args(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each layer's MLP (the cache and attention stay eager: their shapes change)")
+    p.add_argument("--baseline", choices=["llama.cpp"], default=None,
+                   help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1) and "
+                        "print each row's tok/s over llama.cpp's; needs `make llamacpp` (a one-time source build)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
     p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")

