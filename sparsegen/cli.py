@@ -32,9 +32,18 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str 
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
     if run:
+        _weights_arg(p)
         p.add_argument("--contextual", default=None, metavar="DIR",
                        help="run with the contextual sparsity fit into DIR by `sparsegen contextual fit`")
         _prompt_args(p)
+
+
+def _weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4" + ("[,...]" if several else ""),
+                   help="store the decoder's linears and LM head in 8 or 4 bits for PyTorch's CPU weight-only kernels "
+                        "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest)"
+                        + ("; several, comma-separated, are measured in turn and compared" if several else "")
+                        + " (default fp32: as loaded)")
 
 
 def _prompt_args(p: argparse.ArgumentParser) -> None:
@@ -166,6 +175,10 @@ def load_model(args: argparse.Namespace):
     from sparsegen.models import load
 
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    if getattr(args, "weights", "fp32") != "fp32":
+        from sparsegen.quant.fast import quantize_weights
+
+        quantize_weights(model, args.weights)
     if getattr(args, "contextual", None):
         from sparsegen.contextual import Contextual, attach
 
@@ -485,7 +498,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     names_of_models = [m.strip() for m in args.model.split(",") if m.strip()]
     variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
     plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
-    for name in names_of_models:
+    from sparsegen.quant.fast import WEIGHTS, quantize_weights
+
+    weight_modes = [w.strip() for w in args.weights.split(",") if w.strip()]
+    if not weight_modes or any(w not in WEIGHTS for w in weight_modes):
+        raise ValueError(f"--weights takes {', '.join(WEIGHTS)} (comma-separated), got {args.weights!r}")
+    for name, weights in [(n, w) for n in names_of_models for w in weight_modes]:
         tokenizer = None
         if is_random(name):
             config = load_config(name)
@@ -493,18 +511,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
         else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
             needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None or args.text is not None
             model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
+        quantize_weights(model, weights)
         attach_prompt(args, model, tokenizer)
         if args.compile:
             decode.compile_mlps(model)
         for variant in variants:
             label = name if variant == "none" else f"{name} + {variant}"
+            label = label if len(weight_modes) == 1 and weights == "fp32" else f"{label} [{weights}]"
             if variant != "none":
                 attach(model, plans[variant])
             measured, env = _bench_model(args, model, label, is_random(name), bandwidth, policies, contexts, batches,
                                          _bench_text(args, tokenizer, name))
             rows += measured
             if args.baseline == "llama.cpp" and variant == "none":
-                rows += _llamacpp_rows(args, ggufs[name], label, contexts, measured)
+                if weights == weight_modes[0]:  # llama.cpp once per model; every variant's ratio to it
+                    rows += _llamacpp_rows(args, ggufs[name], label, contexts)
+                _vs_llamacpp(measured, [r for r in rows if r["policy"] == "llama.cpp" and r["weights"]
+                                        == ggufs[name].name], ggufs[name].name)
             detach(model)
         del model
     for line in report.model_speedups(rows):
@@ -518,8 +541,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
 
 
-def _llamacpp_rows(args: argparse.Namespace, gguf, label: str, contexts: list[int], measured: list[dict]) -> list[dict]:
-    """llama.cpp's rows (batch 1) for ``contexts``, printed, and each measured row's tok/s over llama.cpp's."""
+def _llamacpp_rows(args: argparse.Namespace, gguf, label: str, contexts: list[int]) -> list[dict]:
+    """llama.cpp's rows (batch 1) for ``contexts`` on ``gguf``, printed."""
     import torch
 
     from sparsegen.bench import llamacpp, report
@@ -530,14 +553,19 @@ def _llamacpp_rows(args: argparse.Namespace, gguf, label: str, contexts: list[in
                                                   args.threads or torch.get_num_threads(), args.seed)}
         print(report.format_row(row), flush=True)
         rows.append(row)
-    base = {row["context"]: row["tokens_per_s"] for row in rows}
+    return rows
+
+
+def _vs_llamacpp(measured: list[dict], baseline: list[dict], gguf_name: str) -> None:
+    """Each measured row's tok/s over llama.cpp's at its context (``vs_llama_cpp``), printed."""
+    base = {row["context"]: row["tokens_per_s"] for row in baseline}
     ratios = []
     for row in measured:
         if row.get("tokens_per_s") and row["batch"] == 1 and row["context"] in base:
             row["vs_llama_cpp"] = row["tokens_per_s"] / base[row["context"]]
             ratios.append(f"{row['policy']} {row['context']:,} {row['vs_llama_cpp']:.2f}x")
-    print(f"tok/s over llama.cpp's ({gguf.name}, batch 1): " + "; ".join(ratios))
-    return rows
+    print(f"tok/s of {measured[0]['model'] if measured else ''} over llama.cpp's ({gguf_name}, batch 1): "
+          + "; ".join(ratios))
 
 
 def _bench_text(args: argparse.Namespace, tokenizer, model_name: str):
@@ -1000,6 +1028,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="decode latency, throughput and memory per KV policy vs context, with roofline")
     _model_args(p, more="; or random:PRESET; several, comma-separated, are measured in turn and compared")
+    _weights_arg(p, several=True)
     p.add_argument("--policies", default="full,window,streaming,h2o,streaming-h2o,recompute",
                    help="comma-separated; besides the KV policies: dense (transformers' DynamicCache) and recompute "
                         "(re-encode the last --budget tokens for every token)")

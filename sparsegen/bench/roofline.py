@@ -37,7 +37,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     scales are buffers) except embedding tables, of which a step reads one row per token (an input embedding tied to
     the output layer is read whole, once)."""
     output = model.get_output_embeddings()
-    tied = output.weight.data_ptr() if output is not None else None
+    tied = output.weight.data_ptr() if isinstance(getattr(output, "weight", None), torch.Tensor) else None
     lookups = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)} - {tied}
     return sum(t.numel() * t.element_size() for t in weights(model) if t.data_ptr() not in lookups)
 

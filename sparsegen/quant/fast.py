@@ -1,0 +1,118 @@
+"""Low-bit weights for speed: a loaded model's linears re-stored in the layouts of PyTorch's CPU weight-only kernels.
+
+Decode at batch 1 reads every weight once per token, so its time is the weights' bytes over memory bandwidth: an
+fp32 SmolLM2 reads 538 MB a token, its 4-bit GGUF 97 MB. ``quantize_weights(model, "int8")`` stores each decoder
+linear and the LM head as int8 codes with one scale per output channel (``aten._weight_int8pack_mm``: a quarter of
+the fp32 bytes); ``"int4"`` as 4-bit codes with a scale per group of 32 inputs (``aten._weight_int4pack_mm_for_cpu``,
+the kernel torchao's int4 path calls: an eighth), asymmetric with a minimum per group as llama.cpp's Q4_1, the LM
+head at 8 bits as Q4 GGUF files keep it. Both kernels take bfloat16 activations: each linear casts its
+input to bfloat16 and its output back, so the rest of the model (attention, norms, the KV cache) keeps its dtype.
+Round-to-nearest, symmetric; the embedding table stays as it is (a step reads one row of it).
+
+This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize`` writes GPTQ checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+WEIGHTS = ("fp32", "int8", "int4")
+INT4_GROUP = 32  # inputs per int4 scale: llama.cpp's Q4 block size
+
+
+class Int8Linear(nn.Module):
+    """``y = x (codes * scale)^T + b``: int8 codes ``[out, in]``, one bfloat16 scale per output channel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(1) / 127).clamp(min=1e-8).to(torch.bfloat16).float()  # as the kernel holds it
+        self.register_buffer("codes", (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with ``W = (codes - 8) * scale`` per group of ``INT4_GROUP`` inputs, in the CPU int4
+    kernel's packed layout."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        if in_features % group or out_features % 16:
+            raise ValueError(f"the CPU int4 kernel needs input widths divisible by {group} and output widths by 16; a "
+                             f"linear is {in_features} -> {out_features}: use --weights int8")
+        codes, scale, low = int4_grid(linear.weight, group)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+        # the kernel computes (code - 8) * scale + offset per group, from [groups, out] (scale, offset) pairs
+        pairs = torch.stack([scale.t(), (low + 8 * scale).t()], -1)
+        self.register_buffer("scales", pairs.to(torch.bfloat16).contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+
+
+def int4_grid(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit codes in [0, 15] (int32 ``[out, in]``) with a scale and a minimum per group
+    (fp32 ``[out, groups]``): ``w = code * scale + low``. Asymmetric, as llama.cpp's Q4_1 blocks of 32 are: a GGUF's
+    4-bit weights land back on their own grid."""
+    out_features = weight.shape[0]
+    grouped = weight.detach().float().view(out_features, -1, group)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    codes = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return codes.view(out_features, -1), scale, low
+
+
+def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
+    """Re-store ``model``'s decoder linears and LM head as ``weights`` (``fp32``: unchanged), in place; returns it."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "fp32":
+        return model
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"--weights {weights} uses PyTorch's CPU kernels; on {device.type} run without it")
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and ".layers." in f".{name}" or name == "lm_head"]
+    for name, module in targets:
+        # the LM head stays at 8 bits under int4, as a Q4 GGUF keeps it (SmolLM2's: Q8_0): 4 bits there cost 6%
+        # perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%)
+        kind = Int8Linear if weights == "int8" or name == "lm_head" else Int4Linear
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, kind(module))
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no decoder linears to quantize")
+    model.config.sparsegen_weights = weights
+    return model
+
+
+def dequantized(linear: nn.Linear, weights: str) -> torch.Tensor:
+    """The weight ``weights`` stores for ``linear``, in fp32: what the kernels multiply by (the tests' reference)."""
+    if weights == "int8":
+        return Int8Linear(linear).dequantized()
+    codes, scale, low = int4_grid(linear.weight, INT4_GROUP)
+    scale, offset = scale.bfloat16().float(), (low + 8 * scale).bfloat16().float()  # the pairs as the kernel holds them
+    return ((codes.float().view(*scale.shape, -1) - 8) * scale[..., None] + offset[..., None]).view_as(linear.weight)

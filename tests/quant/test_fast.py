@@ -1,0 +1,65 @@
+"""Runtime low-bit weights (``--weights int8|int4``): each kernel computes what its stored weight says, the model's
+logits stay close to fp32's, and the bytes a decode step reads drop to a quarter / an eighth."""
+
+import pytest
+import torch
+
+from sparsegen.bench.roofline import weight_bytes_per_step
+from sparsegen.cli import main
+from sparsegen.quant.fast import Int4Linear, Int8Linear, dequantized, quantize_weights
+from tests.conftest import tiny_llama_config
+from tests.kv.families import tiny_model
+
+VOCAB = 320  # (the int4 kernel takes output widths divisible by 16)
+
+
+def _model():  # widths that are multiples of the int4 group (32)
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(VOCAB)).eval()
+
+
+@pytest.mark.parametrize("weights,kind", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_each_kernel_computes_its_stored_weight(weights, kind):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=True)
+    x = torch.randn(5, 128)
+    expected = torch.nn.functional.linear(x.bfloat16().float(), dequantized(linear, weights)) + linear.bias
+    torch.testing.assert_close(kind(linear)(x), expected, atol=2e-2, rtol=1e-2)  # (bfloat16 output rounding)
+    error = (dequantized(linear, weights) - linear.weight).abs().max() / linear.weight.abs().max()
+    assert error < (0.01 if weights == "int8" else 0.1)  # half a step of the grid
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights):
+    model = _model()
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits
+        before = weight_bytes_per_step(model)
+        quantize_weights(model, weights)
+        logits = model(input_ids=ids).logits
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears  # every decoder linear and the LM head were replaced
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+    assert agree > (0.9 if weights == "int8" else 0.7)
+    assert weight_bytes_per_step(model) < before / (2.5 if weights == "int8" else 4)
+
+
+def test_bad_weights_are_refused(capsys):
+    with pytest.raises(ValueError, match="fp32, int8, int4"):
+        quantize_weights(_model(), "int3")
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_weights(tiny_model("llama"), "int4")  # an MLP 48 wide
+    assert main(["generate", "--model", "reference", "--prompt", "Hi", "--weights", "int2"]) == 2
+    assert "fp32, int8, int4" in capsys.readouterr().err
+
+
+def test_generate_and_bench_take_weights(capsys, tmp_path):
+    assert main(["generate", "--model", "reference", "--prompt", "Once upon a time", "--max-new-tokens", "4",
+                 "--weights", "int8"]) == 0
+    assert main(["bench", "--model", "reference", "--policies", "full", "--contexts", "32", "--new-tokens", "2",
+                 "--warmup", "1", "--weights", "fp32,int8,int4", "--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up of reference [int8] over reference [fp32]" in out and "reference [int4]" in out
