@@ -39,11 +39,22 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str 
 
 
 def _weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
-    p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4" + ("[,...]" if several else ""),
+    p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4|gguf" + ("[,...]" if several else ""),
                    help="store the decoder's linears and LM head in 8 or 4 bits for PyTorch's CPU weight-only kernels "
-                        "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest)"
+                        "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest); gguf: each linear "
+                        "at the bit width its GGUF file has (4-bit types at 4, the others at 8)"
                         + ("; several, comma-separated, are measured in turn and compared" if several else "")
                         + " (default fp32: as loaded)")
+
+
+def _gguf_plan(model_name: str, weights: str) -> dict | None:
+    """``--weights gguf``: each linear's bit width in the model's GGUF file."""
+    if weights != "gguf":
+        return None
+    from sparsegen.models.gguf import gguf_file
+    from sparsegen.quant.fast import gguf_plan
+
+    return gguf_plan(gguf_file(model_name))
 
 
 def _prompt_args(p: argparse.ArgumentParser) -> None:
@@ -178,7 +189,7 @@ def load_model(args: argparse.Namespace):
     if getattr(args, "weights", "fp32") != "fp32":
         from sparsegen.quant.fast import quantize_weights
 
-        quantize_weights(model, args.weights)
+        quantize_weights(model, args.weights, _gguf_plan(args.model, args.weights))
     if getattr(args, "contextual", None):
         from sparsegen.contextual import Contextual, attach
 
@@ -511,7 +522,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
             needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None or args.text is not None
             model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
-        quantize_weights(model, weights)
+        quantize_weights(model, weights, _gguf_plan(name, weights))
         attach_prompt(args, model, tokenizer)
         if args.compile:
             decode.compile_mlps(model)

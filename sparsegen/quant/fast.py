@@ -17,7 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-WEIGHTS = ("fp32", "int8", "int4")
+WEIGHTS = ("fp32", "int8", "int4", "gguf")
+# ``gguf``: each linear at the bit width its GGUF file stores it with (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0)
+GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # every other quantized type (Q5_*, Q6_K, Q8_0, ...) runs at 8 bits
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}  # llama.cpp's names of a Llama/Gemma block's linears
 INT4_GROUP = 32  # inputs per int4 scale: llama.cpp's Q4 block size
 
 
@@ -86,10 +91,30 @@ def int4_grid(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     return codes.view(out_features, -1), scale, low
 
 
-def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
-    """Re-store ``model``'s decoder linears and LM head as ``weights`` (``fp32``: unchanged), in place; returns it."""
+def gguf_plan(path) -> dict[str, str]:
+    """``module name -> "int4" | "int8"`` for the linears of a GGUF file, by each tensor's stored type (full-precision
+    tensors are left out: they stay as loaded). The LM head takes the output tensor's type, or the token embedding's
+    when the two are tied."""
+    from gguf import GGUFReader
+
+    types = {t.name.removesuffix(".weight"): t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    plan = {}
+    for name, kind in types.items():
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
+            plan[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = kind
+    plan["lm_head"] = types.get("output", types.get("token_embd"))
+    return {name: "int4" if kind in GGUF_INT4 else "int8" for name, kind in plan.items()
+            if kind is not None and kind not in ("F32", "F16", "BF16")}
+
+
+def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None = None) -> nn.Module:
+    """Re-store ``model``'s decoder linears and LM head as ``weights`` (``fp32``: unchanged), in place; returns it.
+    ``gguf`` takes ``plan`` (``gguf_plan`` of the model's file): each linear at its file's bit width."""
     if weights not in WEIGHTS:
         raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "gguf" and not plan:
+        raise ValueError("--weights gguf needs a model loaded from a GGUF file (smollm2, gemma3-270m or a .gguf path)")
     if weights == "fp32":
         return model
     device = next(model.parameters()).device
@@ -97,10 +122,13 @@ def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
         raise ValueError(f"--weights {weights} uses PyTorch's CPU kernels; on {device.type} run without it")
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, nn.Linear) and ".layers." in f".{name}" or name == "lm_head"]
+    if plan is not None:
+        targets = [(name, module) for name, module in targets if name in plan]
     for name, module in targets:
         # the LM head stays at 8 bits under int4, as a Q4 GGUF keeps it (SmolLM2's: Q8_0): 4 bits there cost 6%
         # perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%)
-        kind = Int8Linear if weights == "int8" or name == "lm_head" else Int4Linear
+        bits = plan[name] if plan is not None else "int8" if name == "lm_head" else weights
+        kind = Int8Linear if bits == "int8" else Int4Linear
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, kind(module))
     if not targets:

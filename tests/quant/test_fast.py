@@ -9,6 +9,7 @@ from sparsegen.cli import main
 from sparsegen.quant.fast import Int4Linear, Int8Linear, dequantized, quantize_weights
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
+from tests.models.test_real_models import _installed
 
 VOCAB = 320  # (the int4 kernel takes output widths divisible by 16)
 
@@ -63,3 +64,20 @@ def test_generate_and_bench_take_weights(capsys, tmp_path):
                  "--warmup", "1", "--weights", "fp32,int8,int4", "--json", str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert "speed-up of reference [int8] over reference [fp32]" in out and "reference [int4]" in out
+
+
+@pytest.mark.skipif(not all(_installed(m) for m in ("smollm2", "gemma3-270m")), reason="the GGUF packages are absent")
+def test_gguf_weights_follow_each_tensors_stored_type():
+    from sparsegen.models.gguf import gguf_file
+    from sparsegen.quant.fast import gguf_plan
+
+    smollm2 = gguf_plan(gguf_file("smollm2"))  # Q4_1 blocks, a Q8_0 embedding tied to the head
+    assert len(smollm2) == 30 * 7 + 1 and smollm2["lm_head"] == "int8"
+    assert {smollm2[f"model.layers.{i}.mlp.down_proj"] for i in range(30)} == {"int4"}
+    gemma = gguf_plan(gguf_file("gemma3-270m"))  # Q4_K_M: Q4_K beside Q5_0, Q6_K and Q8_0
+    assert sorted(set(gemma.values())) == ["int4", "int8"] and len(gemma) == 18 * 7 + 1
+
+
+def test_gguf_weights_need_a_gguf_model(capsys):
+    assert main(["generate", "--model", "reference", "--prompt", "Hi", "--weights", "gguf"]) == 2
+    assert "not a GGUF model" in capsys.readouterr().err
