@@ -66,7 +66,7 @@ class EvictionLayer(CacheLayerMixin):
         super().__init__()
         # a weak reference: a strong one makes every cache a reference cycle, which only Python's cyclic collector
         # frees, rarely, so a server's dropped sessions kept their K/V memory for good
-        self.cache = weakref.proxy(cache)
+        self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
         self.policy, self.pinned, self.rotary, self.is_sliding = policy, pinned, rotary, is_sliding
         self.used = 0  # slots in use (the largest held count of any sequence, plus the pending chunk)
@@ -77,6 +77,10 @@ class EvictionLayer(CacheLayerMixin):
         self.fan = 1  # KV heads sharing each row of slots (all of them under a ``shares_slots`` policy)
         for name in BUFFERS + ROW_STATE:
             setattr(self, name, None)
+
+    @property
+    def cache(self) -> EvictionCache:
+        return self._cache()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Storage for ``[batch, kv_heads, tokens, head_dim]`` states: one row of slots per KV head, or one row

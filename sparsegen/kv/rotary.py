@@ -90,6 +90,13 @@ class Rotary:
             cos, sin = cos.unsqueeze(-4), sin.unsqueeze(-4)
         dim = cos.shape[-1]
         rot, rest = x[..., :dim], x[..., dim:]
+        if out is not None and not inverse and torch.compiler.is_compiling():  # (out= into a view: no graph)
+            half = dim // 2
+            x1, x2 = rot[..., :half], rot[..., half:]
+            out[..., :half] = x1 * cos[..., :half] - x2 * sin[..., :half]
+            out[..., half:dim] = x2 * cos[..., half:] + x1 * sin[..., half:]
+            out[..., dim:] = rest
+            return out
         if out is not None and not inverse:  # the same sums, written in place (no temporaries the size of x)
             half = dim // 2
             x1, x2 = rot[..., :half], rot[..., half:]

@@ -1,0 +1,37 @@
+"""The decode step through an evicting cache is one graph for torch.compile: no graph break (dynamo's own count),
+and the compiled step leaves the cache and the logits exactly as the eager step does (dynamo replays the cache's
+Python-side updates). Compiled with dynamo only (backend "eager"): what is checked is the capture, not a kernel."""
+
+import pytest
+import torch
+
+from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models.cache_arg import cache_kwargs
+from tests.kv.families import VOCAB, tiny_model
+
+
+@pytest.mark.parametrize("name", ["full", "streaming", "h2o"])
+def test_a_decode_step_is_one_graph_and_compiles_to_the_eager_step(name):
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    caches = [EvictionCache(model, make_policy(name, None if name == "full" else 10), chunk_size=8) for _ in range(3)]
+
+    def step(cache, token, position):
+        return model(input_ids=token, position_ids=position, **cache_kwargs(cache)).logits[:, -1]
+
+    with torch.inference_mode():
+        for cache in caches:
+            model(input_ids=ids, **cache_kwargs(cache))
+        token, position = ids[:, -1:], torch.tensor([[8]])
+        explained = torch._dynamo.explain(step)(caches.pop(), token, position)  # (explaining runs the step)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        compiled = torch.compile(step, backend="eager", fullgraph=True)
+        for _ in range(6):  # across the budget: the cache fills, then evicts every step
+            eager, captured = step(caches[0], token, position), compiled(caches[1], token, position)
+            torch.testing.assert_close(captured, eager, rtol=1e-5, atol=1e-6)
+            token, position = eager.argmax(-1, keepdim=True), position + 1
+    ours, theirs = caches
+    assert ours.length == theirs.length and torch.equal(ours.seen, theirs.seen)
+    for a, b in zip(ours.layers, theirs.layers):
+        assert a.used == b.used and torch.equal(a.index[..., :a.used], b.index[..., :b.used])
