@@ -1065,7 +1065,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "without, e.g. none,ctx/teal50: each variant's speed-up over the first is printed")
     _prompt_args(p)
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile each layer's MLP (the cache and attention stay eager: their shapes change)")
+                   help="torch.compile each layer's MLP (the cache and attention stay eager)")
     p.add_argument("--baseline", choices=["llama.cpp"], default=None,
                    help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1) and "
                         "print each row's tok/s over llama.cpp's; needs `make llamacpp` (a one-time source build)")
