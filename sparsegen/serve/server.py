@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import queue
@@ -653,11 +654,16 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         log.info("client disconnected from %s; its reply was cancelled", request.url.path)
         return PlainTextResponse("", status_code=499)
 
+    def served(name: str) -> None:
+        """A 404 for a model this server does not serve."""
+        if name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
     def check(parsed: _Request, request: Request) -> tuple[str | None, Sampling]:
         """The server's own limits on a well-formed request; its session id (namespaced) and sampling."""
-        if parsed.model is not None and parsed.model != model_name:
-            raise ApiError(404, f"the model {parsed.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        if parsed.model is not None:
+            served(parsed.model)
         refused = refused_field(parsed)
         if refused is not None:
             accepted, why = REFUSED[refused]
@@ -789,7 +795,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
                 return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(*t) for t in e.top]}
                                     for e in entries], "refusal": None}
             tokens = [token_text(e.token) for e in entries]
-            offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+            offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
             return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                     "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
@@ -857,9 +863,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorReply}})
     async def model(model_id: str) -> ModelCard:
-        if model_id != model_name:
-            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        served(model_id)
         return ModelCard(id=model_name, created=int(started))
 
     @app.get("/health")
