@@ -1,4 +1,8 @@
-"""The pieces every decode loop shares: checking sampling settings, the sampling distribution, chunked prefill."""
+"""The one way sparsegen runs a model over a cache, top to bottom: ``forward`` (the only call into a model with a
+cache: prefill chunks, drafting, verification), ``DecodeStep`` (one new token per row: model, cache update and
+eviction inside the cache's layers, optionally compiled whole), ``next_token`` (sampling) and ``prefill`` (a prompt
+in chunks). ``generate``, ``chat``/``serve``, ``ppl --stream``, ``fidelity``, ``passkey``, speculative decoding
+and ``bench`` all decode through these, so what ``bench`` times is what users run."""
 
 from __future__ import annotations
 
@@ -43,6 +47,43 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
     return torch.multinomial(sampling_probs(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
 
 
+def forward(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+    """Feed ``ids`` ``[B, T]`` at ``positions`` ``[B, T]`` into ``cache``: logits ``[B, T, vocab]``, or only the last
+    position's ``[B, vocab]`` with ``last`` (the LM head then runs on one position)."""
+    logits = model(input_ids=ids, position_ids=positions, attention_mask=mask, **cache_kwargs(cache),
+                   logits_to_keep=1 if last else 0).logits
+    return logits[:, -1] if last else logits
+
+
+class DecodeStep:
+    """One decode step: ``step(cache, token [B], position [B]) -> logits [B, vocab]``. The cache's layers write the
+    new keys and values and evict inside the forward, with no host sync for unpadded rows (``bench`` counts them).
+
+    ``compile=True``: ``torch.compile(fullgraph=True)`` of the whole step (one graph: model, cache update,
+    eviction), compiled on the first call and again when a shape changes (batch, or the cache growing its slots);
+    ``mode="reduce-overhead"`` on CUDA (CUDA graphs). Eager otherwise, for debugging and for caches whose step reads
+    the host (quantized KV, Ada-KV, LagKV, padded batches): those compile with graph breaks, which bench reports."""
+
+    def __init__(self, model: torch.nn.Module, compile: bool = False):
+        self.model, self.compiled = model, compile
+        self._run = self._eager
+        if compile:
+            cuda = next(model.parameters()).device.type == "cuda"
+            self._run = torch.compile(self._eager, fullgraph=True, mode="reduce-overhead" if cuda else None)
+
+    def _eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return forward(self.model, cache, token[:, None], position[:, None], last=True)
+
+    def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self._run(cache, token, position)
+
+    def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
+        """Run one step under dynamo's capture (no compiler) and count the graph breaks it meets: 0 means the step
+        compiles as one graph."""
+        return torch._dynamo.explain(self._eager)(cache, token, position).graph_break_count
+
+
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,
             progress: bool | None = None) -> torch.Tensor:
     """Feed left-padded ``ids`` into ``cache`` a chunk at a time (evicting between chunks); the last position's
@@ -53,8 +94,6 @@ def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor
     show = progress if progress is not None else length > 8 * chunk_size
     for start in tqdm(range(0, length, chunk_size), desc="prefill", unit="chunk", disable=not show, leave=False):
         end = min(start + chunk_size, length)
-        logits = model(
-            input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
-            position_ids=position_ids[:, start:end], **cache_kwargs(cache), logits_to_keep=1,
-        ).logits[:, -1]
+        logits = forward(model, cache, ids[:, start:end], position_ids[:, start:end],
+                         mask[:, :end] if padded else None, last=True)
     return logits

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, prefill
+from sparsegen.decoding import GREEDY_BELOW, DecodeStep, check_sampling, next_token, prefill
 from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
-from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 
@@ -64,10 +63,13 @@ def generate_tokens(
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
     kv_bits: int | KVQuantization | None = None,
+    compile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """The token-level loop: ``(new [B, n], counts [B], cache stats, prefill s, decode s)``.
 
-    ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``.
+    ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``; checking
+    whether all have stopped is the loop's one host read per token, and only with ``eos_id``. ``compile``: the decode
+    step through ``torch.compile`` (``DecodeStep``).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -82,24 +84,25 @@ def generate_tokens(
     logits = prefill(model, cache, ids, mask, chunk_size, progress)
     prefill_seconds = time.perf_counter() - t0
 
+    step = DecodeStep(model, compile)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    new = torch.empty(batch, 0, dtype=torch.long, device=device)
+    new = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     counts = torch.zeros(batch, dtype=torch.long, device=device)
-    next_position = mask.sum(-1, keepdim=True)
+    position = mask.sum(-1)
     t0 = time.perf_counter()
-    for step in range(max_new_tokens):
-        token = next_token(logits, temperature, top_p, generator)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
+    for index in range(max_new_tokens):
+        token = torch.where(finished, pad_id, next_token(logits, temperature, top_p, generator))
         counts += ~finished
-        new = torch.cat([new, token[:, None]], dim=1)
+        new[:, index] = token
         if eos_id is not None:
             finished |= token == eos_id
         if on_token is not None:
-            on_token(new, counts)
-        if bool(finished.all()) or step == max_new_tokens - 1:
+            on_token(new[:, :index + 1], counts)
+        if index == max_new_tokens - 1 or (eos_id is not None and bool(finished.all())):
+            new = new[:, :index + 1]
             break
-        logits = model(input_ids=token[:, None], position_ids=next_position, **cache_kwargs(cache)).logits[:, -1]
-        next_position = next_position + 1
+        logits = step(cache, token, position)
+        position = position + 1
     return new, counts, cache.stats(), prefill_seconds, time.perf_counter() - t0
 
 
@@ -126,6 +129,7 @@ def generate(
     draft_tokens: int | str = 4,
     draft_model: torch.nn.Module | None = None,
     kv_bits: int | KVQuantization | None = None,
+    compile: bool = False,
 ) -> Generation:
     """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
 
@@ -139,6 +143,8 @@ def generate(
 
     ``kv_bits`` (8, 4 or 2): hold the cache's keys and values quantized (KIVI-style, ``sparsegen.kv.quantized``),
     under any policy.
+
+    ``compile``: run the decode step through ``torch.compile`` (one graph; the first call compiles).
     """
     prompts = [prompts] if isinstance(prompts, str) else prompts
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
@@ -174,10 +180,11 @@ def generate(
                   progress=progress)
     if speculation is not None:
         new, counts, stats, prefill_seconds, decode_seconds = speculative_tokens(model, ids, mask, speculation,
-                                                                                 **common)
+                                                                                 compile=compile, **common)
     else:
         new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
-                                                                              kv_bits=kv_bits, **common)
+                                                                              kv_bits=kv_bits, compile=compile,
+                                                                              **common)
     if on_text is not None and (tail := text.flush()):
         on_text(tail)
     return Generation(

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsegen.decoding import GREEDY_BELOW, check_sampling, next_token, prefill, sampling_probs
+from sparsegen.decoding import GREEDY_BELOW, DecodeStep, check_sampling, forward, next_token, prefill, sampling_probs
 from sparsegen.kv import EvictionCache, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.policies.full import Full
-from sparsegen.models.cache_arg import cache_kwargs
 
 MOST_DRAFT_TOKENS = 16
 FIRST_AUTO_DRAFT = 4
@@ -194,12 +193,14 @@ def speculative_tokens(
     pad_id: int = 0,
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
+    compile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """What ``generation.generate_tokens`` returns under the full cache, drafted as ``speculation`` says: ``(new
     [B, n], counts [B], the full cache's stats with "draft_cache" and "speculation" entries, prefill s, decode s)``.
 
     Rows accept different numbers of tokens: each row's caches forget what that row rejected. A row that accepted
-    every draft has one the draft cache never saw; it is fed with the next round's first draft step.
+    every draft has one the draft cache never saw; it is fed with the next round's first draft step. ``compile``:
+    the draft's one-token steps go through ``torch.compile`` (``DecodeStep``).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -214,6 +215,7 @@ def speculative_tokens(
     draft = EvictionCache(drafter, speculation.policy, positions=speculation.positions, chunk_size=chunk_size,
                           expected_length=room, rollback=MOST_DRAFT_TOKENS)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
+    draft_step = DecodeStep(drafter, compile)
 
     t0 = _synchronized(device)
     logits = prefill(model, target, ids, mask, chunk_size, progress)
@@ -240,24 +242,21 @@ def speculative_tokens(
         for i in range(k_round):
             if i == 0 and bool(carried.any()):  # the carried draft and the pending token in one call
                 every = bool(carried.all())
-                logits = drafter(
-                    input_ids=torch.stack([last_draft, pending], 1), position_ids=torch.stack([fed - 1, fed], 1),
-                    attention_mask=None if every else torch.cat(
-                        [torch.ones(batch, draft.length, dtype=torch.long, device=device),
-                         carried.long()[:, None], torch.ones_like(fed)[:, None]], 1),
-                    **cache_kwargs(draft), logits_to_keep=1).logits[:, -1]
+                logits = forward(
+                    drafter, draft, torch.stack([last_draft, pending], 1), torch.stack([fed - 1, fed], 1),
+                    None if every else torch.cat([torch.ones(batch, draft.length, dtype=torch.long, device=device),
+                                                  carried.long()[:, None], torch.ones_like(fed)[:, None]], 1),
+                    last=True)
             else:
-                logits = drafter(input_ids=token[:, None], position_ids=(fed + i)[:, None],
-                                 **cache_kwargs(draft)).logits[:, -1]
+                logits = draft_step(draft, token, fed + i)
             token, probs = draft_token(logits, temperature, top_p, generator)
             drafts.append(token)
             if probs is not None:
                 draft_probs.append(probs)
         t2 = _synchronized(device)
         drafted = torch.stack(drafts, 1) if drafts else pending.new_empty(batch, 0)
-        logits = model(input_ids=torch.cat([pending[:, None], drafted], 1),
-                       position_ids=fed[:, None] + torch.arange(k_round + 1, device=device),
-                       **cache_kwargs(target)).logits
+        logits = forward(model, target, torch.cat([pending[:, None], drafted], 1),
+                         fed[:, None] + torch.arange(k_round + 1, device=device))
         accepted, bonus = accept(drafted, torch.stack(draft_probs, 1) if draft_probs else None, logits, temperature,
                                  top_p, generator)
         t3 = _synchronized(device)

@@ -52,3 +52,12 @@ def test_no_import_cycles():
         if module not in done:
             visit(module, [module])
     assert not cycles, cycles
+
+
+def test_one_decode_step():
+    """Only ``sparsegen.decoding`` hands a cache to a model: generation, chat/serve, streaming perplexity, fidelity,
+    pass-key, speculative decoding and bench all run ``forward``/``DecodeStep`` (issue 36)."""
+    callers = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "cache_kwargs"}
+    assert callers == {"decoding.py"}, callers

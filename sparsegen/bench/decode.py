@@ -19,14 +19,13 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
 from sparsegen.bench.syncs import HostSyncs
+from sparsegen.decoding import DecodeStep, forward, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
-from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
 from sparsegen.speculative import Speculation, speculative_tokens
 
@@ -89,24 +88,6 @@ class Setup:
         }
 
 
-def compile_mlps(model: torch.nn.Module) -> int:
-    """``torch.compile`` every decoder layer's MLP. (A whole decode step compiles too, as one graph, but measured
-    only 1.1-1.2x over eager: ``scripts/compile_step.py``.)"""
-    mlps = [layer.mlp for layer in model.get_decoder().layers if hasattr(layer, "mlp")]
-    if not mlps:
-        raise ValueError(f"{model.config.model_type} layers have no .mlp module to compile; run without --compile")
-    for mlp in mlps:
-        mlp.compile(dynamic=True)
-    return len(mlps)
-
-
-def graph_breaks() -> int:
-    """Graph breaks torch.compile has met in this process so far (dynamo's own counter)."""
-    from torch._dynamo.utils import counters
-
-    return sum(counters["graph_break"].values())
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -150,15 +131,15 @@ class StepTimer:
 class MLPTimer:
     """Wall-clock seconds per step inside the decoder layers' MLPs (their ``.mlp``, or for OPT the fc1/fc2 linears)
     and the contextual MLP predictors (the predictor's cost belongs to the MLP it prunes). CPU only: on CUDA the
-    launches return before the work ends."""
+    launches return before the work ends. Off under ``--compile`` (its hooks would break the compiled step)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, enabled: bool = True):
         from sparsegen.contextual.runtime import attached_plan
         from sparsegen.models.anatomy import decoder_layers, mlp_layout
 
         self.steps: list[float] = []
         self._spent, self._started, self.handles = 0.0, 0.0, []
-        if next(model.parameters()).device.type != "cpu":
+        if next(model.parameters()).device.type != "cpu" or not enabled:
             return
         producers, consumer = mlp_layout(model.config.model_type)
         timed = []
@@ -196,7 +177,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, context: int):
     """A fresh cache for ``name`` holding ``context`` tokens (random K/V when the prefill is synthetic)."""
-    total = context + setup.warmup + setup.new_tokens + SYNC_STEPS
+    total = context + setup.warmup + setup.new_tokens + SYNC_STEPS + 1  # + the step captured to count graph breaks
     if name == "dense":
         cache = DynamicCache(config=setup.model.config)
     else:
@@ -257,7 +238,6 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
     if free is not None and need > 0.9 * free:
         return {**row, "skipped": f"needs about {need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"}
     ids = _context_ids(setup, batch, context)
-    breaks = graph_breaks()
     with PeakMemory(setup.device) as peak:
         if isinstance(policy, Speculation):
             row.update(_measure_speculative(setup, policy, ids))
@@ -267,7 +247,6 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
             row.update(_measure_cached(setup, name, policy, ids))
     row["peak_memory_bytes"] = peak.bytes
     row["peak_memory_method"] = peak.method
-    row["graph_breaks"] = graph_breaks() - breaks if setup.compiled else None  # eager: nothing to break
     if setup.memory_limit is not None:
         per_sequence = row["peak_kv_bytes"] / batch
         row["max_batch_at_limit"] = max(0, int((setup.memory_limit - setup.weight_bytes) // per_sequence))
@@ -319,25 +298,20 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     if setup.prefill == "real":
         synchronize(device)
         t0 = time.perf_counter()
-        starts = range(0, context, setup.chunk_size)
-        for start in tqdm(starts, desc=f"prefill {name}", unit="chunk", disable=len(starts) < 8, leave=False):
-            end = min(start + setup.chunk_size, context)
-            position = torch.arange(start, end, device=device)[None].expand(batch, -1)
-            logits = model(input_ids=ids[:, start:end], position_ids=position, **cache_kwargs(cache),
-                           logits_to_keep=1).logits[:, -1]
+        logits = prefill(model, cache, ids, torch.ones_like(ids), setup.chunk_size)
         synchronize(device)
         prefill_seconds = time.perf_counter() - t0
-        token = logits.argmax(-1, keepdim=True)
+        token = logits.argmax(-1)
     else:
-        token = ids[:, -1:]
-    position = torch.full((batch, 1), context, device=device)
-    timer, mlp_timer = StepTimer(device), MLPTimer(model)
+        token = ids[:, -1]
+    position = torch.full((batch,), context, device=device)
+    decode = DecodeStep(model, setup.compiled)
+    timer, mlp_timer = StepTimer(device), MLPTimer(model, enabled=not setup.compiled)
     steps = setup.warmup + setup.new_tokens
 
     def step() -> None:
         nonlocal token, position
-        logits = model(input_ids=token, position_ids=position, **cache_kwargs(cache)).logits[:, -1]
-        token = logits.argmax(-1, keepdim=True)
+        token = decode(cache, token, position).argmax(-1)
         position = position + 1
 
     attended = []  # held tokens plus the new one, at the first and the last timed step
@@ -350,15 +324,17 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
             timer.stop(started)
         mlp_timer.step(index >= setup.warmup)
     kv_tokens = sum(attended) / len(attended)
+    mlp_ms = mlp_timer.close()  # its hooks call the host clock: a graph break, and not part of the step
     with HostSyncs() as syncs:  # counted on steps after the timed ones (counting costs time)
         for _ in range(SYNC_STEPS):
             step()
     return {
         "host_syncs_per_token": syncs.count / SYNC_STEPS, "host_sync_ops": dict(syncs.ops),
+        "graph_breaks": decode.graph_breaks(cache, token, position),
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
         **_decode_stats(setup, name, timer.seconds(), batch, kv_tokens),
-        "mlp_ms_per_token": mlp_timer.close(),
+        "mlp_ms_per_token": mlp_ms,
         "peak_kv_bytes": _peak_kv_bytes(cache, setup, batch),
     }
 
@@ -407,8 +383,8 @@ def _warm_up(setup: Setup) -> None:
     """One short untimed prefill and decode, so one-time costs (allocator, kernels, compilation) stay out of rows."""
     cache = DynamicCache(config=setup.model.config)
     ids = torch.zeros(1, min(setup.chunk_size, 64), dtype=torch.long, device=setup.device)
-    setup.model(input_ids=ids, **cache_kwargs(cache))
-    setup.model(input_ids=ids[:, :1], **cache_kwargs(cache))
+    forward(setup.model, cache, ids, torch.arange(ids.shape[1], device=setup.device)[None])
+    DecodeStep(setup.model)(cache, ids[:, 0], torch.tensor([ids.shape[1]], device=setup.device))
     synchronize(setup.device)
 
 

@@ -14,10 +14,10 @@ from rouge_score import rouge_scorer
 from tqdm.auto import tqdm
 
 from sparsegen.contextual.runtime import suspended
+from sparsegen.decoding import DecodeStep, prefill
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.policies import Full
-from sparsegen.models.cache_arg import cache_kwargs
 
 
 def cut_prompts(tokens: np.ndarray, count: int, length: int, bos_id: int | None) -> torch.Tensor:
@@ -38,16 +38,10 @@ def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, pol
     """Next-token logits under ``policy`` for every continuation token, teacher-forced: [B, n, vocab]."""
     cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size, kv_bits=kv_bits)
     length = prompts.shape[1]
-    for start in range(0, length, chunk_size):
-        end = min(start + chunk_size, length)
-        position = torch.arange(start, end, device=prompts.device)[None].expand(len(prompts), -1)
-        last = model(input_ids=prompts[:, start:end], position_ids=position, **cache_kwargs(cache),
-                     logits_to_keep=1).logits[:, -1]
-    logits = [last]
+    logits = [prefill(model, cache, prompts, torch.ones_like(prompts), chunk_size, progress=False)]
+    step, position = DecodeStep(model), torch.full((len(prompts),), length, device=prompts.device)
     for i in range(continuation.shape[1] - 1):
-        position = torch.full((len(prompts), 1), length + i, device=prompts.device)
-        logits.append(model(input_ids=continuation[:, i:i + 1], position_ids=position,
-                            **cache_kwargs(cache)).logits[:, -1])
+        logits.append(step(cache, continuation[:, i], position + i))
     return torch.stack(logits, dim=1).float()
 
 

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from sparsegen.bench.memory import current_rss
 from sparsegen.data import text_files
+from sparsegen.decoding import forward
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
-from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.models.spec import kv_bytes_per_token
 
 
@@ -124,7 +124,7 @@ def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None 
     for start in range(0, length - 1, chunk):
         end = min(start + chunk, length - 1)
         position = torch.arange(start, end, device=device)[None].expand(streams, -1)
-        logits = model(input_ids=data[:, start:end], position_ids=position, **cache_kwargs(cache)).logits
+        logits = forward(model, cache, data[:, start:end], position)
         nll[:, start:end] = F.cross_entropy(logits.float().transpose(1, 2), data[:, start + 1:end + 1],
                                             reduction="none").double().cpu()
         while next_sample < end:

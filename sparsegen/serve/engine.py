@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decoding import check_sampling, next_token
+from sparsegen.decoding import DecodeStep, check_sampling, forward, next_token
 from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.quantized import as_quantization
-from sparsegen.models.cache_arg import cache_kwargs
 from sparsegen.serve.template import ChatTemplate
 from sparsegen.speculative import Speculation, accept, draft_length, draft_token
 
@@ -163,7 +162,7 @@ class Engine:
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
                  speculation: Callable[[], Speculation] | None = None,
-                 kv_bits: int | KVQuantization | None = None):
+                 kv_bits: int | KVQuantization | None = None, compile: bool = False):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
@@ -202,6 +201,7 @@ class Engine:
             if self.draft_tokens == "auto":
                 raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
         self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
+        self.decode, self.draft_step = DecodeStep(model, compile), DecodeStep(self.drafter, compile)
 
     # --- sessions ---
     def _new_cache(self) -> EvictionCache:
@@ -331,10 +331,9 @@ class Engine:
             cache = self._stack(jobs)
             jobs = list(self._rows)  # the batch's row order
             positions = [job.session.cache.length - self.offset + steps for job, steps in zip(jobs, self._steps)]
-        tokens = torch.tensor([[job.tokens[-1]] for job in jobs], device=self.device)
+        tokens = torch.tensor([job.tokens[-1] for job in jobs], device=self.device)
         try:
-            logits = self.model(input_ids=tokens, position_ids=torch.tensor(positions, device=self.device)[:, None],
-                                **cache_kwargs(cache)).logits[:, -1]
+            logits = self.decode(cache, tokens, torch.tensor(positions, device=self.device))
         except Exception as err:  # noqa: BLE001  the rows may be half-updated: every reply in the step fails
             self.discard_batch()
             for job in jobs:
@@ -355,13 +354,12 @@ class Engine:
         chunk, job.feed = job.feed[:self.chunk_size], job.feed[self.chunk_size:]
         start = cache.length - (self.offset if cache.length else 0)
         positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-        logits = self.model(input_ids=torch.tensor([chunk], device=self.device), position_ids=positions,
-                            **cache_kwargs(cache), logits_to_keep=1).logits
+        logits = forward(self.model, cache, torch.tensor([chunk], device=self.device), positions, last=True)
         self.counters["prefill_tokens"] += len(chunk)
         if job.session.draft is not None:
             job.session.draft_lag += chunk
         if not job.feed:
-            self._accept(job, logits[0, -1])
+            self._accept(job, logits[0])
             if job.done:
                 self._close(job)
 
@@ -376,23 +374,21 @@ class Engine:
         start = draft.length - (self.offset if draft.length else 0)
         for i in range(0, len(catch_up), self.chunk_size):  # the missed tokens, a chunk at a time
             chunk = catch_up[i:i + self.chunk_size]
-            logits = drafter(input_ids=torch.tensor([chunk], device=self.device), **cache_kwargs(draft),
-                             position_ids=torch.arange(start + i, start + i + len(chunk), device=self.device)[None],
-                             logits_to_keep=1).logits[0, -1]
+            logits = forward(drafter, draft, torch.tensor([chunk], device=self.device),
+                             torch.arange(start + i, start + i + len(chunk), device=self.device)[None], last=True)[0]
         drafts, probs = [], []
         position = start + len(catch_up)
         for i in range(k):
             if i:
-                logits = drafter(input_ids=torch.tensor([[drafts[-1]]], device=self.device), **cache_kwargs(draft),
-                                 position_ids=torch.tensor([[position + i - 1]], device=self.device)).logits[0, -1]
+                logits = self.draft_step(draft, torch.tensor([drafts[-1]], device=self.device),
+                                         torch.tensor([position + i - 1], device=self.device))[0]
             token, distribution = draft_token(logits, sampling.temperature, sampling.top_p, job.generator)
             drafts.append(int(token))
             if distribution is not None:
                 probs.append(distribution)
         first = target.length - self.offset
         verify = torch.tensor([job.tokens[-1:] + drafts], device=self.device)
-        logits = self.model(input_ids=verify, **cache_kwargs(target),
-                            position_ids=torch.arange(first, first + k + 1, device=self.device)[None]).logits
+        logits = forward(self.model, target, verify, torch.arange(first, first + k + 1, device=self.device)[None])
         accepted, bonus = accept(torch.tensor([drafts], device=self.device),
                                  torch.stack(probs)[None] if probs else None, logits, sampling.temperature,
                                  sampling.top_p, job.generator)

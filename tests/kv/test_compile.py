@@ -5,9 +5,13 @@ Python-side updates). Compiled with dynamo only (backend "eager"): what is check
 import pytest
 import torch
 
+from sparsegen.decoding import DecodeStep, prefill
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv.policies import POLICIES
 from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
+
+STILL_READING = {"adakv", "lagkv"}  # as tests/kv/test_host_syncs.py counts
 
 
 @pytest.mark.parametrize("name", ["full", "streaming", "h2o"])
@@ -35,3 +39,33 @@ def test_a_decode_step_is_one_graph_and_compiles_to_the_eager_step(name):
     assert ours.length == theirs.length and torch.equal(ours.seen, theirs.seen)
     for a, b in zip(ours.layers, theirs.layers):
         assert a.used == b.used and torch.equal(a.index[..., :a.used], b.index[..., :b.used])
+
+
+def _breaks(name: str, kv_bits=None, family: str = "llama") -> int:
+    """Graph breaks dynamo meets capturing a steady decode step (the budget full, evicting) of ``DecodeStep``."""
+    model = tiny_model(family)
+    cache = EvictionCache(model, make_policy(name, None if name == "full" else 10), chunk_size=8, kv_bits=kv_bits)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    step = DecodeStep(model)
+    with torch.inference_mode():
+        token = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1)
+        return step.graph_breaks(cache, token, torch.full((2,), 12))
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - STILL_READING))
+def test_every_sync_free_policy_compiles_as_one_graph(name):
+    torch._dynamo.reset()
+    assert _breaks(name) == 0
+
+
+def test_sliding_window_layers_compile_as_one_graph():
+    torch._dynamo.reset()
+    assert _breaks("h2o", family="gemma3") == 0
+
+
+@pytest.mark.parametrize("name, kv_bits", [(name, None) for name in sorted(STILL_READING)] + [("streaming", 4)])
+def test_steps_that_read_the_host_break_the_graph(name, kv_bits):
+    """Not there yet (issue 36): Ada-KV's shared rows and LagKV's partitions are sized on the host, and a quantized
+    cache finds its residual with ``nonzero`` (tests/kv/test_host_syncs.py): each read is a graph break."""
+    torch._dynamo.reset()
+    assert _breaks(name, kv_bits) > 0
