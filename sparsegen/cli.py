@@ -38,6 +38,12 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False, more: str 
         _prompt_args(p)
 
 
+def _compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="run the decode step through torch.compile (one graph: model, cache update, eviction); the "
+                        "first step compiles (tens of seconds on a CPU), and again when the batch or slots change")
+
+
 def _weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4|gguf" + ("[,...]" if several else ""),
                    help="store the decoder's linears and LM head in 8 or 4 bits for PyTorch's CPU weight-only kernels "
@@ -230,6 +236,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         heavy=args.heavy, history=args.history, positions=args.positions, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size, on_text=stream,
         speculative=args.speculative, draft_tokens=draft_tokens, draft_model=draft_model, kv_bits=_kv_bits(args),
+        compile=args.compile,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -682,7 +689,9 @@ def _engine(args: argparse.Namespace, model, tokenizer):
         raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
     return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
                   max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
-                  speculation=speculation, kv_bits=_kv_bits(args))
+                  speculation=speculation, kv_bits=_kv_bits(args), compile=args.compile,
+                  kv_memory=_bytes(args.kv_memory) if getattr(args, "kv_memory", None) else None,
+                  max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0))
 
 
 def _sampling(args: argparse.Namespace):
@@ -739,9 +748,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = build_app(engine, limits, args.model, defaults)
     bound = kv_bound(engine, limits)
     policy = engine.make_policy().describe()
-    print(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; worst-case KV memory "
-          f"{bound / 2**20:.1f} MiB ({limits.max_sessions} sessions + {limits.max_batch} in flight, each at most "
-          f"budget + {args.chunk_size} tokens); http://{args.host}:{args.port}/v1"
+    memory = engine.memory
+    held = (f"K/V memory capped at {bound / 2**20:,.1f} MiB: {memory.most_live} live sessions of "
+            f"{memory.per_session / 2**20:,.1f} MiB each" if memory is not None else
+            f"worst-case KV memory {bound / 2**20:.1f} MiB ({limits.max_sessions} sessions + {limits.max_batch} in "
+            f"flight, each at most budget + {args.chunk_size} tokens)")
+    print(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; {held}; "
+          f"http://{args.host}:{args.port}/v1"
           + (f" ({len(keys)} API keys)" if keys else " (no API key)"), flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
@@ -959,6 +972,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue a prompt under a KV-cache policy")
     _model_args(p, run=True)
+    _compile_arg(p)
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file (any length: it is prefilled in chunks)")
     _policy_args(p)
@@ -1095,6 +1109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="a terminal conversation in one bounded cache (history never re-encoded)")
     _model_args(p, run=True)
+    _compile_arg(p)
     _conversation_args(p)
     p.add_argument("--system", default=None, help="a system message at the start of the conversation")
     p.add_argument("--script", default=None, help="read the user's turns from this file, one per line (no terminal)")
@@ -1104,6 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server whose sessions live in bounded caches")
     _model_args(p, run=True)
+    _compile_arg(p)
     _conversation_args(p, speculative=False)  # (serve keeps caches bounded; speculation verifies with full)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -1114,6 +1130,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=positive_int, default=64,
                    help="conversation caches kept, least recently used dropped beyond (default 64)")
     p.add_argument("--max-batch", type=positive_int, default=16, help="replies decoded together (default 16)")
+    p.add_argument("--kv-memory", default=None, metavar="SIZE",
+                   help="admit sessions by K/V memory, e.g. 2GiB: each live session reserves its policy's whole "
+                        "allocation (budget + a chunk, and its row in the decode batch; full: --max-context); "
+                        "beyond the cap, idle sessions are dropped least recently used first (their next request "
+                        "re-encodes, X-Session-History: reencoded) or requests wait (429 beyond --max-queue). "
+                        "Lets policy 'full' be served")
+    p.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
+                   help="the most tokens one conversation may hold; sizes a full cache under --kv-memory (default: "
+                        "the model's max_position_embeddings)")
+    p.add_argument("--idle-grace", type=float, default=2.0, metavar="SECONDS",
+                   help="under --kv-memory, an idle session is not dropped for another within this many seconds of "
+                        "its last reply (a client's next turn usually follows at once; default 2)")
     p.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting beyond those: 429 (default 64)")
     p.add_argument("--max-tokens-limit", type=positive_int, default=1024,
                    help="largest max_tokens a request may ask (default 1024)")

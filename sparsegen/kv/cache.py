@@ -263,8 +263,10 @@ class EvictionLayer(CacheLayerMixin):
     def most_slots(self, chunk: int) -> int:
         """Slots a bounded policy can need with calls of ``chunk`` tokens: its budget plus one call (for each head
         sharing a row)."""
-        budget = self.policy.budget
-        return sys.maxsize if budget is None else (budget + max(self.cache.chunk_size, chunk)) * self.fan
+        budget, most = self.policy.budget, self.cache.max_length
+        if budget is None:
+            return sys.maxsize if most is None else max(most, chunk) * self.fan
+        return (budget + max(self.cache.chunk_size, chunk)) * self.fan
 
     def capacity(self, first_chunk: int) -> int:
         """Slots allocated at first: what the sequence is expected to need, at most what the policy can ever hold;
@@ -418,9 +420,11 @@ class EvictionCache(Cache):
 
     def __init__(self, model: torch.nn.Module, policy: Policy, positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, expected_length: int | None = None, stepwise: bool = False,
-                 rollback: int = 0, kv_bits: int | KVQuantization | None = None):
+                 rollback: int = 0, kv_bits: int | KVQuantization | None = None, max_length: int | None = None):
         """``expected_length``: tokens per row the caller will feed in all, if known; an unbounded (``full``)
-        cache then allocates once instead of growing (and briefly holding two copies).
+        cache then allocates once instead of growing (and briefly holding two copies). ``max_length``: the most
+        tokens per row an unbounded cache will hold (a server's ``--max-context``): its slots never grow past it,
+        so its memory is known in advance as a bounded policy's is.
 
         ``stepwise``: every query of a multi-token call sees exactly the cache that feeding the tokens one per
         call would leave it, evictions between tokens included (what streaming perplexity measures). Order
@@ -453,6 +457,9 @@ class EvictionCache(Cache):
             raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
                              f"prefix (never evicted) and any text; raise the budget above {self.pinned}")
         self.expected_length = expected_length or 0
+        if max_length is not None and max_length < 1:
+            raise ValueError("max_length must be at least 1")
+        self.max_length = max_length
         super().__init__(layers=self._layers(model))
         self.step: Step | None = None
         self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
@@ -599,7 +606,8 @@ class EvictionCache(Cache):
         ``capacity`` rows is kept so that neither moves more than one row."""
         if not caches:
             raise ValueError("stacked() needs at least one cache")
-        batched = cls(model, caches[0].policy, caches[0].positions, chunk_size=1, kv_bits=caches[0].quantization)
+        batched = cls(model, caches[0].policy, caches[0].positions, chunk_size=1, kv_bits=caches[0].quantization,
+                      max_length=caches[0].max_length)
         batched.row_capacity = max(capacity, len(caches))
         batched.padded = True  # rows hold different numbers of tokens: every attention needs its mask
         for cache in caches:
@@ -615,7 +623,8 @@ class EvictionCache(Cache):
         rows = 0 if self.seen is None else self.seen.shape[0]
         for layer, row in zip(self.layers, source.layers):
             layer.fan = row.fan
-            slots = max(row.used, layer.capacity(1) if layer.policy.budget is not None else row.used + 64)
+            slots = max(row.used, layer.capacity(1) if layer.policy.budget is not None
+                        else layer.most_slots(1) if self.max_length else row.used + 64)
             storage = layer.storage
             if storage is None or rows == storage["keys"].shape[0] or row.used > storage["keys"].shape[2] \
                     or storage["keys"].data_ptr() != layer.keys.data_ptr():  # full, or replaced by _grow

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.quantized import as_quantization
+from sparsegen.serve.memory import KVMemory
 from sparsegen.serve.template import ChatTemplate
 from sparsegen.speculative import Speculation, accept, draft_length, draft_token
 
@@ -89,6 +91,7 @@ class Session:
         self.pending: list[int] = []
         self.turns = 0
         self.busy = False
+        self.idle_since = 0.0  # time.monotonic() when its last reply ended
 
     def release(self) -> None:
         """Give the caches' memory back now (the session is dropped or starts over)."""
@@ -162,9 +165,12 @@ class Engine:
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
                  speculation: Callable[[], Speculation] | None = None,
-                 kv_bits: int | KVQuantization | None = None, compile: bool = False):
+                 kv_bits: int | KVQuantization | None = None, compile: bool = False, kv_memory: int | None = None,
+                 max_context: int | None = None, idle_grace: float = 2.0):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
+        if max_context is not None and max_context < 1:
+            raise ValueError("max_context must be at least 1")
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be at least 1")
         self.max_prompt_tokens = max_prompt_tokens
@@ -202,12 +208,16 @@ class Engine:
                 raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
         self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
         self.decode, self.draft_step = DecodeStep(model, compile), DecodeStep(self.drafter, compile)
+        self.counters.update({"decode_seconds": 0.0, "dropped_sessions": 0})
+        self.max_context = max_context
+        self.memory = None if kv_memory is None else KVMemory.plan(self, kv_memory, idle_grace)
 
     # --- sessions ---
     def _new_cache(self) -> EvictionCache:
         return EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
                              rollback=self.draft_tokens if self.speculation is not None else 0,
-                             kv_bits=self.quantization)
+                             kv_bits=self.quantization, max_length=self.max_context,
+                             expected_length=self.max_context if self.memory is not None else None)
 
     def _new_draft(self) -> EvictionCache | None:
         if self.speculation is None:
@@ -227,7 +237,10 @@ class Engine:
                 idle = next((k for k, s in self.sessions.items() if not s.busy), None)
                 if idle is None:
                     raise RuntimeError(f"all {self.max_sessions} sessions are busy")
-                self.sessions.pop(idle).release()
+                dropped = self.sessions.pop(idle)
+                dropped.release()
+                if self.memory is not None:
+                    self.memory.leave(dropped)
                 self.counters["evicted_sessions"] += 1
             session = self.sessions[session_id] = Session(session_id, self._new_cache(), self._new_draft())
         self.sessions.move_to_end(session_id)
@@ -288,6 +301,11 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         history = not continues and (session.turns > 0 or prepared.several_messages)  # e.g. an evicted session
+        held = session.cache.length if continues else 0
+        if self.max_context is not None and held + len(ids) + sampling.max_tokens > self.max_context:
+            raise ValueError(f"this conversation would reach {held + len(ids) + sampling.max_tokens:,} tokens (held "
+                             f"{held:,} + new {len(ids):,} + max_tokens {sampling.max_tokens:,}), over this server's "
+                             f"--max-context {self.max_context:,}: start a new session or ask for fewer tokens")
         self.counters["requests"] += 1
         if not continues:
             if session.text:
@@ -331,6 +349,7 @@ class Engine:
             cache = self._stack(jobs)
             jobs = list(self._rows)  # the batch's row order
             positions = [job.session.cache.length - self.offset + steps for job, steps in zip(jobs, self._steps)]
+        started = time.perf_counter()
         tokens = torch.tensor([job.tokens[-1] for job in jobs], device=self.device)
         try:
             logits = self.decode(cache, tokens, torch.tensor(positions, device=self.device))
@@ -347,6 +366,7 @@ class Engine:
             self._guarded(job, self._accept, job, row)
             if job.done:
                 self._close(job)
+        self.counters["decode_seconds"] += time.perf_counter() - started  # the step and its sampling
 
     def _prefill(self, job: Job) -> None:
         """Encode the next chunk of the job's prompt; after the last one, sample its first token."""
@@ -474,8 +494,8 @@ class Engine:
         present = set(map(id, self._rows))
         joining = [job for job in jobs if id(job) not in present]
         if self._batch is None:
-            self._batch = EvictionCache.stacked(self.model, [job.session.cache for job in joining],
-                                                capacity=self.max_batch)
+            rows = self.max_batch if self.memory is None else min(self.max_batch, self.memory.most_live)
+            self._batch = EvictionCache.stacked(self.model, [job.session.cache for job in joining], capacity=rows)
         else:
             for job in joining:
                 self._batch.add_row(job.session.cache)
@@ -563,6 +583,20 @@ class Engine:
             session.pending, job.forget = [], len(job.tokens) - 1 - kept
         session.turns += 1
         session.busy = False
+        session.idle_since = time.monotonic()
+
+    def settle(self, job: Job) -> None:
+        """After a finished reply (however it ended): its session is idle from now, and a session-less request's
+        cache gives back its memory."""
+        job.session.idle_since = time.monotonic()
+        if job.session.id is None:
+            job.session.release()
+            if self.memory is not None:
+                self.memory.leave(job.session)
+
+    def admit(self, session: Session) -> bool:
+        """Whether a request of ``session`` may start now under ``--kv-memory`` (always without it)."""
+        return self.memory is None or self.memory.admit(self, session)
 
     # --- what it holds ---
     def kv_bytes(self) -> int:

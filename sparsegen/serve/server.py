@@ -14,6 +14,7 @@ chunked uploads included), then the typed schema, the server's limits, and text 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import itertools
@@ -382,6 +383,7 @@ class Worker(threading.Thread):
         self.engine, self.limits = engine, limits
         self.inbox: queue.Queue[Pending] = queue.Queue(maxsize=limits.max_queue)
         self.active: list[Pending] = []
+        self.waiting: collections.deque[Pending] = collections.deque()  # taken from the inbox, waiting for memory
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self.errors = 0
@@ -397,6 +399,8 @@ class Worker(threading.Thread):
         if self.stopping.is_set() or self.died is not None:
             raise ApiError(503, "the server is shutting down", "server_error")
         try:
+            if self.inbox.qsize() + len(self.waiting) >= self.limits.max_queue:
+                raise queue.Full
             self.inbox.put_nowait(pending)
         except queue.Full:
             raise ApiError(429, f"{self.limits.max_queue} requests are already waiting; retry later",
@@ -443,7 +447,8 @@ class Worker(threading.Thread):
     def _fail_all(self) -> None:
         """The worker stops: every reply in flight or queued gets a 503."""
         gone = ApiError(503, "the server shut down before the reply finished", "server_error")
-        waiting = list(self.active)
+        waiting = list(self.active) + list(self.waiting)
+        self.waiting.clear()
         while True:
             try:
                 waiting.append(self.inbox.get_nowait())
@@ -456,6 +461,8 @@ class Worker(threading.Thread):
     def _retire(self) -> None:
         for pending in self.active:
             job = pending.job
+            if job.done:
+                self.engine.settle(job)
             if job.done and not pending.cancelled:
                 if job.finish_reason == "error":
                     self.errors += 1
@@ -465,23 +472,36 @@ class Worker(threading.Thread):
         self.active = [p for p in self.active if not p.job.done]
 
     def _admit(self) -> None:
+        """Start queued requests while the batch has room: first those waiting for K/V memory (oldest first), then
+        new ones; a request whose session cannot be made live yet (``--kv-memory``) waits, in order."""
+        held, self.waiting = self.waiting, collections.deque()
         while len(self.active) < self.limits.max_batch:
-            try:
-                pending = self.inbox.get(timeout=0.05) if not self.active else self.inbox.get_nowait()
-            except queue.Empty:
-                return
+            if held:
+                pending = held.popleft()
+            else:
+                try:
+                    idle = not self.active and not self.waiting
+                    pending = self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()
+                except queue.Empty:
+                    break
             if pending.cancelled:
                 self.cancelled += 1
                 continue
             try:
-                self.active.append(self._begin(pending))
+                started = self._begin(pending)
+                if started is None:
+                    self.waiting.append(pending)
+                    continue
+                self.active.append(started)
             except ApiError as err:
                 pending.send("error", err)
             except Exception as err:  # noqa: BLE001
                 self.errors += 1
                 pending.send("error", ApiError(500, f"the request failed: {err}", "server_error"))
+        self.waiting.extend(held)
 
-    def _begin(self, pending: Pending) -> Pending:
+    def _begin(self, pending: Pending) -> Pending | None:
+        """The request started (``pending`` with its job), or None if its session cannot be made live yet."""
         engine, request = self.engine, pending.request
         session = engine.sessions.get(pending.session_id) if pending.session_id else None
         if session is not None and session.busy:
@@ -490,6 +510,8 @@ class Worker(threading.Thread):
             session = engine.session(pending.session_id)
         except RuntimeError as err:
             raise ApiError(503, str(err), "server_error", "overloaded") from None
+        if not engine.admit(session):
+            return None
         # a streamed reply's text goes out as it comes (with its tokens' log-probabilities, when asked); an
         # unstreamed one's handler waits quietly for the end (and notices a disconnected client meanwhile)
         on_text = (lambda job, text: pending.send("text", (text, pending.new_logprobs()))) \
@@ -498,6 +520,8 @@ class Worker(threading.Thread):
             pending.job = engine.begin(session, pending.sampling, on_text=on_text, prepared=pending.prepared,
                                        **pending.text)
         except ValueError as err:
+            if session.id is None and engine.memory is not None:
+                engine.memory.leave(session)
             raise ApiError(400, str(err)) from None
         return pending
 
@@ -506,7 +530,9 @@ class Worker(threading.Thread):
         snapshot = {**{f"{k}_total": v for k, v in engine.counters.items()}, "errors_total": self.errors,
                     "cancelled_total": self.cancelled, "engine_rebuilds_total": self.rebuilds,
                     "sessions": len(engine.sessions), "active_replies": len(self.active),
-                    "queued_requests": self.inbox.qsize(), "kv_bytes": engine.kv_bytes()}
+                    "queued_requests": self.inbox.qsize() + len(self.waiting),
+                    "waiting_for_memory": len(self.waiting), "kv_bytes": engine.kv_bytes(),
+                    **(engine.memory.metrics() if engine.memory is not None else {})}
         with self.lock:
             self.snapshot = snapshot
 
@@ -520,9 +546,11 @@ def _texts_of(request: _Request) -> list[dict]:
 
 def kv_bound(engine: Engine, limits: Limits) -> int:
     """Worst-case K/V bytes: every stored session and every in-flight reply at its full allocation, plus the
-    stacked copy of a full decode batch."""
+    stacked copy of a full decode batch; under ``--kv-memory``, its cap."""
     from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
 
+    if engine.memory is not None:
+        return engine.memory.cap
     element = next(engine.model.parameters()).element_size()
     per_token = kv_bytes_per_token(engine.model.config, element, engine.quantization)
     per_row = kv_bytes_per_sequence(engine.model.config, element, engine.quantization)
@@ -592,9 +620,9 @@ HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Sampling | None = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``defaults``: sampling for fields a request leaves out."""
-    if engine.make_policy().budget is None:
+    if engine.make_policy().budget is None and engine.memory is None:
         raise ValueError("serve keeps every conversation's cache, and policy 'full' grows without bound; use window, "
-                         "streaming, h2o or streaming-h2o with a --budget")
+                         "streaming, h2o or streaming-h2o with a --budget, or cap it with --kv-memory")
     defaults = defaults or Sampling(max_tokens=min(Sampling.max_tokens, limits.max_tokens))
     if defaults.max_tokens > limits.max_tokens:
         raise ValueError(f"the default max_tokens ({defaults.max_tokens}) is over the limit ({limits.max_tokens})")
@@ -730,13 +758,21 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
                     raise first[2]
                 usage = parsed.stream_options is not None and parsed.stream_options.include_usage
                 return StreamingResponse(stream(request, reply, first, usage), media_type="text/event-stream",
-                                         headers={"X-Session-Id": shown_id or ""})
+                                         headers={"X-Session-Id": shown_id or "", **history(pendings)})
             jobs = await wait(request, events, len(pendings))
         except BaseException:
             for pending in pendings:
                 pending.cancelled = True  # stop decoding what nobody will read
             raise
-        return JSONResponse(reply.whole(jobs))
+        return JSONResponse(reply.whole(jobs), headers=history(pendings))
+
+    def history(pendings: list[Pending]) -> dict:
+        """``X-Session-History: reencoded`` when a session's history was encoded again (dropped for memory, evicted,
+        or edited by the client), ``kept`` when only the new text was; nothing for a request without a session."""
+        jobs = [p.job for p in pendings if p.job is not None]
+        if not jobs or jobs[0].session.id is None:
+            return {}
+        return {"X-Session-History": "reencoded" if any(job.reencoded for job in jobs) else "kept"}
 
     async def next_event(request: Request, events: asyncio.Queue) -> tuple:
         while True:

@@ -40,9 +40,9 @@ def wait_healthy(url: str, alive=lambda: True, seconds: float = 60) -> None:
 class Running:
     """A server in a thread: ``url``, ``app`` and ``stop()``."""
 
-    def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None, kv_bits=None):
+    def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None, kv_bits=None, **engine):
         self.engine = Engine(model, tokenizer, lambda: make_policy(policy, BUDGET), chunk_size=32,
-                             max_sessions=limits.max_sessions, max_batch=limits.max_batch, kv_bits=kv_bits)
+                             max_sessions=limits.max_sessions, max_batch=limits.max_batch, kv_bits=kv_bits, **engine)
         self.app = build_app(self.engine, limits, "reference", defaults)
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,100 @@
+"""Admission by K/V memory (``sparsegen serve --kv-memory``): the number of live conversations is set by what their
+caches hold, so a policy that holds less serves more of them in the same memory (H2O's serving claim).
+
+Every live session reserves a fixed amount: its own cache at its policy's full allocation (a bounded policy's budget
+plus one prefill chunk; ``full``: ``--max-context`` tokens) plus its row in the stacked decode batch (the budget plus
+the new token; ``full``: ``--max-context``), since while it decodes with others both exist. A request whose session
+is not live is admitted only if its reservation fits beside the others'; otherwise the least recently used idle
+session that has been idle for ``idle_grace`` seconds is dropped to make room (its cache freed; its next request
+re-encodes the history, and the reply says so in ``X-Session-History: reencoded``), and if none can be dropped the
+request waits in the queue (bounded: 429 beyond). Reservations are upper bounds of what the caches allocate, so
+the K/V bytes allocated never exceed the cap (``/metrics``: ``kv_bytes`` under ``kv_memory_bytes``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
+
+if TYPE_CHECKING:
+    from sparsegen.serve.engine import Engine, Session
+
+
+@dataclass
+class KVMemory:
+    cap: int  # bytes
+    session_bytes: int  # one session's own cache at its full allocation
+    row_bytes: int  # its row in the stacked decode batch
+    idle_grace: float = 2.0  # seconds an idle session is safe from being dropped for another
+    live: dict[int, Session] = field(default_factory=dict)  # id(session) -> session, in order of admission
+
+    @classmethod
+    def plan(cls, engine: Engine, cap: int, idle_grace: float = 2.0) -> KVMemory:
+        """The reservation of one session under ``engine``'s policy; refuses a cap that holds none."""
+        if cap < 1 or idle_grace < 0:
+            raise ValueError("kv_memory must be a positive number of bytes and idle_grace >= 0")
+        if engine.speculation is not None:
+            raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
+        config = engine.model.config.get_text_config()
+        element = next(engine.model.parameters()).element_size()
+        per_token = kv_bytes_per_token(engine.model.config, element, engine.quantization)
+        per_row = kv_bytes_per_sequence(engine.model.config, element, engine.quantization)
+        policy = engine.make_policy()
+        if policy.shares_slots:
+            raise ValueError(f"--kv-memory cannot size {policy.name!r}'s per-head budgets in advance: use a policy "
+                             "whose heads hold the same number of tokens")
+        if policy.budget is None:
+            if engine.max_context is None:
+                engine.max_context = getattr(config, "max_position_embeddings", None)
+            if engine.max_context is None:
+                raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
+            own = row = engine.max_context
+        else:
+            own, row = policy.budget + engine.chunk_size, policy.budget + 1
+        memory = cls(cap, own * per_token + per_row, row * per_token + per_row, idle_grace)
+        if memory.per_session > cap:
+            raise ValueError(f"--kv-memory {cap / 2**20:,.1f} MiB holds no session: one needs "
+                             f"{memory.per_session / 2**20:,.1f} MiB under {policy.name} (its cache and its row in the "
+                             "decode batch); raise it, lower the budget or --max-context, or add --kv-bits")
+        return memory
+
+    @property
+    def per_session(self) -> int:
+        return self.session_bytes + self.row_bytes
+
+    @property
+    def most_live(self) -> int:
+        return self.cap // self.per_session
+
+    @property
+    def reserved(self) -> int:
+        return len(self.live) * self.per_session
+
+    def admit(self, engine: Engine, session: Session) -> bool:
+        """Make ``session`` live if it is not: dropping idle sessions least recently used first (only those idle
+        for ``idle_grace``) until its reservation fits. False: it must wait."""
+        if id(session) in self.live:
+            return True
+        now = time.monotonic()
+        while self.reserved + self.per_session > self.cap:
+            idle = [s for s in self.live.values()
+                    if not s.busy and s.id is not None and now - s.idle_since >= self.idle_grace]
+            if not idle:
+                return False
+            dropped = min(idle, key=lambda s: s.idle_since)
+            engine.reset(dropped)
+            self.leave(dropped)
+            engine.counters["dropped_sessions"] += 1
+        self.live[id(session)] = session
+        return True
+
+    def leave(self, session: Session) -> None:
+        self.live.pop(id(session), None)
+
+    def metrics(self) -> dict:
+        return {"kv_memory_bytes": self.cap, "kv_bytes_reserved": self.reserved,
+                "kv_bytes_free": self.cap - self.reserved, "live_sessions": len(self.live),
+                "most_live_sessions": self.most_live}
