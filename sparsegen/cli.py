@@ -691,7 +691,8 @@ def _engine(args: argparse.Namespace, model, tokenizer):
                   max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
                   speculation=speculation, kv_bits=_kv_bits(args), compile=args.compile,
                   kv_memory=_bytes(args.kv_memory) if getattr(args, "kv_memory", None) else None,
-                  max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0))
+                  max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0),
+                  prefill_budget=getattr(args, "prefill_budget", None))
 
 
 def _sampling(args: argparse.Namespace):
@@ -740,6 +741,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_messages=args.max_messages, max_stop_chars=args.max_stop_chars,
                     max_request_bytes=args.max_request_bytes, api_keys=tuple(keys))
+    if args.kv_memory is None and args.idle_grace != 2.0:
+        raise ValueError("--idle-grace is how long an idle session is safe under --kv-memory: give --kv-memory too")
     defaults = _sampling(args)  # before loading: a bad flag fails at once
     if defaults.max_tokens > limits.max_tokens:
         raise ValueError(f"--max-new-tokens {defaults.max_tokens} is over --max-tokens-limit {limits.max_tokens}")
@@ -767,6 +770,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     import asyncio
     import os
 
+    if args.spawn:
+        return _bench_serve_spawn(args)
+    args.max_tokens = 16 if args.max_tokens is None else args.max_tokens
+    if args.model is not None or args.kv_memory is not None:
+        raise ValueError("--model and --kv-memory are for --spawn (bench-serve otherwise loads the server at --url)")
     from sparsegen.bench.serve import run_load
 
     key = args.api_key or os.environ.get("SPARSEGEN_API_KEY")
@@ -807,6 +815,43 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     if failed:
         print("bench-serve: FAILED: good replies failed, the server answered a fault with a 5xx, or it is not "
               "healthy", file=sys.stderr)
+        sys.exit(1)
+
+
+def _bench_serve_spawn(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from sparsegen.bench import spawn
+    from sparsegen.models.loading import resolve
+
+    if args.model is None or args.kv_memory is None:
+        raise ValueError("--spawn needs --model and --kv-memory, e.g. --model smollm2 --kv-memory 384MiB")
+    setup = spawn.SpawnSetup(
+        model=args.model, policies=[p for p in args.policies.split(",") if p],
+        kv_memory=[_bytes(size) for size in args.kv_memory.split(",")], context=args.context,
+        sessions=args.sessions, turns=args.turns, max_tokens=64 if args.max_tokens is None else args.max_tokens,
+        chunk_size=args.chunk_size,
+        text=Path(args.text) if args.text else None, threads=args.threads, extra=list(args.serve_arg))
+    for spec in setup.policies:
+        spawn.policy_flags(spec, setup.context)  # a bad policy fails before any server starts
+    tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
+    work = Path(args.json).with_suffix(".logs") if args.json else Path(".cache") / "bench-serve"
+    print(f"{args.model}: {setup.sessions} conversations of {setup.context:,} tokens over {setup.turns} turns "
+          f"({setup.max_tokens} tokens per reply) under each K/V cap; server logs in {work}", flush=True)
+    rows = spawn.run(setup, tokenizer, work, on_row=lambda row: print(
+        f"  {row['policy']} under {row['kv_memory_bytes'] / 2**20:,.0f} MiB: {row['sessions_admitted']} live, "
+        f"{row['decode_tokens_per_s']} decode tok/s, {row['failed']} failed", flush=True))
+    print(spawn.summary(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": {**vars(setup), "text": str(setup.text) if setup.text else None}, "rows": rows}, f,
+                      indent=2)
+    if args.plot:
+        spawn.plot(rows, args.plot)
+    if any(row["failed"] or row["server_errors"] for row in rows):
+        print("bench-serve: FAILED: some requests failed", file=sys.stderr)
         sys.exit(1)
 
 
@@ -1139,6 +1184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
                    help="the most tokens one conversation may hold; sizes a full cache under --kv-memory (default: "
                         "the model's max_position_embeddings)")
+    p.add_argument("--prefill-budget", type=positive_int, default=None, metavar="TOKENS",
+                   help="prompt tokens one engine step encodes while other replies decode (default: --chunk-size): "
+                        "what a long prompt adds to their inter-token latency, at the cost of its own time to first "
+                        "token")
     p.add_argument("--idle-grace", type=float, default=2.0, metavar="SECONDS",
                    help="under --kv-memory, an idle session is not dropped for another within this many seconds of "
                         "its last reply (a client's next turn usually follows at once; default 2)")
@@ -1169,13 +1218,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N more clients that hang up mid-stream, time out, send garbage, reuse a session at once and "
                         "send slow bodies meanwhile; exit status 1 if any good reply fails or any fault gets a 5xx")
     p.add_argument("--turns", type=positive_int, default=10, help="turns per conversation (default 10)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (default 16)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default 16; 64 with --spawn)")
     p.add_argument("--api-key", default=None, help="the server's key (or SPARSEGEN_API_KEY)")
     p.add_argument("--hostile", action="store_true",
                    help="meanwhile, one client loops over requests that once broke servers (tiny temperature, huge "
                         "stop strings and prompts, a 200 MiB chunked upload)")
     p.add_argument("--json", default=None, help="write the report (with memory per turn) to this file")
-    p.add_argument("--plot", default=None, help="write server memory per turn as a PNG")
+    p.add_argument("--plot", default=None, help="write server memory per turn as a PNG (with --spawn: decode tokens/s "
+                                                "against the K/V cap, a line per policy)")
+    spawn = p.add_argument_group("serving at fixed memory (--spawn)")
+    spawn.add_argument("--spawn", action="store_true",
+                       help="start `sparsegen serve --kv-memory CAP` itself for each policy and cap, hold --sessions "
+                            "long conversations at once against it, and compare: sessions admitted, decode and "
+                            "end-to-end tokens/s, TTFT and inter-token latency, failures, peak RSS")
+    spawn.add_argument("--model", default=None, help="the model each spawned server runs (e.g. smollm2)")
+    spawn.add_argument("--policies", default="full,h2o:0.2,streaming:1024",
+                       help="NAME or NAME:BUDGET (tokens, or a fraction of --context), comma-separated (default "
+                            "full,h2o:0.2,streaming:1024)")
+    spawn.add_argument("--kv-memory", default=None, metavar="SIZE[,SIZE]",
+                       help="K/V caps, e.g. 384MiB or 256MiB,512MiB (each policy runs under each)")
+    spawn.add_argument("--context", type=positive_int, default=4096,
+                       help="tokens each conversation holds at its end: an opening excerpt of a book, then the turns "
+                            "(default 4096; also each server's --max-context)")
+    spawn.add_argument("--chunk-size", type=positive_int, default=256, help="the servers' prefill chunk (default 256)")
+    spawn.add_argument("--text", default=None, help="a .txt file or folder the openings come from (default: the books)")
+    spawn.add_argument("--threads", type=positive_int, default=None, help="CPU threads of each server")
+    spawn.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                       help="one more flag for every spawned server, e.g. --serve-arg=--kv-bits=4 (repeatable)")
     p.set_defaults(func=cmd_bench_serve)
 
     p = sub.add_parser("quantize", help="weight-only quantization (GPTQ or round-to-nearest, 4/8 bits), also of "

@@ -72,6 +72,7 @@ class EvictionLayer(CacheLayerMixin):
         self.used = 0  # slots in use (the largest held count of any sequence, plus the pending chunk)
         self.pending = 0  # tokens appended by update() and not yet attended
         self.peak_tokens = 0
+        self.parked = 0  # slots it had when its cache was parked (EvictionCache.park), given back after
         self.storage: dict[str, torch.Tensor] | None = None  # a stacked cache's buffers for all its row capacity
         self.quantization: KVQuantization | None = cache.quantization
         self.fan = 1  # KV heads sharing each row of slots (all of them under a ``shares_slots`` policy)
@@ -399,6 +400,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.used = self.pending = self.peak_tokens = 0
+        self.parked = 0
         self.fan = 1
         self.storage = None
         self.is_initialized = False
@@ -466,6 +468,7 @@ class EvictionCache(Cache):
         self.seen: torch.Tensor | None = None  # real tokens per sequence
         self.padded = False  # whether any padding was fed: until then every held slot of every row is real
         self.row_capacity = 1  # rows a stacked cache keeps storage for
+        self.exact_rows = False  # a stacked cache holds storage for its rows only (reallocated as they come and go)
         self._workspace: torch.Tensor | None = None
 
     def _layers(self, model: torch.nn.Module) -> list[EvictionLayer]:
@@ -599,16 +602,19 @@ class EvictionCache(Cache):
 
     # --- batching separate sequences (a server's concurrent conversations) ---
     @classmethod
-    def stacked(cls, model: torch.nn.Module, caches: list[EvictionCache], capacity: int = 1) -> EvictionCache:
+    def stacked(cls, model: torch.nn.Module, caches: list[EvictionCache], capacity: int = 1,
+                exact: bool = False) -> EvictionCache:
         """A cache whose rows are copies of ``caches`` (each of one sequence, already fed, built alike), so their
         decode steps run as one batch. Rows may hold different numbers of tokens and sit at different positions
         (pass ``position_ids``). ``add_row``/``remove_row`` change the rows one at a time; storage for
-        ``capacity`` rows is kept so that neither moves more than one row."""
+        ``capacity`` rows is kept so that neither moves more than one row. ``exact``: storage for the rows present
+        only, reallocated one layer at a time as a row comes or goes (a memory cap counts every byte)."""
         if not caches:
             raise ValueError("stacked() needs at least one cache")
         batched = cls(model, caches[0].policy, caches[0].positions, chunk_size=1, kv_bits=caches[0].quantization,
                       max_length=caches[0].max_length)
         batched.row_capacity = max(capacity, len(caches))
+        batched.exact_rows = exact
         batched.padded = True  # rows hold different numbers of tokens: every attention needs its mask
         for cache in caches:
             batched.add_row(cache)
@@ -644,7 +650,7 @@ class EvictionCache(Cache):
 
     def _row_storage(self, layer: EvictionLayer, row: EvictionLayer, rows: int, slots: int) -> dict:
         """Buffers for ``row_capacity`` rows (more if full) of at least ``slots`` slots, holding the current rows."""
-        capacity = max(self.row_capacity, 2 * rows, rows + 1)
+        capacity = rows + 1 if self.exact_rows else max(self.row_capacity, 2 * rows, rows + 1)
         if layer.is_initialized:
             slots = max(slots, layer.keys.shape[2])
         storage = {}
@@ -662,16 +668,27 @@ class EvictionCache(Cache):
         layer.dtype, layer.device, layer.is_initialized = row.dtype, row.device, True
         return storage
 
+    def park(self) -> None:
+        """Let go of the slots of this one-sequence cache while a stacked cache holds its row (``add_row``), so a
+        decoding conversation is held once, not twice; ``remove_row`` gives it back its allocation. Counts, scores
+        of what it held and quantization state stay."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.parked = layer.keys.shape[2]
+                for name, buf in layer.buffers():
+                    setattr(layer, name, buf[:, :, :0].clone())
+
     def remove_row(self, index: int, into: EvictionCache, steps: int) -> None:
-        """Write row ``index`` back into ``into`` (the cache it came from, which ran ``steps`` more tokens here) and
-        close the gap with the last row."""
+        """Write row ``index`` back into ``into`` (the cache it came from, which ran ``steps`` more tokens here; parked
+        or not) and close the gap with the last row."""
         last = self.seen.shape[0] - 1
         for layer, row in zip(self.layers, into.layers):
             valid = layer.valid[index, :, :layer.used]
             held = int(valid.sum(-1).max())
             slots = torch.argsort((~valid).byte(), dim=-1, stable=True)[:, :held]  # the valid ones (order is free)
-            if held > row.keys.shape[2]:
-                row._grow(held)
+            if held > row.keys.shape[2]:  # parked (back to the slots it had), or it holds more now
+                row._grow(max(held, row.parked))
+            row.parked = 0
             for (_, src), (_, dst) in zip(layer.buffers(), row.buffers()):
                 take = slots if src.dim() == 3 else slots[..., None].expand(-1, -1, src.shape[-1])
                 dst[0, :, :held] = src[index, :, :layer.used].gather(1, take)
@@ -683,6 +700,10 @@ class EvictionCache(Cache):
                 if index != last:
                     buf[index] = buf[last]
                 setattr(layer, name, buf[:last])
+            if self.exact_rows and last:  # storage for the rows left only, one layer at a time
+                layer.storage = {name: buf.clone() for name, buf in layer.buffers() + layer.row_state()}
+                for name, buf in layer.storage.items():
+                    setattr(layer, name, buf)
         into.seen = self.seen[index:index + 1].clone()
         into.length += steps
         self.seen = torch.cat([self.seen[:index], self.seen[last:last + 1], self.seen[index + 1:last]]) \

@@ -4,8 +4,9 @@ Each conversation (a ``Session``) owns a bounded ``EvictionCache`` of one sequen
 turn feeds only the text added since the last one (the new user message and the template around it), never the
 history. A ``Job`` is one reply being produced. ``Engine.begin`` starts it from the new text (tokenized by
 ``Engine.prepare``, which a server calls in the request's own thread); ``Engine.step``
-then advances any number of jobs at once: one prefill chunk of one job still encoding its prompt (so a long
-prompt never holds up the other replies by more than a chunk, and can be cancelled between chunks), and one
+then advances any number of jobs at once: one prefill chunk of one job still encoding its prompt (at most
+``prefill_budget`` tokens while others decode, so a long prompt never holds up the other replies by more than that,
+and can be cancelled between chunks), and one
 decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
 different tokens at different positions) for as long as the same jobs decode together; a row goes back to its
 session when its reply finishes or leaves. A failure in one job (its prompt, its sampling) fails that job only.
@@ -166,11 +167,15 @@ class Engine:
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
                  speculation: Callable[[], Speculation] | None = None,
                  kv_bits: int | KVQuantization | None = None, compile: bool = False, kv_memory: int | None = None,
-                 max_context: int | None = None, idle_grace: float = 2.0):
+                 max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | None = None):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_context is not None and max_context < 1:
             raise ValueError("max_context must be at least 1")
+        if prefill_budget is not None and not 1 <= prefill_budget <= chunk_size:
+            raise ValueError(f"prefill_budget must be between 1 and the chunk size ({chunk_size}), got {prefill_budget}")
+        # prompt tokens one step encodes while other replies decode: what a long prompt adds to their token latency
+        self.prefill_budget = prefill_budget or chunk_size
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be at least 1")
         self.max_prompt_tokens = max_prompt_tokens
@@ -330,7 +335,8 @@ class Engine:
         prefilling = min((job for job in jobs if job.feed), key=lambda job: job.served, default=None)
         if prefilling is not None:
             prefilling.served = self._ticks
-            self._guarded(prefilling, self._prefill, prefilling)
+            decoding = any(not job.feed for job in jobs if not job.done)
+            self._guarded(prefilling, self._prefill, prefilling, self.prefill_budget if decoding else self.chunk_size)
         jobs = [job for job in jobs if not job.done and not job.feed]
         if not jobs:
             return
@@ -368,10 +374,10 @@ class Engine:
                 self._close(job)
         self.counters["decode_seconds"] += time.perf_counter() - started  # the step and its sampling
 
-    def _prefill(self, job: Job) -> None:
-        """Encode the next chunk of the job's prompt; after the last one, sample its first token."""
+    def _prefill(self, job: Job, tokens: int) -> None:
+        """Encode the next ``tokens`` of the job's prompt; after the last one, sample its first token."""
         cache = job.session.cache
-        chunk, job.feed = job.feed[:self.chunk_size], job.feed[self.chunk_size:]
+        chunk, job.feed = job.feed[:tokens], job.feed[tokens:]
         start = cache.length - (self.offset if cache.length else 0)
         positions = torch.arange(start, start + len(chunk), device=self.device)[None]
         logits = forward(self.model, cache, torch.tensor([chunk], device=self.device), positions, last=True)
@@ -494,11 +500,13 @@ class Engine:
         present = set(map(id, self._rows))
         joining = [job for job in jobs if id(job) not in present]
         if self._batch is None:
-            rows = self.max_batch if self.memory is None else min(self.max_batch, self.memory.most_live)
-            self._batch = EvictionCache.stacked(self.model, [job.session.cache for job in joining], capacity=rows)
+            self._batch = EvictionCache.stacked(self.model, [job.session.cache for job in joining],
+                                                capacity=self.max_batch, exact=self.memory is not None)
         else:
             for job in joining:
                 self._batch.add_row(job.session.cache)
+        for job in joining:
+            job.session.cache.park()  # the batch holds its row now: one copy of each conversation
         self._rows += joining
         self._steps += [0] * len(joining)
         return self._batch

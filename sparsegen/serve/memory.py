@@ -1,9 +1,11 @@
 """Admission by K/V memory (``sparsegen serve --kv-memory``): the number of live conversations is set by what their
 caches hold, so a policy that holds less serves more of them in the same memory (H2O's serving claim).
 
-Every live session reserves a fixed amount: its own cache at its policy's full allocation (a bounded policy's budget
-plus one prefill chunk; ``full``: ``--max-context`` tokens) plus its row in the stacked decode batch (the budget plus
-the new token; ``full``: ``--max-context``), since while it decodes with others both exist. A request whose session
+Every live session reserves a fixed amount: its cache at its policy's full allocation (a bounded policy's budget
+plus one prefill chunk; ``full``: ``--max-context`` tokens). While it decodes with others its row lives in the stacked
+decode batch instead (the budget plus the new token), its own slots let go (``EvictionCache.park``), and the batch's
+storage holds its present rows only, so a conversation is held once. (For a moment while a row joins or leaves, one
+layer's batch storage exists twice: a thirtieth of the batch on a 30-layer model.) A request whose session
 is not live is admitted only if its reservation fits beside the others'; otherwise the least recently used idle
 session that has been idle for ``idle_grace`` seconds is dropped to make room (its cache freed; its next request
 re-encodes the history, and the reply says so in ``X-Session-History: reencoded``), and if none can be dropped the
@@ -26,8 +28,7 @@ if TYPE_CHECKING:
 @dataclass
 class KVMemory:
     cap: int  # bytes
-    session_bytes: int  # one session's own cache at its full allocation
-    row_bytes: int  # its row in the stacked decode batch
+    per_session: int  # one session's cache at its full allocation (its row in a decode batch is no larger)
     idle_grace: float = 2.0  # seconds an idle session is safe from being dropped for another
     live: dict[int, Session] = field(default_factory=dict)  # id(session) -> session, in order of admission
 
@@ -54,16 +55,12 @@ class KVMemory:
             own = row = engine.max_context
         else:
             own, row = policy.budget + engine.chunk_size, policy.budget + 1
-        memory = cls(cap, own * per_token + per_row, row * per_token + per_row, idle_grace)
+        memory = cls(cap, max(own, row) * per_token + 2 * per_row, idle_grace)  # its row state is in both
         if memory.per_session > cap:
             raise ValueError(f"--kv-memory {cap / 2**20:,.1f} MiB holds no session: one needs "
-                             f"{memory.per_session / 2**20:,.1f} MiB under {policy.name} (its cache and its row in the "
-                             "decode batch); raise it, lower the budget or --max-context, or add --kv-bits")
+                             f"{memory.per_session / 2**20:,.1f} MiB under {policy.name}; raise it, lower the budget "
+                             "or --max-context, or add --kv-bits")
         return memory
-
-    @property
-    def per_session(self) -> int:
-        return self.session_bytes + self.row_bytes
 
     @property
     def most_live(self) -> int:

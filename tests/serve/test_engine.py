@@ -379,3 +379,19 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_conversation_goes_on(reference, 
     assert len(turns) == answered and turns[-1]["new_tokens"] == 6
     assert turns[-1]["reencoded"] == (at_step == 7)  # the interrupted step left its cache in doubt: encoded again
     assert not engine.sessions["chat"].busy and engine._batch is None
+
+
+def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_decode():
+    model = tiny_model("llama")
+    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=4)
+    short = engine.begin(engine.session(None), Sampling(max_tokens=30), prompt="5 6 7")
+    engine.step([short])  # its prompt, alone: a whole chunk
+    long = engine.begin(engine.session(None), Sampling(max_tokens=2), prompt=" ".join(["9"] * 40))
+    encoded = []
+    while long.feed:
+        before = engine.counters["prefill_tokens"]
+        engine.step([short, long])
+        encoded.append(engine.counters["prefill_tokens"] - before)
+    assert encoded == [4] * 10  # short decoded meanwhile: 4 tokens a step, not 16
+    with pytest.raises(ValueError, match="prefill_budget must be between 1 and the chunk size"):
+        Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=32)

@@ -67,7 +67,7 @@ def test_no_body_gets_a_5xx_and_every_4xx_is_openai_shaped(fuzzed, path, name, r
 
     seen = set()
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(body=bodies, stream=st.booleans(), raw=st.binary(max_size=64))
     def probe(body, stream, raw):

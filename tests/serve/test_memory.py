@@ -23,8 +23,8 @@ CHUNK = 8
 def _engine(policy: str, budget: int | None, cap_sessions: float, **extra) -> Engine:
     model = tiny_model("llama")
     per_token = kv_bytes_per_token(model.config, 4)
-    own, row = (extra.get("max_context"),) * 2 if budget is None else (budget + CHUNK, budget + 1)
-    cap = int(cap_sessions * (own + row) * per_token)
+    own = extra.get("max_context") if budget is None else budget + CHUNK
+    cap = int(cap_sessions * own * per_token)
     return Engine(model, IdTokenizer(), lambda: make_policy(policy, budget), chunk_size=CHUNK, kv_memory=cap,
                   **extra)
 
@@ -99,7 +99,7 @@ def test_over_http_sessions_wait_for_memory_and_none_fails(reference):  # noqa: 
     """Six conversations of two turns against a cap of two live sessions: every reply arrives, the K/V bytes never
     pass the cap, and /metrics shows the reservations."""
     model, tokenizer = reference
-    per_session = (48 + 32 + 48 + 1) * kv_bytes_per_token(model.config, 4)  # own cache + its batch row
+    per_session = (48 + 32) * kv_bytes_per_token(model.config, 4)  # budget + chunk
     running = Running(model, tokenizer, Limits(max_sessions=8, max_batch=8, max_tokens=16), policy="h2o",
                       kv_memory=int(2.5 * per_session), idle_grace=0.2)
     engine = running.engine

@@ -1,0 +1,297 @@
+"""Serving at fixed memory (``sparsegen bench-serve --spawn``): for each policy and K/V cap, start ``sparsegen serve
+--kv-memory CAP`` as its own process, hold ``sessions`` long conversations against it at once (each opens with its own
+excerpt of a book, ``context`` tokens in all over ``turns`` turns), and report what a user of that server gets:
+sessions live at once, aggregate decode tokens/s (decode tokens over the seconds the engine spent decoding: the batch
+throughput the cap allows, H2O's serving measure) and end-to-end tokens/s (over the whole run, prefill included),
+time to first token and inter-token latency percentiles, failed requests, peak K/V bytes and the server's peak RSS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+QUESTION = "In two sentences, what happens next in this story?"
+TEMPLATE_TOKENS = 48  # what a turn's chat template and question add, at most
+
+
+@dataclass
+class SpawnSetup:
+    model: str
+    policies: list[str]  # "full", "h2o:0.2" (a fraction of context), "streaming:1024"
+    kv_memory: list[int]  # caps in bytes, one run per policy each
+    context: int = 4096  # tokens each conversation holds at its end
+    sessions: int = 8
+    turns: int = 2
+    max_tokens: int = 32
+    chunk_size: int = 256
+    text: Path | None = None  # a .txt file or a folder of them (default: the shared books)
+    threads: int | None = None
+    timeout: float = 1800
+    extra: list[str] = field(default_factory=list)  # more `sparsegen serve` flags (e.g. --kv-bits 4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def policy_flags(spec: str, context: int) -> list[str]:
+    """``h2o:0.2`` -> ``--policy h2o --budget 819`` (a fraction is of the conversation's context)."""
+    name, _, budget = spec.partition(":")
+    if not budget:
+        return ["--policy", name]
+    try:
+        value = float(budget)
+    except ValueError:
+        raise ValueError(f"{spec!r}: write a policy as NAME or NAME:BUDGET (tokens, or a fraction of --context)") \
+            from None
+    tokens = int(value * context) if value < 1 else int(value)
+    if tokens < 1:
+        raise ValueError(f"{spec!r} keeps no token of a {context}-token context")
+    return ["--policy", name, "--budget", str(tokens)]
+
+
+def excerpts(setup: SpawnSetup, tokenizer) -> list[str]:
+    """One excerpt per session, each of the tokens its first turn may take, from different places in the text."""
+    from sparsegen.data import data_dir, text_files
+
+    files = text_files(setup.text or data_dir() / "books" / "train")
+    words = setup.context - setup.turns * (setup.max_tokens + TEMPLATE_TOKENS)
+    if words < 64:
+        raise ValueError(f"--context {setup.context} leaves no room for an opening text beside {setup.turns} turns of "
+                         f"{setup.max_tokens} tokens: raise --context or lower --turns/--max-tokens")
+    text = "\n".join(path.read_text(encoding="utf-8", errors="replace") for path in files[:4])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < words:
+        raise ValueError(f"the text has {len(ids):,} tokens, fewer than one opening of {words:,}: give a longer --text")
+    step = max(1, (len(ids) - words) // max(1, setup.sessions - 1))
+    return [tokenizer.decode(ids[i * step % (len(ids) - words + 1):][:words]) for i in range(setup.sessions)]
+
+
+async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed reply: status, time to first token, the gaps between tokens, completion tokens, history."""
+    started = time.perf_counter()
+    arrivals, content, usage, history = [], [], None, None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", headers={"X-Session-Id": session},
+                                 json={"messages": messages, "max_tokens": max_tokens, "stream": True,
+                                       "stream_options": {"include_usage": True}}) as response:
+            status, history = response.status_code, response.headers.get("X-Session-History")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    status = 500
+                    break
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    if choice["delta"].get("content"):
+                        arrivals.append(time.perf_counter())
+                        content.append(choice["delta"]["content"])
+    except httpx.HTTPError as err:
+        status = type(err).__name__
+    return {"status": status, "ttft": (arrivals[0] if arrivals else time.perf_counter()) - started,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "content": "".join(content),
+            "completion_tokens": (usage or {}).get("completion_tokens", 0), "history": history}
+
+
+async def _metrics(client: httpx.AsyncClient, url: str) -> dict:
+    text = (await client.get(f"{url}/metrics")).text
+    return {line.split()[0].removeprefix("sparsegen_"): float(line.split()[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+async def drive(url: str, openings: list[str], turns: int, max_tokens: int, timeout: float) -> dict:
+    """Every session at once, turn after turn; /metrics sampled meanwhile for live sessions and K/V bytes."""
+    limits = httpx.Limits(max_connections=len(openings) + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        before = await _metrics(client, url)
+        peaks = {"live_sessions": 0.0, "kv_bytes": 0.0, "resident_bytes": 0.0}
+        done = asyncio.Event()
+
+        async def watch():
+            while not done.is_set():
+                metrics = await _metrics(client, url)
+                for key in peaks:
+                    peaks[key] = max(peaks[key], metrics.get(key, 0.0))
+                await asyncio.sleep(0.25)
+
+        async def converse(index: int, opening: str) -> list[dict]:
+            messages, results = [], []
+            for turn in range(turns):
+                messages.append({"role": "user", "content": (opening + "\n\n" if turn == 0 else "") + QUESTION})
+                result = await _turn(client, url, f"spawn-{index}", messages, max_tokens)
+                results.append(result)
+                if result["status"] != 200:
+                    break
+                messages.append({"role": "assistant", "content": result["content"]})
+            return results
+
+        watcher = asyncio.create_task(watch())
+        started = time.perf_counter()
+        conversations = await asyncio.gather(*[converse(i, text) for i, text in enumerate(openings)])
+        seconds = time.perf_counter() - started
+        done.set()
+        await watcher
+        after = await _metrics(client, url)
+    results = [r for conversation in conversations for r in conversation]
+    ok = [r for r in results if r["status"] == 200]
+    ttft, gaps = sorted(r["ttft"] for r in ok), sorted(g for r in ok for g in r["gaps"])
+    decode_tokens = after["decode_tokens_total"] - before["decode_tokens_total"]
+    decode_seconds = after["decode_seconds_total"] - before["decode_seconds_total"]
+    completion = sum(r["completion_tokens"] for r in ok)
+    return {
+        "requests": len(results), "failed": len(results) - len(ok) + (len(openings) * turns - len(results)),
+        "seconds": round(seconds, 2), "completion_tokens": completion,
+        "tokens_per_s": round(completion / seconds, 2),
+        "decode_tokens_per_s": round(decode_tokens / decode_seconds, 2) if decode_seconds else None,
+        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+        "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
+        "sessions_admitted": int(peaks["live_sessions"]), "kv_bytes_peak": int(peaks["kv_bytes"]),
+        "reencoded_replies": sum(r["history"] == "reencoded" for r in ok),
+        "dropped_sessions": int(after.get("dropped_sessions_total", 0) - before.get("dropped_sessions_total", 0)),
+        "prefill_tokens": int(after["prefill_tokens_total"] - before["prefill_tokens_total"]),
+        "server_errors": int(after["errors_total"] - before["errors_total"]),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))], 4) if values else None
+
+
+def _peak_rss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: Path) -> dict:
+    """Start a server for ``spec`` under ``cap``, drive the conversations, stop it; one report row."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "sparsegen", "serve", "--model", setup.model, *policy_flags(spec, setup.context),
+               "--kv-memory", str(cap), "--max-context", str(setup.context), "--chunk-size", str(setup.chunk_size),
+               "--max-batch", str(setup.sessions), "--max-sessions", str(2 * setup.sessions),
+               "--max-queue", str(4 * setup.sessions), "--max-prompt-tokens", str(setup.context),
+               "--max-tokens-limit", str(setup.max_tokens), "--max-new-tokens", str(setup.max_tokens),
+               "--port", str(port), *setup.extra]
+    env = dict(os.environ)
+    if setup.threads:
+        env["OMP_NUM_THREADS"] = str(setup.threads)
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            _wait_healthy(url, server, log)
+            row = asyncio.run(drive(url, openings, setup.turns, setup.max_tokens, setup.timeout))
+            row["peak_rss_bytes"] = _peak_rss(server.pid)
+        except NoRoom as err:
+            row = {"skipped": str(err), "sessions_admitted": 0, "failed": 0, "server_errors": 0,
+                   "decode_tokens_per_s": None, "tokens_per_s": None}
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return {"policy": spec, "kv_memory_bytes": cap, **row}
+
+
+class NoRoom(Exception):
+    """The cap holds not one session of this policy: a row of its own (0 admitted), not a failure of the run."""
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path, seconds: float = 300) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if server.poll() is not None:
+            tail = log.read_text()[-2000:]
+            if "holds no session" in tail:
+                raise NoRoom(tail.strip().splitlines()[-1].removeprefix("sparsegen serve: error: "))
+            raise RuntimeError(f"the server exited with status {server.returncode} before answering:\n{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer /health in {seconds:.0f} s (log: {log})")
+
+
+def run(setup: SpawnSetup, tokenizer, work: Path, on_row=None) -> list[dict]:
+    """Every policy under every cap; ``throughput_ratio_vs_full`` (decode tok/s over full's under the same cap) and
+    ``end_to_end_ratio_vs_full`` when a ``full`` row is there."""
+    openings = excerpts(setup, tokenizer)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for cap in setup.kv_memory:
+        for spec in setup.policies:
+            log = work / f"serve-{spec.replace(':', '-')}-{cap}.log"
+            row = serve_one(setup, spec, cap, openings, log)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    for row in rows:
+        full = next((r for r in rows if r["policy"] == "full" and r["kv_memory_bytes"] == row["kv_memory_bytes"]),
+                    None)
+        if full is not None and full.get("decode_tokens_per_s") and row.get("decode_tokens_per_s"):
+            row["throughput_ratio_vs_full"] = round(row["decode_tokens_per_s"] / full["decode_tokens_per_s"], 2)
+            row["end_to_end_ratio_vs_full"] = round(row["tokens_per_s"] / full["tokens_per_s"], 2)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    head = (f"{'policy':<16}{'KV cap MiB':>11}{'admitted':>9}{'failed':>7}{'decode tok/s':>13}{'e2e tok/s':>10}"
+            f"{'vs full':>8}{'TTFT p50':>9}{'p99':>7}{'ITL p50':>8}{'p99':>7}{'KV peak':>8}{'RSS MiB':>8}")
+    lines = [head]
+    for r in rows:
+        def ms(v):
+            return "-" if v is None else f"{v * 1000:.0f}"
+        if "skipped" in r:
+            lines.append(f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{0:>9}  (the cap holds no session)")
+            continue
+        lines.append(
+            f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{r['sessions_admitted']:>9}{r['failed']:>7}"
+            f"{r['decode_tokens_per_s'] or 0:>13.1f}{r['tokens_per_s']:>10.1f}"
+            f"{r.get('throughput_ratio_vs_full', float('nan')):>7.2f}x{r['ttft_p50_s'] or 0:>8.1f}s"
+            f"{r['ttft_p99_s'] or 0:>6.1f}s{ms(r['itl_p50_s']):>6}ms{ms(r['itl_p99_s']):>5}ms"
+            f"{r['kv_bytes_peak'] / 2**20:>8.0f}{(r['peak_rss_bytes'] or 0) / 2**20:>8.0f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Decode tokens/s against the K/V cap, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for spec in dict.fromkeys(r["policy"] for r in rows):
+        mine = sorted((r for r in rows if r["policy"] == spec and "skipped" not in r), key=lambda r: r["kv_memory_bytes"])
+        ax.plot([r["kv_memory_bytes"] / 2**20 for r in mine], [r["decode_tokens_per_s"] or 0 for r in mine], "o-",
+                label=f"{spec} ({'/'.join(str(r['sessions_admitted']) for r in mine)} live)")
+    ax.set_xlabel("K/V memory cap (MiB)")
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.set_title("serving at fixed memory")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
