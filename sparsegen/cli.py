@@ -887,7 +887,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     before = sum(f.stat().st_size for f in source.glob("*.safetensors")) if source and source.exists() else None
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     linear = report["linear_bytes_before"] / report["linear_bytes_after"]
-    print(f"{config.method} int{config.bits}, group {config.group_size or 'row'}: {len(report['layers'])} linear layers "
+    group = report["group_size"] or "row"
+    chosen = " (the largest that divides every linear)" if config.group_size is None else ""
+    print(f"{config.method} int{config.bits}, group {group}{chosen}: {len(report['layers'])} linear layers "
           f"{linear:.2f}x smaller than in {str(loaded).removeprefix('torch.')}; weights on disk "
           + (f"{before / 2**20:.2f} -> " if before else "") + f"{after / 2**20:.2f} MiB; {report['seconds']:.1f} s; "
           f"saved to {out}")
@@ -1251,7 +1253,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "pruned checkpoints (their zeros stay zero)")
     _model_args(p)
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (default 4)")
-    p.add_argument("--group-size", type=int, default=128, help="input columns per scale; 0 = one per row (default 128)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="input columns per scale; 0 = one per row (default: the largest of 128, 64, 32, 16 that divides "
+                        "every linear: 64 on SmolLM2)")
     p.add_argument("--method", default="gptq", help="gptq (calibrated, default) or rtn (round to nearest)")
     _calibration_args(p, "gptq ")
     p.add_argument("--out", required=True, help="folder for the quantized checkpoint (+ quantization.json)")

@@ -9,6 +9,7 @@ it, transformers loads it with the ``compressed-tensors`` package, and ``sparseg
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ CONFIG_KEY = "quantization_config"
 @dataclass
 class QuantizeConfig:
     bits: int = 4
-    group_size: int = 128  # input columns per scale; 0 = one scale per output row
+    group_size: int | None = None  # input columns per scale; 0 = one per output row; None = the largest that fits
     method: str = "gptq"
     nsamples: int = 128
     seqlen: int = 512
@@ -39,7 +40,17 @@ class QuantizeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown quantization method {self.method!r}; choose rtn or gptq")
-        check_bits(self.bits, self.group_size)
+        check_bits(self.bits, self.group_size or 0)
+
+
+GROUP_SIZES = (128, 64, 32, 16)  # what kernels take; the largest that cuts every linear evenly is the default
+
+
+def fitting_group_size(model: torch.nn.Module) -> int:
+    """The largest of ``GROUP_SIZES`` that divides every decoder linear's inputs (SmolLM2's 576: 64), else 0 (one
+    scale per output row)."""
+    columns = {linear.in_features for layer in decoder_layers(model) for linear in linears(layer).values()}
+    return next((size for size in GROUP_SIZES if all(c % size == 0 or c < size for c in columns)), 0)
 
 
 def _quantize_linear(linear: nn.Linear, config: QuantizeConfig, hessian: torch.Tensor | None) -> QuantLinear:
@@ -69,6 +80,8 @@ def quantize_model(model: torch.nn.Module, config: QuantizeConfig, ids: torch.Te
         raise ValueError("this model is already quantized; quantize its float checkpoint instead")
     if config.method == "gptq" and ids is None:
         raise ValueError("gptq needs calibration data")
+    if config.group_size is None:
+        config = dataclasses.replace(config, group_size=fitting_group_size(model))
     for layer in decoder_layers(model):  # refused before any layer changes
         for linear in linears(layer).values():
             check_groups(linear.in_features, config.group_size)

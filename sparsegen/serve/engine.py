@@ -214,8 +214,9 @@ class Engine:
         self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
         self.decode, self.draft_step = DecodeStep(model, compile), DecodeStep(self.drafter, compile)
         self.counters.update({"decode_seconds": 0.0, "dropped_sessions": 0})
-        self.max_context = max_context
-        self.memory = None if kv_memory is None else KVMemory.plan(self, kv_memory, idle_grace)
+        self.max_context, self.memory = max_context, None
+        if kv_memory is not None:
+            self.memory = KVMemory.plan(self, kv_memory, idle_grace)
 
     # --- sessions ---
     def _new_cache(self) -> EvictionCache:

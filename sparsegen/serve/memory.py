@@ -52,10 +52,11 @@ class KVMemory:
                 engine.max_context = getattr(config, "max_position_embeddings", None)
             if engine.max_context is None:
                 raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
-            own = row = engine.max_context
-        else:
-            own, row = policy.budget + engine.chunk_size, policy.budget + 1
-        memory = cls(cap, max(own, row) * per_token + 2 * per_row, idle_grace)  # its row state is in both
+        cache = engine._new_cache()  # (a cache allocates nothing until fed)
+        # each layer's most slots: its policy's budget and a chunk (a sliding-window layer: its window), or
+        # --max-context under full; a stacked batch row holds no more than that
+        slots = sum(layer.most_slots(engine.chunk_size) for layer in cache.layers)
+        memory = cls(cap, slots * per_token // len(cache.layers) + 2 * per_row, idle_grace)  # row state: in both
         if memory.per_session > cap:
             raise ValueError(f"--kv-memory {cap / 2**20:,.1f} MiB holds no session: one needs "
                              f"{memory.per_session / 2**20:,.1f} MiB under {policy.name}; raise it, lower the budget "

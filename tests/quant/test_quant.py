@@ -229,3 +229,17 @@ def test_cli_quantizes_a_random_shape_for_speed_measurements(tiny_checkpoint, tm
     assert main(["quantize", "--model", f"random:{tiny_checkpoint}", "--method", "gptq", "--out",
                  str(tmp_path / "g")]) == 2
     assert "use --method rtn" in capsys.readouterr().err
+
+
+def test_the_default_group_size_is_the_largest_that_divides_every_linear():
+    from sparsegen.quant.quantize import fitting_group_size
+    from tests.kv.families import tiny_model
+
+    model = tiny_model("llama")
+    columns = {linear.in_features for layer in model.model.layers for linear in
+               (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj)}
+    size = fitting_group_size(model)
+    assert size and all(c % size == 0 or c < size for c in columns)
+    assert size == 128 or any(c % (2 * size) and c >= 2 * size for c in columns)  # the largest that fits
+    report = quantize_model(model, QuantizeConfig(bits=4, method="rtn"))
+    assert report["group_size"] == size

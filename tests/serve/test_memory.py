@@ -137,3 +137,13 @@ def test_over_http_sessions_wait_for_memory_and_none_fails(reference):  # noqa: 
         assert metrics["sparsegen_errors_total"] == 0
     finally:
         running.stop()
+
+
+def test_sliding_window_layers_reserve_their_window_only():
+    """Gemma 3's sliding layers hold their window whatever the policy: a session reserves that, not the budget."""
+    model = tiny_model("gemma3")
+    per_layer = kv_bytes_per_token(model.config, 4) // 3
+    engine = Engine(model, IdTokenizer(), lambda: make_policy("full", None), chunk_size=CHUNK, kv_memory=1 << 30,
+                    max_context=64)
+    window = 6 - 1 + CHUNK  # the window's tokens and a chunk, in each of the two sliding layers
+    assert engine.memory.per_session == (64 + 2 * window) * per_layer
