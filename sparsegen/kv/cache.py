@@ -315,11 +315,16 @@ class EvictionLayer(CacheLayerMixin):
         held = valid.sum(-1)  # [batch, rows]
         keep_count, over = held.clamp(max=budget), held > budget
         decode = self.cache.step.new_valid.shape[1] == 1 and self.fan == 1  # at most one token over per row
-        if decode and not self.cache.padded and self.used <= budget + 1:
-            # every row holds exactly ``used`` tokens (attention relies on it too): whether they are over the budget,
-            # and where the one hole can be, is known here without reading the device
-            if self.used > budget:
-                self._compact(self.drop_lowest(self.view(seen), over[..., None]), keep_count, moves=1, used=budget)
+        if decode and self.used <= budget + 1:
+            # rows hold their tokens contiguously from slot 0 and the longest holds ``used`` (the new token
+            # included), so what compaction needs is known here without reading the device: at most one hole per
+            # row (the token evicted, or a shorter row's gap before its new token) and ``min(used, budget)`` after
+            if not self.cache.padded:  # every row holds exactly ``used``: over the budget all together, or none
+                if self.used > budget:
+                    self._compact(self.drop_lowest(self.view(seen), over[..., None]), keep_count, moves=1, used=budget)
+                return
+            self._compact(self.drop_lowest(self.view(seen), over[..., None]), keep_count, moves=1,
+                          used=min(self.used, budget))
             return
         if not bool(over.any()):
             kept = valid  # no row over its budget: no policy is asked (only padding leaves)

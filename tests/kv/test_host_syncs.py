@@ -49,3 +49,24 @@ def test_policies_that_still_read(name):
 def test_quantized_kv_still_reads_where_its_residual_is():
     """Not there yet (issue 36): the full-precision residual is found with ``nonzero``."""
     assert sum(_decode_syncs("llama", "streaming", kv_bits=4)) > 0
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o", "window"])
+def test_a_stacked_batch_of_different_lengths_decodes_without_host_reads(name):
+    """A server's batch: sessions of 3, 9 and 15 tokens stacked (padded rows), decoding past the budget."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(0)
+    caches = []
+    with torch.inference_mode():
+        for length in (3, 9, 15):
+            cache = EvictionCache(model, make_policy(name, 10), chunk_size=16)
+            model(input_ids=torch.randint(3, VOCAB, (1, length), generator=generator), **cache_kwargs(cache))
+            caches.append(cache)
+        batch = EvictionCache.stacked(model, caches, capacity=3)
+        token, position, counts = torch.tensor([[5], [6], [7]]), torch.tensor([[3], [9], [15]]), []
+        for _ in range(10):
+            with HostSyncs() as syncs:
+                logits = model(input_ids=token, position_ids=position, **cache_kwargs(batch)).logits
+            counts.append(syncs.count)
+            token, position = logits[:, -1:].argmax(-1), position + 1
+    assert counts == [0] * 10

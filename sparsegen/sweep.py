@@ -1,0 +1,233 @@
+"""Experiment grids from a file (``sparsegen sweep``): models × policies × budgets × kv-bits × tasks × lengths, each
+cell run once and appended to ``results.jsonl`` under the hash of its settings, so a rerun skips what is done and a
+crash loses one cell at most. Cells run in a local process pool, or as Ray tasks on a cluster (``ray="auto"`` or an
+address): the same function either way, so the same numbers. ``report`` turns the JSONL into a Markdown table.
+
+A sweep file (TOML)::
+
+    [sweep]
+    name = "small"
+    models = ["reference"]
+    policies = ["full", "streaming", "h2o"]
+    budgets = [64, 128]          # tokens, or fractions of the length; ignored by full
+    kv_bits = [0, 4]             # 0: K/V as the model computes them
+    tasks = ["ppl", "passkey"]   # ppl: streaming perplexity over the books' test text; passkey: retrieval accuracy
+    lengths = [1024]             # tokens a cell reads (ppl: per stream; passkey: the prompt's length)
+
+    [ppl]
+    streams = 2
+
+    [passkey]
+    trials = 3
+    depths = [0.1, 0.5, 0.9]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+TASKS = ("ppl", "passkey")
+GRID = ("models", "policies", "budgets", "kv_bits", "tasks", "lengths")
+
+
+@dataclass
+class Sweep:
+    name: str
+    models: list[str]
+    policies: list[str]
+    budgets: list[float] = field(default_factory=lambda: [None])
+    kv_bits: list[int] = field(default_factory=lambda: [0])
+    tasks: list[str] = field(default_factory=lambda: ["ppl"])
+    lengths: list[int] = field(default_factory=lambda: [1024])
+    options: dict = field(default_factory=dict)  # per task: its [table]
+    threads: int = 2  # CPU threads a cell uses (and asks Ray for)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Sweep:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ValueError(f"cannot read the sweep file {path}: {err}") from None
+        head = data.get("sweep")
+        if not isinstance(head, dict):
+            raise ValueError(f"{path}: a sweep file needs a [sweep] table (see `sparsegen sweep --help`)")
+        unknown = set(head) - {"name", "threads", *GRID}
+        if unknown:
+            raise ValueError(f"{path}: unknown [sweep] keys {sorted(unknown)}; known: name, threads, {', '.join(GRID)}")
+        for key in GRID:
+            if key in head and (not isinstance(head[key], list) or not head[key]):
+                raise ValueError(f"{path}: [sweep] {key} must be a non-empty list")
+        if "models" not in head or "policies" not in head:
+            raise ValueError(f"{path}: [sweep] needs models and policies")
+        bad = set(head.get("tasks", ["ppl"])) - set(TASKS)
+        if bad:
+            raise ValueError(f"{path}: unknown tasks {sorted(bad)}; known: {', '.join(TASKS)}")
+        return cls(name=head.get("name", Path(path).stem), threads=head.get("threads", 2),
+                   options={task: data.get(task, {}) for task in TASKS},
+                   **{key: head[key] for key in GRID if key in head})
+
+    def cells(self) -> list[dict]:
+        """Every distinct cell (``full`` once per other setting: it has no budget)."""
+        seen, cells = set(), []
+        for model, policy, budget, bits, task, length in itertools.product(
+                self.models, self.policies, self.budgets, self.kv_bits, self.tasks, self.lengths):
+            cell = {"model": model, "policy": policy, "budget": None if policy == "full" else budget,
+                    "kv_bits": bits or None, "task": task, "length": length, "options": self.options.get(task, {}),
+                    "threads": self.threads}
+            key = cell_key(cell)
+            if key not in seen:
+                seen.add(key)
+                cells.append({**cell, "key": key})
+        return cells
+
+
+def cell_key(cell: dict) -> str:
+    settings = {k: v for k, v in cell.items() if k != "key"}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_cell(cell: dict) -> dict:
+    """One cell, in whatever process runs it (a pool worker or a Ray task): its settings and its metrics."""
+    import torch
+
+    from sparsegen.data import data_dir
+    from sparsegen.kv import make_policy
+    from sparsegen.models import load
+
+    torch.set_num_threads(cell["threads"])
+    t0 = time.perf_counter()
+    model, tokenizer = load(cell["model"])
+    length, budget = cell["length"], cell["budget"]
+
+    def make():
+        return make_policy(cell["policy"], budget, input_length=length)
+
+    text = data_dir() / "books" / "test"
+    if cell["task"] == "ppl":
+        from sparsegen.eval.stream import make_streams, stream_nll
+
+        streams = cell["options"].get("streams", 2)
+        data = make_streams(text, tokenizer, streams * length, streams, tokenizer.bos_token_id)
+        summary = stream_nll(model, data, make(), progress=False, kv_bits=cell["kv_bits"]).summary(length)
+        metrics = {"ppl": summary["ppl"], "tokens": summary["tokens"], "kv_tokens_peak": summary["kv_tokens_peak"]}
+    else:
+        from sparsegen.eval.passkey import passkey_accuracy
+        from sparsegen.eval.stream import read_tokens
+
+        filler = read_tokens(text / "great_expectations.txt", tokenizer, 4 * length)
+        result = passkey_accuracy(model, tokenizer, filler, [length], cell["options"].get("depths", [0.1, 0.5, 0.9]),
+                                  make, cell["options"].get("trials", 3), progress=False, kv_bits=cell["kv_bits"])
+        metrics = {"accuracy": result["accuracy"]}
+    return {**cell, "status": "done", "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2),
+            "host": os.uname().nodename}
+
+
+def _failed(cell: dict, err: BaseException) -> dict:
+    return {**cell, "status": "failed", "error": "".join(traceback.format_exception_only(type(err), err)).strip()}
+
+
+def done_keys(results: Path) -> set[str]:
+    if not results.exists():
+        return set()
+    return {row["key"] for row in map(json.loads, results.read_text().splitlines())
+            if row.get("status") == "done"}
+
+
+def run(sweep: Sweep, out: Path, workers: int = 1, ray: str | None = None, retries: int = 1,
+        progress: bool = True) -> dict:
+    """Every cell not yet done in ``out/results.jsonl``; returns counts (done now, skipped, failed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    finished = done_keys(results)
+    todo = [cell for cell in sweep.cells() if cell["key"] not in finished]
+    counts = {"cells": len(sweep.cells()), "skipped": len(sweep.cells()) - len(todo), "done": 0, "failed": 0}
+    bar = tqdm(total=len(todo), desc=f"sweep {sweep.name}", unit="cell", disable=not progress)
+    with open(results, "a") as sink:
+        def record(row: dict) -> None:
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            counts[row["status"]] += 1
+            bar.update(1)
+            if row["status"] == "failed":
+                tqdm.write(f"cell {row['key']} ({row['policy']} {row['task']} {row['length']}) failed: {row['error']}")
+
+        if ray is not None:
+            for row in _run_ray(todo, ray, retries):
+                record(row)
+        else:
+            with ProcessPoolExecutor(workers) as pool:
+                futures = {pool.submit(run_cell, cell): cell for cell in todo}
+                for future in as_completed(futures):
+                    try:
+                        record(future.result())
+                    except Exception as err:  # noqa: BLE001  a failed cell is recorded, never dropped
+                        record(_failed(futures[future], err))
+    bar.close()
+    return counts
+
+
+def _run_ray(cells: list[dict], address: str, retries: int):
+    """Each cell a Ray task asking for its threads as CPUs; ``auto`` joins a running cluster or starts a local one."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'sparsegen[ray]'") from None
+    if not ray.is_initialized():
+        if address == "auto":
+            try:
+                ray.init(address="auto", log_to_driver=False)
+            except ConnectionError:
+                ray.init(log_to_driver=False)  # no cluster running: a local one on this machine
+        else:
+            ray.init(address=address, log_to_driver=False)
+    remote = ray.remote(run_cell).options(num_cpus=min(cells[0]["threads"], ray.cluster_resources().get("CPU", 1))
+                                          if cells else 1, max_retries=retries, retry_exceptions=True)
+    pending = {remote.remote(cell): cell for cell in cells}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        cell = pending.pop(ready[0])
+        try:
+            yield ray.get(ready[0])
+        except Exception as err:  # noqa: BLE001
+            yield _failed(cell, err)
+
+
+def report(results: Path) -> str:
+    """A Markdown table: a row per model × policy × budget × kv-bits, a column per task × length (the last result
+    of each cell)."""
+    rows = {}
+    for row in map(json.loads, results.read_text().splitlines()):
+        if row.get("status") == "done":
+            rows[row["key"]] = row
+    if not rows:
+        raise ValueError(f"{results} holds no finished cell")
+    columns = sorted({(r["task"], r["length"]) for r in rows.values()})
+    table: dict[tuple, dict] = {}
+    for r in rows.values():
+        label = (r["model"], r["policy"], "-" if r["budget"] is None else r["budget"], r["kv_bits"] or "-")
+        metric = r["metrics"].get("ppl", r["metrics"].get("accuracy"))
+        table.setdefault(label, {})[(r["task"], r["length"])] = metric
+    head = "| model | policy | budget | kv bits | " + " | ".join(f"{t} @ {n}" for t, n in columns) + " |"
+    lines = [head, "|" + "---|" * (4 + len(columns))]
+    for label in sorted(table, key=lambda x: tuple(map(str, x))):
+        cells = [table[label].get(c) for c in columns]
+        lines.append("| " + " | ".join(map(str, label)) + " | "
+                     + " | ".join("" if v is None else f"{v:.3f}" if c[0] == "ppl" else f"{v:.0%}"
+                                  for v, c in zip(cells, columns)) + " |")
+    return "\n".join(lines)
