@@ -831,7 +831,7 @@ def _bench_serve_spawn(args: argparse.Namespace) -> None:
     setup = spawn.SpawnSetup(
         model=args.model, policies=[p for p in args.policies.split(",") if p],
         kv_memory=[_bytes(size) for size in args.kv_memory.split(",")], context=args.context,
-        sessions=args.sessions, turns=args.turns, max_tokens=64 if args.max_tokens is None else args.max_tokens,
+        sessions=args.sessions, turns=args.turns, max_tokens=128 if args.max_tokens is None else args.max_tokens,
         chunk_size=args.chunk_size,
         text=Path(args.text) if args.text else None, threads=args.threads, extra=list(args.serve_arg))
     for spec in setup.policies:
@@ -1245,7 +1245,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N more clients that hang up mid-stream, time out, send garbage, reuse a session at once and "
                         "send slow bodies meanwhile; exit status 1 if any good reply fails or any fault gets a 5xx")
     p.add_argument("--turns", type=positive_int, default=10, help="turns per conversation (default 10)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default 16; 64 with --spawn)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default 16; 128 with --spawn)")
     p.add_argument("--api-key", default=None, help="the server's key (or SPARSEGEN_API_KEY)")
     p.add_argument("--hostile", action="store_true",
                    help="meanwhile, one client loops over requests that once broke servers (tiny temperature, huge "

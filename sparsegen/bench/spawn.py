@@ -152,12 +152,14 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
     ttft, gaps = sorted(r["ttft"] for r in ok), sorted(g for r in ok for g in r["gaps"])
     decode_tokens = after["decode_tokens_total"] - before["decode_tokens_total"]
     decode_seconds = after["decode_seconds_total"] - before["decode_seconds_total"]
+    decode_steps = after["decode_steps_total"] - before["decode_steps_total"]
     completion = sum(r["completion_tokens"] for r in ok)
     return {
         "requests": len(results), "failed": len(results) - len(ok) + (len(openings) * turns - len(results)),
         "seconds": round(seconds, 2), "completion_tokens": completion,
         "tokens_per_s": round(completion / seconds, 2),
         "decode_tokens_per_s": round(decode_tokens / decode_seconds, 2) if decode_seconds else None,
+        "mean_decode_batch": round(decode_tokens / decode_steps, 2) if decode_steps else None,
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
         "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
         "sessions_admitted": int(peaks["live_sessions"]), "kv_bytes_peak": int(peaks["kv_bytes"]),
@@ -257,7 +259,7 @@ def run(setup: SpawnSetup, tokenizer, work: Path, on_row=None) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> str:
-    head = (f"{'policy':<16}{'KV cap MiB':>11}{'admitted':>9}{'failed':>7}{'decode tok/s':>13}{'e2e tok/s':>10}"
+    head = (f"{'policy':<16}{'KV cap MiB':>11}{'admitted':>9}{'batch':>6}{'failed':>7}{'decode tok/s':>13}{'e2e tok/s':>10}"
             f"{'vs full':>8}{'TTFT p50':>9}{'p99':>7}{'ITL p50':>8}{'p99':>7}{'KV peak':>8}{'RSS MiB':>8}")
     lines = [head]
     for r in rows:
@@ -267,7 +269,8 @@ def summary(rows: list[dict]) -> str:
             lines.append(f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{0:>9}  (the cap holds no session)")
             continue
         lines.append(
-            f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{r['sessions_admitted']:>9}{r['failed']:>7}"
+            f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{r['sessions_admitted']:>9}"
+            f"{r['mean_decode_batch'] or 0:>6.1f}{r['failed']:>7}"
             f"{r['decode_tokens_per_s'] or 0:>13.1f}{r['tokens_per_s']:>10.1f}"
             f"{r.get('throughput_ratio_vs_full', float('nan')):>7.2f}x{r['ttft_p50_s'] or 0:>8.1f}s"
             f"{r['ttft_p99_s'] or 0:>6.1f}s{ms(r['itl_p50_s']):>6}ms{ms(r['itl_p99_s']):>5}ms"

@@ -213,7 +213,7 @@ class Engine:
                 raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
         self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
         self.decode, self.draft_step = DecodeStep(model, compile), DecodeStep(self.drafter, compile)
-        self.counters.update({"decode_seconds": 0.0, "dropped_sessions": 0})
+        self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0})
         self.max_context, self.memory = max_context, None
         if kv_memory is not None:
             self.memory = KVMemory.plan(self, kv_memory, idle_grace)
@@ -367,6 +367,7 @@ class Engine:
             return
         self._steps = [steps + 1 for steps in self._steps]
         self.counters["decode_tokens"] += len(jobs)
+        self.counters["decode_steps"] += 1
         for job, row in zip(jobs, logits):
             if job.session.draft is not None:
                 job.session.draft_lag.append(job.tokens[-1])
