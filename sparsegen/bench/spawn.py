@@ -1,7 +1,8 @@
 """Serving at fixed memory (``sparsegen bench-serve --spawn``): for each policy and K/V cap, start ``sparsegen serve
 --kv-memory CAP`` as its own process, hold ``sessions`` long conversations against it at once (each opens with its own
 excerpt of a book, ``context`` tokens in all over ``turns`` turns), and report what a user of that server gets:
-sessions live at once, aggregate decode tokens/s (decode tokens over the seconds the engine spent decoding: the batch
+sessions live at once (every reply ``max_tokens`` long: ``ignore_eos``, as serving benchmarks fix output lengths),
+aggregate decode tokens/s (decode tokens over the seconds the engine spent decoding: the batch
 throughput the cap allows, H2O's serving measure) and end-to-end tokens/s (over the whole run, prefill included),
 time to first token and inter-token latency percentiles, failed requests, peak K/V bytes and the server's peak RSS.
 """
@@ -86,7 +87,7 @@ async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: lis
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", headers={"X-Session-Id": session},
                                  json={"messages": messages, "max_tokens": max_tokens, "stream": True,
-                                       "stream_options": {"include_usage": True}}) as response:
+                                       "ignore_eos": True, "stream_options": {"include_usage": True}}) as response:
             status, history = response.status_code, response.headers.get("X-Session-History")
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):

@@ -47,6 +47,7 @@ class Sampling:
     seed: int = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # return each reply token's log-probability and this many top alternatives
+    ignore_eos: bool = False  # decode max_tokens even past an end-of-sequence token (fixed-length benchmarks)
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_p, self.seed)
@@ -543,7 +544,7 @@ class Engine:
         job.tokens.append(token)
         if sampling.logprobs is not None and scores is not None:
             job.logprobs.append(token_logprob(scores, token, sampling.logprobs))
-        eos = token == self.tokenizer.eos_token_id
+        eos = token == self.tokenizer.eos_token_id and not sampling.ignore_eos
         last = eos or len(job.tokens) >= sampling.max_tokens
         if not eos:
             raw.add(token)

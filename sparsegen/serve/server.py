@@ -164,6 +164,7 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1)
     user: str | None = None
     session_id: str | None = Field(default=None, pattern=f"^{SESSION_ID.pattern}$")
+    ignore_eos: bool = False  # vLLM's extension: decode max_tokens whatever the model says (fixed-length benchmarks)
     # sent by OpenAI clients; neutral values are accepted, others are refused (REFUSED says why)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -730,7 +731,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
             max_tokens=wanted,
             temperature=defaults.temperature if parsed.temperature is None else parsed.temperature,
             top_p=defaults.top_p if parsed.top_p is None else parsed.top_p,
-            seed=seed, stop=tuple(parsed.stop), logprobs=logprobs)
+            seed=seed, stop=tuple(parsed.stop), logprobs=logprobs, ignore_eos=parsed.ignore_eos)
         namespace = request.scope.get("state", {}).get("namespace", "")
         return (None if session_id is None else f"{namespace}/{session_id}"), sampling
 

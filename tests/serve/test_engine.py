@@ -395,3 +395,16 @@ def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_
     assert encoded == [4] * 10  # short decoded meanwhile: 4 tokens a step, not 16
     with pytest.raises(ValueError, match="prefill_budget must be between 1 and the chunk size"):
         Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=32)
+
+
+def test_ignore_eos_decodes_max_tokens_past_an_end_of_sequence():
+    model = tiny_model("llama")
+    tokenizer = IdTokenizer()
+    engine = Engine(model, tokenizer, lambda: make_policy("h2o", 24), chunk_size=16)
+    first = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=6), prompt="5 6 7"))
+    tokenizer.eos_token_id = first.tokens[0]  # the model's first reply token now ends a reply
+    stopped = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=6), prompt="5 6 7"))
+    kept_going = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=6, ignore_eos=True),
+                                           prompt="5 6 7"))
+    assert stopped.tokens == first.tokens[:1] and stopped.finish_reason == "stop"
+    assert kept_going.tokens == first.tokens and kept_going.finish_reason == "length"
