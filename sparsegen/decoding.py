@@ -58,12 +58,13 @@ def forward(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.T
 
 class DecodeStep:
     """One decode step: ``step(cache, token [B], position [B]) -> logits [B, vocab]``. The cache's layers write the
-    new keys and values and evict inside the forward, with no host sync for unpadded rows (``bench`` counts them).
+    new keys and values and evict inside the forward, reading nothing from the device (``bench`` counts it), padded
+    rows of a server's batch included.
 
     ``compile=True``: ``torch.compile(fullgraph=True)`` of the whole step (one graph: model, cache update,
     eviction), compiled on the first call and again when a shape changes (batch, or the cache growing its slots);
     ``mode="reduce-overhead"`` on CUDA (CUDA graphs). Eager otherwise, for debugging and for caches whose step reads
-    the host (quantized KV, Ada-KV, LagKV, padded batches): those compile with graph breaks, which bench reports."""
+    the host (quantized K/V, Ada-KV, LagKV): those compile with graph breaks, which bench reports."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):
         self.model, self.compiled = model, compile

@@ -16,6 +16,7 @@ slots (``Policy.shares_slots``, Ada-KV) gives a layer one row of ``budget x kv_h
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 
@@ -144,7 +145,8 @@ class EvictionLayer(CacheLayerMixin):
         heads."""
         if not self.is_initialized:
             return 0
-        return sum(buf[:, :, 0].nbytes for name, buf in self.buffers() if name in KV_BUFFERS)
+        return sum(buf.element_size() * math.prod(buf.shape[:2] + buf.shape[3:])  # (a parked buffer has no slot)
+                   for name, buf in self.buffers() if name in KV_BUFFERS)
 
     @property
     def row_state_bytes(self) -> int:

@@ -217,10 +217,32 @@ class Engine:
         self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0})
         self.max_context, self.memory = max_context, None
         if kv_memory is not None:
-            self.memory = KVMemory.plan(self, kv_memory, idle_grace)
+            self._plan_memory(kv_memory, idle_grace)
+
+    def _plan_memory(self, cap: int, idle_grace: float) -> None:
+        """``--kv-memory``: every live session reserves its cache's whole allocation (``sparsegen.serve.memory``)."""
+        from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
+
+        if self.speculation is not None:
+            raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
+        config = self.model.config.get_text_config()
+        if self.make_policy().budget is None and self.max_context is None:
+            self.max_context = getattr(config, "max_position_embeddings", None)
+            if self.max_context is None:
+                raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
+        element = next(self.model.parameters()).element_size()
+        self.memory = KVMemory.plan(self.new_cache(), kv_bytes_per_token(self.model.config, element, self.quantization),
+                                    kv_bytes_per_sequence(self.model.config, element, self.quantization), cap,
+                                    idle_grace)
+
+    def _drop(self, session: Session) -> None:
+        """A live session dropped for memory: its cache freed; its next request re-encodes its history."""
+        self.reset(session)
+        self.counters["dropped_sessions"] += 1
 
     # --- sessions ---
-    def _new_cache(self) -> EvictionCache:
+    def new_cache(self) -> EvictionCache:
+        """An empty cache for one session under this engine's policy (it allocates when first fed)."""
         return EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
                              rollback=self.draft_tokens if self.speculation is not None else 0,
                              kv_bits=self.quantization, max_length=self.max_context,
@@ -237,7 +259,7 @@ class Engine:
         """The session with this id (created if new; the least recently used idle one is dropped beyond
         ``max_sessions``), or a throwaway one for ``None``."""
         if session_id is None:
-            return Session(None, self._new_cache(), self._new_draft())
+            return Session(None, self.new_cache(), self._new_draft())
         session = self.sessions.get(session_id)
         if session is None:
             while len(self.sessions) >= self.max_sessions:
@@ -249,13 +271,13 @@ class Engine:
                 if self.memory is not None:
                     self.memory.leave(dropped)
                 self.counters["evicted_sessions"] += 1
-            session = self.sessions[session_id] = Session(session_id, self._new_cache(), self._new_draft())
+            session = self.sessions[session_id] = Session(session_id, self.new_cache(), self._new_draft())
         self.sessions.move_to_end(session_id)
         return session
 
     def reset(self, session: Session) -> None:
         session.release()
-        session.cache, session.text, session.pending = self._new_cache(), "", []
+        session.cache, session.text, session.pending = self.new_cache(), "", []
         session.draft, session.draft_lag = self._new_draft(), []
 
     # --- running ---
@@ -607,7 +629,7 @@ class Engine:
 
     def admit(self, session: Session) -> bool:
         """Whether a request of ``session`` may start now under ``--kv-memory`` (always without it)."""
-        return self.memory is None or self.memory.admit(self, session)
+        return self.memory is None or self.memory.admit(session, self._drop)
 
     # --- what it holds ---
     def kv_bytes(self) -> int:

@@ -16,13 +16,10 @@ the K/V bytes allocated never exceed the cap (``/metrics``: ``kv_bytes`` under `
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
-
-if TYPE_CHECKING:
-    from sparsegen.serve.engine import Engine, Session
+from sparsegen.kv import EvictionCache
 
 
 @dataclass
@@ -30,37 +27,25 @@ class KVMemory:
     cap: int  # bytes
     per_session: int  # one session's cache at its full allocation (its row in a decode batch is no larger)
     idle_grace: float = 2.0  # seconds an idle session is safe from being dropped for another
-    live: dict[int, Session] = field(default_factory=dict)  # id(session) -> session, in order of admission
+    live: dict[int, object] = field(default_factory=dict)  # id(session) -> its Session, in order of admission
 
     @classmethod
-    def plan(cls, engine: Engine, cap: int, idle_grace: float = 2.0) -> KVMemory:
-        """The reservation of one session under ``engine``'s policy; refuses a cap that holds none."""
+    def plan(cls, cache: EvictionCache, per_token: int, per_row: int, cap: int, idle_grace: float = 2.0) -> KVMemory:
+        """The reservation of one session whose cache is built as ``cache`` (empty: a cache allocates nothing until
+        fed), at ``per_token`` bytes a token over all layers and ``per_row`` besides; refuses a cap that holds none."""
         if cap < 1 or idle_grace < 0:
             raise ValueError("kv_memory must be a positive number of bytes and idle_grace >= 0")
-        if engine.speculation is not None:
-            raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
-        config = engine.model.config.get_text_config()
-        element = next(engine.model.parameters()).element_size()
-        per_token = kv_bytes_per_token(engine.model.config, element, engine.quantization)
-        per_row = kv_bytes_per_sequence(engine.model.config, element, engine.quantization)
-        policy = engine.make_policy()
-        if policy.shares_slots:
-            raise ValueError(f"--kv-memory cannot size {policy.name!r}'s per-head budgets in advance: use a policy "
-                             "whose heads hold the same number of tokens")
-        if policy.budget is None:
-            if engine.max_context is None:
-                engine.max_context = getattr(config, "max_position_embeddings", None)
-            if engine.max_context is None:
-                raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
-        cache = engine._new_cache()  # (a cache allocates nothing until fed)
+        if cache.policy.shares_slots:
+            raise ValueError(f"--kv-memory cannot size {cache.policy.name!r}'s per-head budgets in advance: use a "
+                             "policy whose heads hold the same number of tokens")
         # each layer's most slots: its policy's budget and a chunk (a sliding-window layer: its window), or
         # --max-context under full; a stacked batch row holds no more than that
-        slots = sum(layer.most_slots(engine.chunk_size) for layer in cache.layers)
+        slots = sum(layer.most_slots(cache.chunk_size) for layer in cache.layers)
         memory = cls(cap, slots * per_token // len(cache.layers) + 2 * per_row, idle_grace)  # row state: in both
         if memory.per_session > cap:
             raise ValueError(f"--kv-memory {cap / 2**20:,.1f} MiB holds no session: one needs "
-                             f"{memory.per_session / 2**20:,.1f} MiB under {policy.name}; raise it, lower the budget "
-                             "or --max-context, or add --kv-bits")
+                             f"{memory.per_session / 2**20:,.1f} MiB under {cache.policy.name}; raise it, lower the "
+                             "budget or --max-context, or add --kv-bits")
         return memory
 
     @property
@@ -71,9 +56,9 @@ class KVMemory:
     def reserved(self) -> int:
         return len(self.live) * self.per_session
 
-    def admit(self, engine: Engine, session: Session) -> bool:
-        """Make ``session`` live if it is not: dropping idle sessions least recently used first (only those idle
-        for ``idle_grace``) until its reservation fits. False: it must wait."""
+    def admit(self, session, drop: Callable[[object], None]) -> bool:
+        """Make ``session`` live if it is not: ``drop`` idle sessions least recently used first (only those idle for
+        ``idle_grace``) until its reservation fits. False: it must wait."""
         if id(session) in self.live:
             return True
         now = time.monotonic()
@@ -83,13 +68,12 @@ class KVMemory:
             if not idle:
                 return False
             dropped = min(idle, key=lambda s: s.idle_since)
-            engine.reset(dropped)
             self.leave(dropped)
-            engine.counters["dropped_sessions"] += 1
+            drop(dropped)
         self.live[id(session)] = session
         return True
 
-    def leave(self, session: Session) -> None:
+    def leave(self, session) -> None:
         self.live.pop(id(session), None)
 
     def metrics(self) -> dict:

@@ -5,7 +5,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sparsegen.serve.server import REFUSED, ChatCompletion, Completion, ErrorReply, Limits
@@ -67,8 +67,12 @@ def test_no_body_gets_a_5xx_and_every_4xx_is_openai_shaped(fuzzed, path, name, r
 
     seen = set()
 
+    served = {"max_tokens": 4, **({"messages": [{"role": "user", "content": "Hi"}]} if name == "ChatRequest"
+                                   else {"prompt": "Hi"})}
+
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @example(body=served, stream=True, raw=b"")  # a served body is always among them, whatever the draw
     @given(body=bodies, stream=st.booleans(), raw=st.binary(max_size=64))
     def probe(body, stream, raw):
         if isinstance(body, dict) and "stream" in body:

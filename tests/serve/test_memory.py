@@ -48,6 +48,7 @@ def test_a_cap_holds_as_many_sessions_as_their_reservations_allow(policy, budget
     while not all(job.done for job in jobs):
         engine.step(jobs)
         peak = max(peak, engine.kv_bytes())
+        assert all(s.cache.held_bytes() >= 0 for s in sessions[:3])  # parked ones (in the batch) too
     assert 0 < peak <= memory.cap and memory.reserved <= memory.cap
     for job in jobs:
         engine.settle(job)
