@@ -225,7 +225,7 @@ def report(results: Path) -> str:
         table.setdefault(label, {})[(r["task"], r["length"])] = metric
     head = "| model | policy | budget | kv bits | " + " | ".join(f"{t} @ {n}" for t, n in columns) + " |"
     lines = [head, "|" + "---|" * (4 + len(columns))]
-    for label in sorted(table, key=lambda x: tuple(map(str, x))):
+    for label in sorted(table, key=lambda x: (x[0], x[1], x[2] if x[2] != "-" else -1, x[3] if x[3] != "-" else 0)):
         cells = [table[label].get(c) for c in columns]
         lines.append("| " + " | ".join(map(str, label)) + " | "
                      + " | ".join("" if v is None else f"{v:.3f}" if c[0] == "ppl" else f"{v:.0%}"
