@@ -481,8 +481,8 @@ class Worker(threading.Thread):
                 pending = held.popleft()
             else:
                 try:
-                    idle = not self.active and not self.waiting
-                    pending = self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()
+                    # nothing decoding: wait a little for a request (those waiting for memory wait meanwhile too)
+                    pending = self.inbox.get(timeout=0.05) if not self.active else self.inbox.get_nowait()
                 except queue.Empty:
                     break
             if pending.cancelled:
