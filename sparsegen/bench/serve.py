@@ -23,7 +23,8 @@ from collections import Counter
 import httpx
 
 
-async def _metrics(client: httpx.AsyncClient, url: str) -> dict:
+async def read_metrics(client: httpx.AsyncClient, url: str) -> dict:
+    """A server's /metrics as ``{name without the sparsegen_ prefix: value}``."""
     text = (await client.get(f"{url}/metrics")).text
     return {line.split()[0].removeprefix("sparsegen_"): float(line.split()[1])
             for line in text.splitlines() if line and not line.startswith("#")}
@@ -161,7 +162,7 @@ async def run_load(url: str, sessions: int, turns: int, max_tokens: int = 16, he
     limits = httpx.Limits(max_connections=concurrency + 2 * chaos + 8,
                           max_keepalive_connections=concurrency + 2 * chaos + 8)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers or {}) as client:
-        before = await _metrics(client, url)
+        before = await read_metrics(client, url)
         done, attacks, faults = asyncio.Event(), Counter(), Counter()
         run = uuid.uuid4().hex[:8]  # fresh session ids: a second run does not start over the first one's sessions
         others = [asyncio.create_task(_hostile(client, url, done, attacks))] if hostile else []
@@ -175,7 +176,7 @@ async def run_load(url: str, sessions: int, turns: int, max_tokens: int = 16, he
         finished = 0
 
         async def sample() -> dict:
-            metrics = await _metrics(client, url)
+            metrics = await read_metrics(client, url)
             return {"rss_bytes": metrics.get("resident_bytes"), "kv_bytes": metrics.get("kv_bytes"),
                     "sessions_kept": metrics.get("sessions")}
 
@@ -205,7 +206,7 @@ async def run_load(url: str, sessions: int, turns: int, max_tokens: int = 16, he
         seconds = time.perf_counter() - started
         done.set()
         await asyncio.gather(*others)
-        after = await _metrics(client, url)
+        after = await read_metrics(client, url)
         health = (await client.get(f"{url}/health")).json()
     ok = [r for r in results if r["status"] == 200]
     ttft = sorted(r["ttft"] for r in ok)

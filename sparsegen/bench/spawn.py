@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from sparsegen.bench.serve import read_metrics
+
 QUESTION = "In two sentences, what happens next in this story?"
 TEMPLATE_TOKENS = 48  # what a turn's chat template and question add, at most
 
@@ -109,23 +111,17 @@ async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: lis
             "completion_tokens": (usage or {}).get("completion_tokens", 0), "history": history}
 
 
-async def _metrics(client: httpx.AsyncClient, url: str) -> dict:
-    text = (await client.get(f"{url}/metrics")).text
-    return {line.split()[0].removeprefix("sparsegen_"): float(line.split()[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
-
-
 async def drive(url: str, openings: list[str], turns: int, max_tokens: int, timeout: float) -> dict:
     """Every session at once, turn after turn; /metrics sampled meanwhile for live sessions and K/V bytes."""
     limits = httpx.Limits(max_connections=len(openings) + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        before = await _metrics(client, url)
+        before = await read_metrics(client, url)
         peaks = {"live_sessions": 0.0, "kv_bytes": 0.0, "resident_bytes": 0.0}
         done = asyncio.Event()
 
         async def watch():
             while not done.is_set():
-                metrics = await _metrics(client, url)
+                metrics = await read_metrics(client, url)
                 for key in peaks:
                     peaks[key] = max(peaks[key], metrics.get(key, 0.0))
                 await asyncio.sleep(0.25)
@@ -147,7 +143,7 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
         seconds = time.perf_counter() - started
         done.set()
         await watcher
-        after = await _metrics(client, url)
+        after = await read_metrics(client, url)
     results = [r for conversation in conversations for r in conversation]
     ok = [r for r in results if r["status"] == 200]
     ttft, gaps = sorted(r["ttft"] for r in ok), sorted(g for r in ok for g in r["gaps"])
