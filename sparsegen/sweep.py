@@ -73,12 +73,15 @@ class Sweep:
         for key in GRID:
             if key in head and (not isinstance(head[key], list) or not head[key]):
                 raise ValueError(f"{path}: [sweep] {key} must be a non-empty list")
+        threads = head.get("threads", 2)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"{path}: [sweep] threads must be a positive integer, got {threads!r}")
         if "models" not in head or "policies" not in head:
             raise ValueError(f"{path}: [sweep] needs models and policies")
         bad = set(head.get("tasks", ["ppl"])) - set(TASKS)
         if bad:
             raise ValueError(f"{path}: unknown tasks {sorted(bad)}; known: {', '.join(TASKS)}")
-        return cls(name=head.get("name", Path(path).stem), threads=head.get("threads", 2),
+        return cls(name=head.get("name", Path(path).stem), threads=threads,
                    options={task: data.get(task, {}) for task in TASKS},
                    **{key: head[key] for key in GRID if key in head})
 
