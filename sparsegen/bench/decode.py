@@ -170,7 +170,8 @@ class MLPTimer:
         return statistics.median(self.steps) * 1000 if self.steps else None
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank; no interpolation)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
@@ -364,7 +365,7 @@ def _decode_stats(setup: Setup, name: str, seconds: list[float], batch: int, kv_
     stats = {
         "step_seconds": seconds,
         "ms_per_token": median * 1000,
-        "ms_per_token_p90": _percentile(seconds, 0.9) * 1000,
+        "ms_per_token_p90": percentile(seconds, 0.9) * 1000,
         "tokens_per_s": batch / median,
         "timed_tokens": len(seconds),
         "kv_tokens": kv_tokens,

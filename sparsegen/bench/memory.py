@@ -8,12 +8,11 @@ from pathlib import Path
 import torch
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
-_STATUS = Path("/proc/self/status")
 
 
-def _status_bytes(field: str) -> int | None:
+def _status_bytes(field: str, pid: int | str = "self") -> int | None:
     try:
-        for line in _STATUS.read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -24,6 +23,11 @@ def _status_bytes(field: str) -> int | None:
 def current_rss() -> int | None:
     """The process's resident memory now (Linux), or None where /proc is missing."""
     return _status_bytes("VmRSS")
+
+
+def peak_rss(pid: int | str = "self") -> int | None:
+    """A process's resident high-water mark (Linux), or None where /proc is missing or it has exited."""
+    return _status_bytes("VmHWM", pid)
 
 
 def available_bytes(device: torch.device) -> int | None:

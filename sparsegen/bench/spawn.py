@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from sparsegen.bench.decode import percentile
+from sparsegen.bench.memory import peak_rss
 from sparsegen.bench.serve import read_metrics
 
 QUESTION = "In two sentences, what happens next in this story?"
@@ -146,7 +148,7 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
         after = await read_metrics(client, url)
     results = [r for conversation in conversations for r in conversation]
     ok = [r for r in results if r["status"] == 200]
-    ttft, gaps = sorted(r["ttft"] for r in ok), sorted(g for r in ok for g in r["gaps"])
+    ttft, gaps = [r["ttft"] for r in ok], [g for r in ok for g in r["gaps"]]  # (percentile sorts)
     decode_tokens = after["decode_tokens_total"] - before["decode_tokens_total"]
     decode_seconds = after["decode_seconds_total"] - before["decode_seconds_total"]
     decode_steps = after["decode_steps_total"] - before["decode_steps_total"]
@@ -168,17 +170,7 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    return round(values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))], 4) if values else None
-
-
-def _peak_rss(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return round(percentile(values, q), 4) if values else None
 
 
 def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: Path) -> dict:
@@ -199,7 +191,7 @@ def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: 
         try:
             _wait_healthy(url, server, log)
             row = asyncio.run(drive(url, openings, setup.turns, setup.max_tokens, setup.timeout))
-            row["peak_rss_bytes"] = _peak_rss(server.pid)
+            row["peak_rss_bytes"] = peak_rss(server.pid)
         except NoRoom as err:
             row = {"skipped": str(err), "sessions_admitted": 0, "failed": 0, "server_errors": 0,
                    "decode_tokens_per_s": None, "tokens_per_s": None}

@@ -221,8 +221,6 @@ class Engine:
 
     def _plan_memory(self, cap: int, idle_grace: float) -> None:
         """``--kv-memory``: every live session reserves its cache's whole allocation (``sparsegen.serve.memory``)."""
-        from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
-
         if self.speculation is not None:
             raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
         config = self.model.config.get_text_config()
@@ -230,10 +228,16 @@ class Engine:
             self.max_context = getattr(config, "max_position_embeddings", None)
             if self.max_context is None:
                 raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
+        self.memory = KVMemory.plan(self.new_cache(), *self.kv_costs(), cap, idle_grace)
+
+    def kv_costs(self) -> tuple[int, int]:
+        """K/V bytes of one token over all layers, and of one sequence besides its tokens (a quantized cache's
+        scales and residual), at this engine's dtype and ``--kv-bits``."""
+        from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
+
         element = next(self.model.parameters()).element_size()
-        self.memory = KVMemory.plan(self.new_cache(), kv_bytes_per_token(self.model.config, element, self.quantization),
-                                    kv_bytes_per_sequence(self.model.config, element, self.quantization), cap,
-                                    idle_grace)
+        return (kv_bytes_per_token(self.model.config, element, self.quantization),
+                kv_bytes_per_sequence(self.model.config, element, self.quantization))
 
     def _drop(self, session: Session) -> None:
         """A live session dropped for memory: its cache freed; its next request re-encodes its history."""

@@ -548,13 +548,9 @@ def _texts_of(request: _Request) -> list[dict]:
 def kv_bound(engine: Engine, limits: Limits) -> int:
     """Worst-case K/V bytes: every stored session and every in-flight reply at its full allocation, plus the
     stacked copy of a full decode batch; under ``--kv-memory``, its cap."""
-    from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
-
     if engine.memory is not None:
         return engine.memory.cap
-    element = next(engine.model.parameters()).element_size()
-    per_token = kv_bytes_per_token(engine.model.config, element, engine.quantization)
-    per_row = kv_bytes_per_sequence(engine.model.config, element, engine.quantization)
+    per_token, per_row = engine.kv_costs()
     budget = engine.make_policy().budget
     per_session = (budget + engine.chunk_size) * per_token + per_row
     return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * ((budget + 1) * per_token
