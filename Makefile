@@ -65,3 +65,9 @@ vllm:
 test-vllm: setup vllm
 	$(PY) -m tests.vllm.prepare runs/vllm
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --noconftest tests/vllm
+
+# On a machine with a CUDA GPU: the checks CI cannot run (no GPU there), then eager vs compiled (CUDA graphs).
+.PHONY: gpu-check
+gpu-check: setup
+	$(VENV)/bin/pytest -q tests/test_cuda.py tests/test_decoding.py
+	$(PY) scripts/compile_step.py random:llama-1b h2o 8192 --device cuda --dtype bfloat16

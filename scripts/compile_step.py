@@ -1,41 +1,78 @@
-"""Eager vs torch.compile (inductor, fullgraph) of one decode step through an evicting cache, in one run: median
-ms per step over 40 steps after 4, from a synthetic prefill of CONTEXT tokens (budget 1,024), and the first call's
-compile time. Usage: python scripts/compile_step.py MODEL POLICY CONTEXT [WEIGHTS]. A measurement for issue 36, not
-a product path yet (`bench --compile` still compiles the MLPs only)."""
+"""Eager vs compiled ``DecodeStep`` (the step every path runs) in one run, on a cache filled to CONTEXT tokens with
+random K/V (``fill_random``): median ms per step over STEPS steps after the compile and warm-up, the first compiled
+call's wall time (compile, and on CUDA the graph's recording), and whether both steps pick the same tokens.
+On CUDA the compiled step is a CUDA graph replay (``mode="reduce-overhead"``) once the cache is steady.
 
-import time, torch, sys
+    python scripts/compile_step.py MODEL POLICY CONTEXT [--device cuda] [--dtype bfloat16] [--batch 8]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
 import sparsegen
+from sparsegen.decoding import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.loading import load_config
 from sparsegen.models.spec import kv_shape
-from sparsegen.bench.syncs import HostSyncs
-torch.set_num_threads(2)
-name, policy, context = sys.argv[1], sys.argv[2], int(sys.argv[3])
-model, _ = sparsegen.load(name)
-if len(sys.argv) > 4:
-    from sparsegen.quant.fast import quantize_weights
-    quantize_weights(model, sys.argv[4])
-_, kvh, hd = kv_shape(model.config)
-def fresh():
-    c = EvictionCache(model, make_policy(policy, None if policy == "full" else 1024), chunk_size=512, expected_length=context + 200)
-    c.fill_random(1, context, kvh, hd, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
-    return c
-def run(f, cache, n=40, warm=4):
-    tok, pos = torch.tensor([[5]]), torch.tensor([[context]])
-    ts = []
-    for i in range(n + warm):
-        t0 = time.perf_counter()
-        tok = f(cache, tok, pos)
-        if i >= warm: ts.append(time.perf_counter() - t0)
-        pos = pos + 1
-    ts.sort(); return ts[len(ts)//2] * 1000, tok
-def step(cache, tok, pos):
-    return model(input_ids=tok, position_ids=pos, **cache_kwargs(cache)).logits[:, -1].argmax(-1, keepdim=True)
+from sparsegen.models.synthetic import is_random, random_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("model")
+parser.add_argument("policy")
+parser.add_argument("context", type=int)
+parser.add_argument("--budget", type=int, default=1024)
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--dtype", default=None)
+parser.add_argument("--batch", type=int, default=1)
+parser.add_argument("--steps", type=int, default=64)
+parser.add_argument("--threads", type=int, default=None)
+args = parser.parse_args()
+if args.threads:
+    torch.set_num_threads(args.threads)
+if is_random(args.model):  # a real shape with random weights: what a step costs does not depend on them
+    model = random_model(load_config(args.model), args.device, getattr(torch, args.dtype or "float32")).eval()
+else:
+    model, _ = sparsegen.load(args.model, device=args.device, dtype=args.dtype)
+device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+_, kv_heads, head_dim = kv_shape(model.config)
+
+
+def synchronize():
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def fresh() -> EvictionCache:
+    cache = EvictionCache(model, make_policy(args.policy, None if args.policy == "full" else args.budget),
+                          expected_length=args.context + 2 * args.steps + 8)
+    cache.fill_random(args.batch, args.context, kv_heads, head_dim, dtype, device, torch.Generator(device=device).manual_seed(0))
+    return cache
+
+
+def run(step: DecodeStep) -> tuple[float, float, torch.Tensor]:
+    """(first call's seconds, median ms of the steps after three warm-ups, the tokens picked)."""
+    cache, picked, times = fresh(), [], []
+    token = torch.full((args.batch,), 5, device=device)
+    position = torch.full((args.batch,), args.context, device=device)
+    for index in range(args.steps + 4):
+        synchronize()
+        start = time.perf_counter()
+        token = step(cache, token, position).argmax(-1)
+        synchronize()
+        times.append(time.perf_counter() - start)
+        position = position + 1
+        picked.append(token)
+    return times[0], statistics.median(times[4:]) * 1000, torch.stack(picked)
+
+
 with torch.inference_mode():
-    e, te = run(step, fresh())
-    compiled = torch.compile(step, fullgraph=True)
-    t0 = time.perf_counter(); c = fresh(); tok = compiled(c, torch.tensor([[5]]), torch.tensor([[context]])); ct = time.perf_counter() - t0
-    k, tk = run(compiled, fresh())
-print(f"{name} {policy} {context} {sys.argv[4] if len(sys.argv)>4 else 'fp32'}: eager {e:.2f} ms, compiled {k:.2f} ms ({e/k:.2f}x), first compile {ct:.0f} s, same last token {bool((te==tk).all())}")
-from torch._dynamo.utils import counters
-print("graph breaks", sum(counters["graph_break"].values()), "recompiles", dict(counters["stats"]))
+    _, eager_ms, eager_tokens = run(DecodeStep(model))
+    compiled = DecodeStep(model, compile=True)
+    first_s, compiled_ms, compiled_tokens = run(compiled)
+print(f"{args.model} {args.policy} context {args.context} batch {args.batch} {dtype} on {device}: eager {eager_ms:.2f} "
+      f"ms/step, compiled {compiled_ms:.2f} ms/step ({eager_ms / compiled_ms:.2f}x; {compiled.compiled_steps} of "
+      f"{args.steps + 4} steps compiled), first compiled call {first_s:.1f} s, same tokens "
+      f"{torch.equal(eager_tokens, compiled_tokens)}")

@@ -182,8 +182,8 @@ def _policies(args: argparse.Namespace, input_length: int | None = None):
         splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy", "history")
                   if len(names) == 1 or k in OPTIONS.get(name, ())}
 
-        def make(name=name, splits=splits):
-            return make_policy(name, None if name == "full" else args.budget, input_length=input_length, **splits)
+        def make(length=input_length, name=name, splits=splits):
+            return make_policy(name, None if name == "full" else args.budget, input_length=length, **splits)
 
         yield name, make
 
@@ -407,6 +407,48 @@ def cmd_passkey(args: argparse.Namespace) -> None:
         from sparsegen.eval.plots import plot_passkey
 
         plot_passkey(results, args.plot)
+
+
+def cmd_ruler(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from sparsegen.data import data_dir
+    from sparsegen.eval import ruler
+
+    model, tokenizer = load_model(args)
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{args.model} has no chat template; drop --chat")
+    haystack = args.haystack or data_dir() / "books" / "test" / "great_expectations.txt"
+    tasks = args.tasks.split(",") if args.tasks else list(ruler.TASKS)
+    unknown = [t for t in tasks if t not in ruler.TASKS]
+    if unknown:
+        raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(ruler.TASKS)}")
+    protocols = args.protocol.split(",")
+    if any(p not in ("stream", "context") for p in protocols):
+        raise ValueError(f"--protocol takes stream, context or both (stream,context), got {args.protocol!r}")
+    args.policy = args.policies.split(",")
+    lengths = [int(x) for x in args.length.split(",")]
+    depths = [float(x) for x in args.depths.split(",")] if args.depths else None
+
+    def show(row: dict) -> None:
+        print(f"{row['policy']:>14} {row['protocol']:>7} {row['length']:>6} {row['task']:>16}: {row['score']:.3f} "
+              f"(kept <= {row['kv_tokens_peak']} of {row['prompt_tokens']} tokens)", flush=True)
+
+    report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
+                       dict(_policies(args)), lengths, tasks, args.samples, tuple(protocols), chat, depths,
+                       args.seed, args.chunk_size, args.positions, _kv_bits(args), args.max_new_tokens,
+                       on_row=show)
+    print()
+    print(ruler.markdown(report["rows"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "haystack": str(haystack), "chat": chat, "samples_per_task": args.samples,
+                       "budget_arg": args.budget, "kv_bits": args.kv_bits, **report}, f, indent=2)
+    if args.plot:
+        from sparsegen.eval.plots import plot_ruler
+
+        plot_ruler(report["rows"], args.plot)
 
 
 def cmd_train_reference(args: argparse.Namespace) -> None:
@@ -1121,6 +1163,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--plot", default=None, help="write accuracy heatmaps as a PNG")
     p.set_defaults(func=cmd_passkey)
+
+    p = sub.add_parser("ruler", help="RULER's synthetic long-context tasks (needles, variable tracking, word "
+                                     "extraction), generated from a haystack text, per policy and protocol")
+    _model_args(p, run=True)
+    p.add_argument("--haystack", default=None, metavar="FILE",
+                   help="text the haystacks and word lists come from (default books/test/great_expectations.txt)")
+    p.add_argument("--tasks", default=None, help="comma-separated RULER task names (default: all eleven)")
+    p.add_argument("--length", default="4096", help="prompt lengths, tokens (comma-separated; default 4096)")
+    p.add_argument("--samples", type=int, default=20, help="prompts per task and length (default 20)")
+    p.add_argument("--policies", default="full", help="comma-separated KV policies (default full)")
+    _budget_args(p, "KV tokens kept per layer, or a fraction of the context (0.5)")
+    p.add_argument("--protocol", default="stream",
+                   help="stream: the whole prompt in chunks, evicting as it goes; context (kvpress's): the context in "
+                        "one pass, compressed once, then the question; or stream,context (default stream)")
+    p.add_argument("--depths", default=None, help="needle depths 0-1 the samples cycle through (default 0,.25,.5,.75,1)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default RULER's per task)")
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask in the model's chat template (default: when the model has one)")
+    p.add_argument("--json", default=None, help="write the rows (with every answer) as JSON to this file")
+    p.add_argument("--plot", default=None, help="write needle-depth x length heat maps per policy as a PNG")
+    p.set_defaults(func=cmd_ruler)
 
     p = sub.add_parser("bench", help="decode latency, throughput and memory per KV policy vs context, with roofline")
     _model_args(p, more="; or random:PRESET; several, comma-separated, are measured in turn and compared")

@@ -62,22 +62,35 @@ class DecodeStep:
     rows of a server's batch included.
 
     ``compile=True``: ``torch.compile(fullgraph=True)`` of the whole step (one graph: model, cache update,
-    eviction), compiled on the first call and again when a shape changes (batch, or the cache growing its slots);
-    ``mode="reduce-overhead"`` on CUDA (CUDA graphs). Eager otherwise, for debugging and for caches whose step reads
-    the host (quantized K/V, Ada-KV, LagKV): those compile with graph breaks, which bench reports."""
+    eviction), compiled on the first call and again when a shape changes (batch, or the cache growing its slots).
+    On CUDA, ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token.
+    A graph replays one shape at fixed addresses, so there it runs only on a ``steady`` cache (every layer full to
+    its budget: a step adds a slot and evicts one), with the cache's state marked static (it is updated in place);
+    a cache still filling, or ``full``'s (one slot more every step), decodes eagerly. Eager otherwise, for debugging
+    and for caches whose step reads the host (quantized K/V, Ada-KV, LagKV): those compile with graph breaks, which
+    bench reports."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):
         self.model, self.compiled = model, compile
+        self.graphs = compile and next(model.parameters()).device.type == "cuda"
+        self.compiled_steps = 0  # steps that ran the compiled step (on CUDA, only a steady cache's do)
         self._run = self._eager
         if compile:
-            cuda = next(model.parameters()).device.type == "cuda"
-            self._run = torch.compile(self._eager, fullgraph=True, mode="reduce-overhead" if cuda else None)
+            self._run = torch.compile(self._eager, fullgraph=True, mode="reduce-overhead" if self.graphs else None)
 
     def _eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return forward(self.model, cache, token[:, None], position[:, None], last=True)
 
     def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return self._run(cache, token, position)
+        if not self.graphs:
+            self.compiled_steps += self.compiled
+            return self._run(cache, token, position)
+        if not getattr(cache, "steady", False):
+            return self._eager(cache, token, position)
+        self.compiled_steps += 1
+        for tensor in cache.step_state():
+            torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
+        return self._run(cache, token, position).clone()  # the graph's output memory is its next replay's
 
     def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
         """Run one step under dynamo's capture (no compiler) and count the graph breaks it meets: 0 means the step
@@ -86,15 +99,17 @@ class DecodeStep:
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,
-            progress: bool | None = None) -> torch.Tensor:
+            progress: bool | None = None, first_chunk: int | None = None) -> torch.Tensor:
     """Feed left-padded ``ids`` into ``cache`` a chunk at a time (evicting between chunks); the last position's
-    logits ``[B, vocab]``."""
+    logits ``[B, vocab]``. ``first_chunk``: the first chunk's length instead (kvpress's protocol: a whole context in
+    one pass, compressed once, then the question in chunks)."""
     length = ids.shape[1]
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     padded = not bool(mask.all())
     show = progress if progress is not None else length > 8 * chunk_size
-    for start in tqdm(range(0, length, chunk_size), desc="prefill", unit="chunk", disable=not show, leave=False):
-        end = min(start + chunk_size, length)
+    starts = [0] + list(range(first_chunk, length, chunk_size)) if first_chunk else range(0, length, chunk_size)
+    ends = list(starts[1:]) + [length]
+    for start, end in tqdm(list(zip(starts, ends)), desc="prefill", unit="chunk", disable=not show, leave=False):
         logits = forward(model, cache, ids[:, start:end], position_ids[:, start:end],
                          mask[:, :end] if padded else None, last=True)
     return logits

@@ -64,12 +64,14 @@ def generate_tokens(
     progress: bool | None = None,
     kv_bits: int | KVQuantization | None = None,
     compile: bool = False,
+    first_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """The token-level loop: ``(new [B, n], counts [B], cache stats, prefill s, decode s)``.
 
     ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``; checking
     whether all have stopped is the loop's one host read per token, and only with ``eos_id``. ``compile``: the decode
-    step through ``torch.compile`` (``DecodeStep``).
+    step through ``torch.compile`` (``DecodeStep``). ``first_chunk``: prefill that many tokens in one pass first
+    (``prefill``).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -81,7 +83,7 @@ def generate_tokens(
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
 
     t0 = time.perf_counter()
-    logits = prefill(model, cache, ids, mask, chunk_size, progress)
+    logits = prefill(model, cache, ids, mask, chunk_size, progress, first_chunk)
     prefill_seconds = time.perf_counter() - t0
 
     step = DecodeStep(model, compile)

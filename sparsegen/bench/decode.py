@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
-from sparsegen.bench.syncs import HostSyncs
+from sparsegen.bench.syncs import count_syncs
 from sparsegen.decoding import DecodeStep, forward, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
@@ -317,6 +317,8 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
 
     attended = []  # held tokens plus the new one, at the first and the last timed step
     for index in range(steps):
+        if index == setup.warmup:
+            compiled_before = decode.compiled_steps
         if index in (setup.warmup, steps - 1):
             attended.append(_held_tokens(cache) + 1)
         started = timer.start()
@@ -325,12 +327,14 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
             timer.stop(started)
         mlp_timer.step(index >= setup.warmup)
     kv_tokens = sum(attended) / len(attended)
+    compiled_share = (decode.compiled_steps - compiled_before) / setup.new_tokens
     mlp_ms = mlp_timer.close()  # its hooks call the host clock: a graph break, and not part of the step
-    with HostSyncs() as syncs:  # counted on steps after the timed ones (counting costs time)
+    with count_syncs(device) as syncs:  # counted on steps after the timed ones (counting costs time)
         for _ in range(SYNC_STEPS):
             step()
     return {
         "host_syncs_per_token": syncs.count / SYNC_STEPS, "host_sync_ops": dict(syncs.ops),
+        "compiled_share": compiled_share,  # of the timed steps (CUDA graphs replay only a steady cache's steps)
         "graph_breaks": decode.graph_breaks(cache, token, position),
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,

@@ -9,6 +9,7 @@ reads: a step with none is one a compiler can take whole.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -56,3 +57,33 @@ def _to_host(func, args, kwargs) -> bool:
     target = args[0].device if func is aten.copy_.default else kwargs.get("device")
     return isinstance(source, torch.Tensor) and source.device.type != "cpu" and target is not None \
         and torch.device(target).type == "cpu"
+
+
+class CudaSyncs:
+    """The CUDA runtime's own count of the calls that made the host wait for the GPU (``set_sync_debug_mode("warn")``
+    warns at each), for a step that may run compiled or as a CUDA graph, where a dispatcher mode sees nothing."""
+
+    def __enter__(self) -> CudaSyncs:
+        self._catching = warnings.catch_warnings(record=True)
+        self._warnings = self._catching.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catching.__exit__(*exc)
+
+    @property
+    def ops(self) -> dict[str, int]:
+        count = sum("synchronizing" in str(w.message) for w in self._warnings)
+        return {"cuda_sync": count} if count else {}
+
+    @property
+    def count(self) -> int:
+        return sum(self.ops.values())
+
+
+def count_syncs(device: torch.device) -> HostSyncs | CudaSyncs:
+    """How a step's host syncs are counted on ``device``: by the CUDA runtime on a GPU, at the dispatcher elsewhere."""
+    return CudaSyncs() if device.type == "cuda" else HostSyncs()

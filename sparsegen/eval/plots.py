@@ -58,6 +58,28 @@ def plot_passkey(results: dict[str, dict], path: str | Path) -> None:
     plt.close(fig)
 
 
+def plot_ruler(rows: list[dict], path: str | Path) -> None:
+    """RULER's needle tasks as ``plot_passkey``'s heat maps: the mean score over the needle tasks per (length, depth),
+    one map per policy and protocol."""
+    import numpy as np
+
+    grouped: dict[str, dict[tuple[int, float], list[float]]] = {}
+    for row in rows:
+        for depth, value in (row["depths"] or {}).items():
+            cell = grouped.setdefault(f"{row['policy']} ({row['protocol']})", {})
+            cell.setdefault((row["length"], float(depth)), []).append(value)
+    if not grouped:
+        raise ValueError("no needle task was run: a RULER heat map needs one of the niah_* tasks")
+    results = {}
+    for label, cells in grouped.items():
+        lengths, depths = sorted({n for n, _ in cells}), sorted({d for _, d in cells})
+        scores = [{"length": n, "depth": d, "accuracy": float(np.mean(cells.get((n, d), [np.nan])))}
+                  for n in lengths for d in depths]
+        results[label] = {"lengths": lengths, "depths": depths, "cells": scores,
+                          "accuracy": float(np.nanmean([c["accuracy"] for c in scores]))}
+    plot_passkey(results, path)
+
+
 def plot_turns(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> None:
     """Per-turn latency (top) and KV memory held and process RSS (bottom) of chat runs, one line per run."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)

@@ -282,6 +282,10 @@ class EvictionLayer(CacheLayerMixin):
         return min(most, max(first_chunk, self.cache.expected_length, 64) * self.fan)
 
     @property
+    def steady(self) -> bool:
+        return self.is_initialized and self.slot_budget is not None and self.used == self.slot_budget
+
+    @property
     def slot_budget(self) -> int | None:
         """Slots a row keeps: the budget, times the heads sharing the row."""
         return None if self.policy.budget is None else self.policy.budget * self.fan
@@ -500,7 +504,11 @@ class EvictionCache(Cache):
 
     def workspace(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """A scratch tensor of ``shape``, reused by every layer and step: large temporaries allocated anew each
-        time cost page faults that, on CPU, took longer than the arithmetic (measured 2x slower decode)."""
+        time cost page faults that, on CPU, took longer than the arithmetic (measured 2x slower decode). Under a
+        compiler the scratch is the compiler's own (a tensor allocated in a CUDA graph and kept would be overwritten
+        by its next replay)."""
+        if torch.compiler.is_compiling():
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
         size = shape.numel()
         if self._workspace is None or self._workspace.numel() < size or self._workspace.dtype != like.dtype \
                 or self._workspace.device != like.device:
@@ -530,9 +538,19 @@ class EvictionCache(Cache):
 
     def end_step(self, q: int) -> None:
         if self.step is not None:
-            self.seen = self.step.seen
+            self.seen.copy_(self.step.seen)  # in place: a decode step's state stays at fixed addresses (CUDA graphs)
             self.length += q
         self.step = None
+
+    @property
+    def steady(self) -> bool:
+        """Whether a decode step leaves every shape as it finds it: each layer bounded and full to its budget (a
+        step adds one slot and evicts one). What one CUDA graph can replay step after step."""
+        return self.seen is not None and all(layer.steady for layer in self.layers)
+
+    def step_state(self) -> list[torch.Tensor]:
+        """Every tensor a decode step updates in place: the layers' slots and row state, and the tokens seen."""
+        return [self.seen] + [buf for layer in self.layers for _, buf in layer.buffers() + layer.row_state()]
 
     # --- what transformers asks of a cache ---
     def get_seq_length(self, layer_idx: int = 0) -> int:

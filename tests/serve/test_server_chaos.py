@@ -90,6 +90,8 @@ def test_a_client_that_leaves_while_queued_costs_nothing(reference):
         async def load():
             async with httpx.AsyncClient(timeout=60) as client:
                 busy = [asyncio.create_task(_streamed(client, running.url, p, 300)) for p in PROMPTS[:2]]
+                while "sparsegen_active_replies 2" not in (await client.get(f"{running.url}/metrics")).text:
+                    await asyncio.sleep(0.02)  # both decoding before the third comes (else it could be served first)
                 waiting = asyncio.create_task(client.post(f"{running.url}/v1/completions",
                                                           json={"prompt": "Hi", "max_tokens": 5}))
                 while (await client.get(f"{running.url}/metrics")).text.count("sparsegen_queued_requests 1") == 0:

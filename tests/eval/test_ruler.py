@@ -1,0 +1,120 @@
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen.cli import main
+from sparsegen.data import data_dir
+from sparsegen.eval import ruler
+from sparsegen.generation import generate_tokens
+from sparsegen.kv import make_policy
+
+BOOK = data_dir() / "books" / "test" / "great_expectations.txt"
+
+
+@pytest.fixture(scope="module")
+def haystack(tiny_tokenizer):
+    return ruler.Haystack(tiny_tokenizer, BOOK.read_text()[:60_000])
+
+
+@pytest.fixture(scope="module")
+def book_slice(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hay") / "slice.txt"
+    path.write_text(BOOK.read_text()[:60_000])
+    return path
+
+
+@pytest.mark.parametrize("task", list(ruler.TASKS))
+def test_every_task_fills_its_length_and_its_context_holds_the_answers(haystack, task):
+    samples = ruler.make_samples(haystack, task, 1500, 3)  # (the test tokenizer spends ~4 tokens a word)
+    decode = haystack.tokenizer.decode
+    for sample in samples:
+        assert 0.8 * 1500 <= len(sample.ids) <= 1500 and 0 < sample.context_tokens < len(sample.ids)
+        context, question = decode(sample.ids[:sample.context_tokens]), decode(sample.ids[sample.context_tokens:])
+        if task in ("cwe", "fwe"):  # the answers are the most common words, above every other
+            counts = Counter(re.findall(r"[a-z]+", context.split("\n", 1)[1] if task == "cwe" else context))
+            others = max(n for w, n in counts.items() if w not in sample.answers and len(w) >= 4)
+            assert min(counts[a] for a in sample.answers) > others
+        else:
+            assert all(answer in context and answer not in question for answer in sample.answers)
+    assert ruler.make_samples(haystack, task, 1500, 3)[2].ids == samples[2].ids  # seeded
+    assert ruler.make_samples(haystack, task, 1500, 3, seed=1)[2].ids != samples[2].ids
+
+
+def test_the_queried_needle_sits_at_its_depth_of_the_haystack(haystack):
+    where = []
+    for depth in (0.0, 0.5, 1.0):
+        sample = ruler.make_samples(haystack, "niah_single_2", 4000, 1, depths=[depth])[0]
+        text = haystack.tokenizer.decode(sample.ids[:sample.context_tokens])
+        hay = text[text.index("afterwards.") + len("afterwards."):]
+        where.append(hay.index(sample.answers[0]) / len(hay))
+    assert where[0] < 0.05 and 0.45 < where[1] < 0.55 and where[2] > 0.95
+
+
+def test_multi_needle_tasks_ask_for_every_queried_value(haystack):
+    multivalue = ruler.make_samples(haystack, "niah_multivalue", 1500, 1)[0]
+    multiquery = ruler.make_samples(haystack, "niah_multiquery", 1500, 1)[0]
+    assert len(multivalue.answers) == 4 and len(multiquery.answers) == 4
+    assert haystack.tokenizer.decode(multiquery.ids[multiquery.context_tokens:]).count(" and ") >= 1
+
+
+def test_rulers_string_match():
+    assert ruler.score("The numbers are 123 and 456.", ["123", "789"]) == 0.5
+    assert ruler.score("ANSWER: Abc-Def", ["abc-def"]) == 1.0
+
+
+def test_bad_requests(haystack, tiny_tokenizer):
+    with pytest.raises(ValueError, match="unknown RULER task"):
+        ruler.make_samples(haystack, "qa_1", 600, 1)
+    with pytest.raises(ValueError, match="depths"):
+        ruler.make_samples(haystack, "niah_single_1", 1500, 1, depths=[1.5])
+    with pytest.raises(ValueError, match="cannot hold"):
+        ruler.make_samples(haystack, "niah_multikey_1", 300, 1)
+    with pytest.raises(ValueError, match="distinct plain words"):
+        ruler.Haystack(tiny_tokenizer, "only a few words here")
+
+
+def test_the_context_protocol_encodes_the_context_in_one_pass_and_keeps_the_full_caches_answer(
+        tiny_checkpoint, monkeypatch):
+    model, _ = sparsegen.load(tiny_checkpoint)
+    ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
+    import sparsegen.decoding as decoding
+
+    fed, forward = [], decoding.forward
+    monkeypatch.setattr(decoding, "forward", lambda model, cache, ids, *a, **k: fed.append(ids.shape[1]) or
+                        forward(model, cache, ids, *a, **k))
+    outputs = [generate_tokens(model, ids, torch.ones_like(ids), make_policy("full"), max_new_tokens=6,
+                               chunk_size=64, first_chunk=first)[0] for first in (None, 250)]
+    assert fed[:5] == [64, 64, 64, 64, 44] and fed[5 + 5:][:2] == [250, 50]  # (5 decode steps between)
+    assert torch.equal(*outputs)
+
+
+def test_cli_rows_per_policy_protocol_task_and_length(tiny_checkpoint, book_slice, tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--tasks",
+                 "niah_single_1,vt", "--length", "600", "--samples", "2", "--policies", "full,streaming",
+                 "--budget", "0.5", "--protocol", "stream,context", "--max-new-tokens", "3", "--chunk-size", "64",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["protocol"], r["task"]) for r in rows] == [
+        (p, protocol, t) for p in ("full", "streaming") for protocol in ("stream", "context")
+        for t in ("niah_single_1", "vt")]
+    assert all(0 <= r["score"] <= 1 and r["length"] == 600 and len(r["samples"]) == 2 for r in rows)
+    streaming = [r for r in rows if r["policy"] == "streaming"]
+    assert all(r["budget"] < 300 for r in streaming)
+    # streamed: never more than the budget (half the context) and a chunk; the context protocol holds the whole
+    # context, once
+    peak = {(r["protocol"], r["task"]): r["kv_tokens_peak"] for r in streaming}
+    assert all(peak["stream", t] <= 600 // 2 + 64 < peak["context", t] for t in ("niah_single_1", "vt")), peak
+    full = {(r["protocol"], r["task"]): [s["answer"] for s in r["samples"]] for r in rows if r["policy"] == "full"}
+    assert all(full["stream", task] == full["context", task] for task in ("niah_single_1", "vt"))
+    assert rows[0]["depths"] and rows[1]["depths"] is None
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "| full | all | stream | 600 |" in capsys.readouterr().out
+    assert main(["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--protocol", "once"]) == 2
+    assert "--protocol takes stream, context" in capsys.readouterr().err
+    assert main(["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--tasks", "qa_1"]) == 2
+    assert "unknown RULER task(s) qa_1" in capsys.readouterr().err

@@ -1,0 +1,64 @@
+"""The decode step's bookkeeping for CUDA graphs, checked on the CPU: when a cache is steady (a step leaves its
+shapes as it found them), that a step updates the cache's state in place, and that a graph step runs only on a
+steady cache and hands back its own copy of the logits. (Replaying on a GPU: tests/test_cuda.py.)"""
+
+import torch
+
+from sparsegen.decoding import DecodeStep, prefill
+from sparsegen.kv import EvictionCache, make_policy
+from tests.kv.families import VOCAB, tiny_model
+
+
+def _prefilled(name: str, family: str = "llama", budget: int | None = 10, prompt: int = 6):
+    model = tiny_model(family)
+    cache = EvictionCache(model, make_policy(name, budget), chunk_size=8)
+    ids = torch.randint(3, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        token = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1)
+    return model, cache, token, torch.full((2,), prompt)
+
+
+def _steady_after_each_step(name: str, family: str = "llama", budget: int | None = 10) -> list[bool]:
+    model, cache, token, position = _prefilled(name, family, budget)
+    step, steady = DecodeStep(model), []
+    with torch.inference_mode():
+        for _ in range(8):
+            token, position = step(cache, token, position).argmax(-1), position + 1
+            steady.append(cache.steady)
+    return steady
+
+
+def test_a_bounded_cache_is_steady_once_every_layer_holds_its_budget():
+    assert _steady_after_each_step("streaming") == [False] * 3 + [True] * 5  # 6 prompt tokens, budget 10
+    assert _steady_after_each_step("h2o", "gemma3") == [False] * 3 + [True] * 5  # sliding layers fill first
+
+
+def test_a_full_cache_never_is():
+    assert _steady_after_each_step("full", budget=None) == [False] * 8
+
+
+def test_a_step_updates_the_tokens_seen_in_place():
+    model, cache, token, position = _prefilled("h2o")
+    seen = cache.seen
+    with torch.inference_mode():
+        DecodeStep(model)(cache, token, position)
+    assert cache.seen is seen and seen.tolist() == [7, 7]
+
+
+def test_a_graph_step_runs_only_on_a_steady_cache_and_returns_its_own_logits():
+    model, cache, token, position = _prefilled("streaming")
+    step, graph_calls, outputs = DecodeStep(model), [], []
+    step.graphs = True  # as on CUDA with compile=True; the "graph" is the eager step, counted
+
+    def graph(*args):
+        graph_calls.append(cache.steady)
+        outputs.append(step._eager(*args))
+        return outputs[-1]
+
+    step._run = graph
+    with torch.inference_mode():
+        for _ in range(8):
+            logits = step(cache, token, position)
+            token, position = logits.argmax(-1), position + 1
+    assert graph_calls == [True] * 4 and step.compiled_steps == 4
+    assert logits is not outputs[-1] and torch.equal(logits, outputs[-1])
