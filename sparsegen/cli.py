@@ -394,7 +394,7 @@ def cmd_passkey(args: argparse.Namespace) -> None:
     for name, make in _policies(args):
         results[name] = {**make().describe(), **(quantization.describe() if quantization else {}), **passkey_accuracy(
             model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions,
-            chat=chat, kv_bits=quantization)}
+            chat=chat, kv_bits=quantization, protocol=args.protocol)}
         print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
         for length in lengths:
             row = [c["accuracy"] for c in results[name]["cells"] if c["length"] == length]
@@ -433,7 +433,7 @@ def cmd_ruler(args: argparse.Namespace) -> None:
 
     def show(row: dict) -> None:
         print(f"{row['policy']:>14} {row['protocol']:>7} {row['length']:>6} {row['task']:>16}: {row['score']:.3f} "
-              f"(kept <= {row['kv_tokens_peak']} of {row['prompt_tokens']} tokens)", flush=True)
+              f"(K/V peak {row['kv_tokens_peak']:,} tokens; prompts up to {row['prompt_tokens']:,})", flush=True)
 
     report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
                        dict(_policies(args)), lengths, tasks, args.samples, tuple(protocols), chat, depths,
@@ -1156,6 +1156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths, tokens (comma-separated)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0-1 (comma-separated)")
     p.add_argument("--trials", type=int, default=5, help="keys per (length, depth) (default 5)")
+    p.add_argument("--protocol", choices=["stream", "context"], default="stream",
+                   help="stream: the prompt in chunks, evicting as it goes (default); context (kvpress's): all before "
+                        "the question in one pass, compressed once, then the question")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

@@ -111,7 +111,7 @@ def generate_tokens(
 def generate(
     model: torch.nn.Module,
     tokenizer,
-    prompts: str | list[str],
+    prompts: str | list[str] | None = None,
     policy: str | Policy = "full",
     budget: int | float | str | None = None,
     sinks: int | None = None,
@@ -132,6 +132,8 @@ def generate(
     draft_model: torch.nn.Module | None = None,
     kv_bits: int | KVQuantization | None = None,
     compile: bool = False,
+    context: str | None = None,
+    question: str | None = None,
 ) -> Generation:
     """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
 
@@ -147,17 +149,31 @@ def generate(
     under any policy.
 
     ``compile``: run the decode step through ``torch.compile`` (one graph; the first call compiles).
+
+    ``context`` and ``question`` instead of ``prompts``: kvpress's protocol. The context is encoded in one pass and
+    compressed once to the budget (a fraction is of the context) by the policy's scores; then the question is fed
+    and the answer decoded, eviction continuing.
     """
-    prompts = [prompts] if isinstance(prompts, str) else prompts
-    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
-    prompts = list(prompts)
     device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    first_chunk = None
+    if context is not None or question is not None:
+        if prompts is not None or not (isinstance(context, str) and context and isinstance(question, str) and question):
+            raise ValueError("give prompts, or a non-empty context and question (kvpress's protocol), not both")
+        if speculative is not None:
+            raise ValueError("speculative decoding takes prompts, not a context and a question")
+        context_ids = tokenizer(context)["input_ids"]
+        ids = torch.tensor([context_ids + tokenizer(question, add_special_tokens=False)["input_ids"]], device=device)
+        mask, prompts, first_chunk = torch.ones_like(ids), [context + question], len(context_ids)
+    else:
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
+        prompts = list(prompts)
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+        ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     if not isinstance(policy, Policy):
-        policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy,
-                             history=history)
+        policy = make_policy(policy, budget, input_length=first_chunk or ids.shape[1], sinks=sinks, recent=recent,
+                             heavy=heavy, history=history)
     speculation = None
     if speculative is not None:
         if kv_bits is not None:
@@ -186,7 +202,7 @@ def generate(
     else:
         new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
                                                                               kv_bits=kv_bits, compile=compile,
-                                                                              **common)
+                                                                              first_chunk=first_chunk, **common)
     if on_text is not None and (tail := text.flush()):
         on_text(tail)
     return Generation(

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from sparsegen.models.cache_arg import cache_kwargs
 import sparsegen
@@ -86,3 +87,26 @@ def test_transformers_chunked_prefill_stays_within_budget_plus_chunk(model_and_t
     ours = sparsegen.generate(model, tokenizer, prompt, policy="h2o", budget=16, chunk_size=32, max_new_tokens=8,
                               stop_at_eos=False)
     assert ours.text == tokenizer.decode(theirs[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_a_context_and_a_question_follow_kvpress_protocol(model_and_tokenizer):
+    """The context in one pass, compressed once to the budget (a fraction is of the context), then the question:
+    with the full cache, the answer of the prompt they make; under a budget, the cache held the whole context once."""
+    model, tokenizer = model_and_tokenizer
+    context, question = " ".join(PROMPTS * 6), " it was the season of"
+    full = sparsegen.generate(model, tokenizer, context=context, question=question, max_new_tokens=8,
+                              stop_at_eos=False, chunk_size=8)
+    ids = tokenizer(context)["input_ids"] + tokenizer(question, add_special_tokens=False)["input_ids"]
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id)
+    assert full.texts == [tokenizer.decode(expected[0, len(ids):], skip_special_tokens=True)]
+    squeezed = sparsegen.generate(model, tokenizer, context=context, question=question, policy="snapkv", budget=0.25,
+                                  max_new_tokens=4, chunk_size=8)
+    streamed = sparsegen.generate(model, tokenizer, context + question, policy="snapkv", budget=0.25,
+                                  max_new_tokens=4, chunk_size=8)
+    context_tokens = len(tokenizer(context)["input_ids"])
+    assert squeezed.cache["kv_tokens_peak"] >= context_tokens > 2 * streamed.cache["kv_tokens_peak"]
+    with pytest.raises(ValueError, match="not both"):
+        sparsegen.generate(model, tokenizer, "a prompt", context=context, question=question)
+    with pytest.raises(ValueError, match="not both"):
+        sparsegen.generate(model, tokenizer, context=context)

@@ -39,6 +39,18 @@ def describe_prompt(tokenizer, chat: bool) -> str:
     return before + INTRO + "{haystack}" + NEEDLE + "{haystack}" + ASK + after + ANSWER
 
 
+def _head_and_question(tokenizer, chat: bool) -> tuple[list[int], list[int]]:
+    """The tokens before the haystack and the question's (what follows it)."""
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    if chat:
+        before, after = chat_frame(tokenizer)
+        return encode(before + INTRO), encode(ASK + after + ANSWER)
+    bos = [] if leading_bos(tokenizer) is None else [tokenizer.bos_token_id]
+    return bos + encode(INTRO), encode(QUESTION)
+
+
 def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: int,
                  chat: bool = False) -> tuple[list[int], int]:
     """Token ids of a ``length``-token prompt with the key at ``depth`` (0-1) of the haystack; also the
@@ -46,17 +58,8 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
     the assistant's reply starts with "The pass key is"."""
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
-
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    if chat:
-        before, after = chat_frame(tokenizer)
-        head, tail = encode(before + INTRO), encode(ASK + after + ANSWER)
-    else:
-        bos = [] if leading_bos(tokenizer) is None else [tokenizer.bos_token_id]
-        head, tail = bos + encode(INTRO), encode(QUESTION)
-    needle = encode(NEEDLE.format(key=key))
+    head, tail = _head_and_question(tokenizer, chat)
+    needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
     room = length - len(head) - len(needle) - len(tail)
     if room < 0:
         raise ValueError(f"a {length}-token prompt cannot hold the pass-key text ({length - room} tokens)")
@@ -71,9 +74,14 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
 def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], depths: list[float],
                      make: Callable[[], Policy], trials: int = 5, seed: int = 0, chunk_size: int = 512,
                      positions: str | None = None, progress: bool = True, chat: bool = False,
-                     kv_bits: int | KVQuantization | None = None) -> dict:
+                     kv_bits: int | KVQuantization | None = None, protocol: str = "stream") -> dict:
     """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks
-    (``chat``: asked in the model's chat template, see ``build_prompt``)."""
+    (``chat``: asked in the model's chat template, see ``build_prompt``). ``protocol``: ``stream`` feeds the prompt
+    in chunks, evicting as it goes; ``context`` (kvpress's) encodes everything before the question in one pass,
+    compressed once to the budget, then the question."""
+    if protocol not in ("stream", "context"):
+        raise ValueError(f"protocol must be 'stream' or 'context', got {protocol!r}")
+    question = len(_head_and_question(tokenizer, chat)[1])
     device = next(model.parameters()).device
     rng = np.random.default_rng(seed)
     cells = []
@@ -84,7 +92,8 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
             prompts = [build_prompt(tokenizer, filler[o:], length, depth, int(k), chat)[0] for k, o in zip(keys, offsets)]
             ids = torch.tensor(prompts, device=device)
             new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), make(), positions,
-                                                     max_new_tokens=8, chunk_size=chunk_size, kv_bits=kv_bits)
+                                                     max_new_tokens=8, chunk_size=chunk_size, kv_bits=kv_bits,
+                                                     first_chunk=length - question if protocol == "context" else None)
             answers = tokenizer.batch_decode(new, skip_special_tokens=True)
             found = [re.search(r"\d{5}", a) for a in answers]
             correct = [bool(m) and int(m.group()) == int(k) for m, k in zip(found, keys)]

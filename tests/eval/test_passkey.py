@@ -123,3 +123,16 @@ def test_chat_is_refused_for_a_model_without_a_template(tiny_checkpoint, corpus,
     assert main(["passkey", "--model", str(tiny_checkpoint), "--text", str(corpus / "books/test/c.txt"),
                  "--lengths", "200", "--depths", "0", "--trials", "1", "--chat"]) != 0
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_the_context_protocol_holds_the_haystack_once_and_changes_nothing_under_the_full_cache(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    filler = np.arange(2, 5000) % 250 + 2
+    run = {(name, protocol): passkey_accuracy(model, tokenizer, filler, [240], [0.5],
+                                              lambda name=name: make_policy(name, None if name == "full" else 64),
+                                              trials=2, progress=False, chunk_size=32, protocol=protocol)["cells"][0]
+           for name in ("full", "streaming") for protocol in ("stream", "context")}
+    assert run["full", "stream"]["answers"] == run["full", "context"]["answers"]
+    assert run["streaming", "stream"]["kv_tokens_peak"] <= 64 + 32 < 200 <= run["streaming", "context"]["kv_tokens_peak"]
+    with pytest.raises(ValueError, match="protocol"):
+        passkey_accuracy(model, tokenizer, filler, [240], [0.5], lambda: make_policy("full"), protocol="once")
