@@ -451,6 +451,14 @@ def cmd_ruler(args: argparse.Namespace) -> None:
         plot_ruler(report["rows"], args.plot)
 
 
+def cmd_lm_eval(args: argparse.Namespace) -> None:
+    try:
+        from sparsegen.eval import harness
+    except ImportError as err:
+        raise ValueError(f"sparsegen lm-eval needs lm-eval: pip install 'sparsegen[lmeval]' ({err})") from None
+    harness.main(args.lm_eval_args)
+
+
 def cmd_train_reference(args: argparse.Namespace) -> None:
     import torch
 
@@ -1190,6 +1198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write needle-depth x length heat maps per policy as a PNG")
     p.set_defaults(func=cmd_ruler)
 
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness with sparsegen's model registered: --model sparsegen "
+                                       "--model_args pretrained=M,policy=P,budget=B[,kv_bits=4] --tasks ...",
+                       add_help=False)  # (main hands everything after lm-eval to lm-eval)
+
     p = sub.add_parser("bench", help="decode latency, throughput and memory per KV policy vs context, with roofline")
     _model_args(p, more="; or random:PRESET; several, comma-separated, are measured in turn and compared")
     _weights_arg(p, several=True)
@@ -1455,8 +1467,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        if argv[:1] == ["lm-eval"]:  # lm-eval parses its own arguments
+            args = argparse.Namespace(command="lm-eval", func=cmd_lm_eval, lm_eval_args=argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
     except SystemExit as exit:  # --help, or a usage mistake (already reported in one line)
         return exit.code
     from sparsegen.models import ModelLoadError

@@ -1,0 +1,97 @@
+"""The lm-eval adapter: under the full cache its log-likelihoods are the model's own; under a budget the cache holds
+no more than the budget and a chunk; lm-eval runs a local task through it (no hub)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+import sparsegen  # noqa: E402
+from sparsegen.cli import main  # noqa: E402
+from sparsegen.eval import harness  # noqa: E402
+from sparsegen.eval.harness import SparsegenLM  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "lm_eval"
+TEXT = "it was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness"
+
+
+def _request(kind: str, args: tuple) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_checkpoint):
+    return SparsegenLM(pretrained=str(tiny_checkpoint), chunk_size=8)
+
+
+def _model_logprob(model, ids: list[int], start: int) -> float:
+    logits = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return float(sum(logits[i - 1, ids[i]] for i in range(start, len(ids))))
+
+
+def test_full_cache_loglikelihoods_are_the_models_own(full):
+    model, tokenizer = full.model, full.tokenizer
+    context, continuation = "it was the best of times,", " it was the worst"
+    (ours, _), (empty, _) = full.loglikelihood([_request("loglikelihood", (context + " ", continuation.lstrip())),
+                                                _request("loglikelihood", ("", continuation))])
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+    start = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+    with torch.inference_mode():
+        assert abs(ours - _model_logprob(model, whole, start)) <= 1e-4
+        alone = [full.prefix] + tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        assert abs(empty - _model_logprob(model, alone, 1)) <= 1e-4
+        rolling, = full.loglikelihood_rolling([_request("loglikelihood_rolling", (TEXT,))])
+        ids = [full.prefix] + tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+        assert len(ids) > 3 * 8 and abs(rolling - _model_logprob(model, ids, 1)) <= 1e-4  # over several chunks
+
+
+def test_greedy_continuations_are_flagged_as_greedy(full):
+    ids = full._encode(TEXT)
+    with torch.inference_mode():
+        greedy = full.model(torch.tensor([ids])).logits[0, -1].argmax()
+    continuation = full.tokenizer.decode([int(greedy)])
+    _, is_greedy = full.loglikelihood([_request("loglikelihood", (TEXT, continuation))])[0]
+    assert is_greedy == (full._encode(TEXT + continuation)[len(ids):] == [int(greedy)])
+
+
+def test_generation_stops_at_the_first_stop_string(full):
+    text = sparsegen.generate(full.model, full.tokenizer, TEXT, max_new_tokens=12, progress=False).texts[0]
+    assert len(text) > 2
+    stop = text[len(text) // 2:][:2]
+    got, = full.generate_until([_request("generate_until", (TEXT, {"until": [stop], "max_gen_toks": 12}))])
+    assert got == text[:text.find(stop)]
+
+
+def test_a_budget_bounds_the_cache_and_bad_arguments_are_refused(tiny_checkpoint, monkeypatch):
+    lm = SparsegenLM(pretrained=str(tiny_checkpoint), policy="streaming", budget=16, chunk_size=8)
+    caches = []
+
+    class Recorded(harness.EvictionCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    monkeypatch.setattr(harness, "EvictionCache", Recorded)
+    ids = [lm.prefix] + lm._encode(TEXT * 3)
+    assert lm.score(ids, 1)[0] < 0 and len(ids) > 64
+    assert max(layer.peak_tokens for layer in caches[0].layers) <= 16 + 8
+    with pytest.raises(ValueError, match="unknown model_args"):
+        SparsegenLM(pretrained=str(tiny_checkpoint), polcy="h2o")
+    with pytest.raises(ValueError, match="unknown policy"):
+        SparsegenLM(pretrained=str(tiny_checkpoint), policy="h3o", budget=16)
+
+
+def test_lm_eval_runs_the_local_task_through_sparsegen(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(EXAMPLES.parents[1])  # the task's data path is relative to the project root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "results"
+    assert main(["lm-eval", "run", "--model", "sparsegen", "--device", "cpu", "--model_args",
+          f"pretrained={tiny_checkpoint},policy=streaming,budget=16,chunk_size=8", "--include_path", str(EXAMPLES),
+          "--tasks", "dracula_endings", "--limit", "6", "--output_path", str(out)]) == 0
+    results = json.loads(next(out.rglob("results*.json")).read_text())
+    accuracy = results["results"]["dracula_endings"]["acc,none"]
+    assert 0 <= accuracy <= 1 and results["n-samples"]["dracula_endings"]["effective"] == 6
