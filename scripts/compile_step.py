@@ -48,7 +48,8 @@ def synchronize():
 def fresh() -> EvictionCache:
     cache = EvictionCache(model, make_policy(args.policy, None if args.policy == "full" else args.budget),
                           expected_length=args.context + 2 * args.steps + 8)
-    cache.fill_random(args.batch, args.context, kv_heads, head_dim, dtype, device, torch.Generator(device=device).manual_seed(0))
+    generator = torch.Generator(device=device).manual_seed(0)
+    cache.fill_random(args.batch, args.context, kv_heads, head_dim, dtype, device, generator)
     return cache
 
 

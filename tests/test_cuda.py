@@ -54,9 +54,11 @@ def test_every_sync_free_policy_decodes_on_cuda_without_a_sync_and_as_on_the_cpu
     on_gpu, gpu_cache = _decode(name, "cuda")
     on_cpu, cpu_cache = _decode(name, "cpu", forbid=False)
     torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
+    def kept(layer):
+        return torch.where(layer.valid[..., :layer.used], layer.index[..., :layer.used], -1).sort(-1)[0]
+
     for gpu_layer, cpu_layer in zip(gpu_cache.layers, cpu_cache.layers):
         assert gpu_layer.used == cpu_layer.used
-        kept = lambda layer: torch.where(layer.valid[..., :layer.used], layer.index[..., :layer.used], -1).sort(-1)[0]
         assert torch.equal(kept(gpu_layer).cpu(), kept(cpu_layer))
 
 

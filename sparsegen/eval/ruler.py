@@ -182,7 +182,8 @@ def _niah(task: str, spec: Niah, hay: Haystack, length: int, depth: float, rng: 
         else:  # other needles, with other keys, all the way
             filler, ends = [], []
             while True:
-                other = hay.encode(NEEDLE.format(kind=kind, key=_key(rng, hay, spec.key), value=_value(rng, spec.value)))
+                key, value = _key(rng, hay, spec.key), _value(rng, spec.value)
+                other = hay.encode(NEEDLE.format(kind=kind, key=key, value=value))
                 if len(filler) + len(other) > room:
                     break
                 filler += other
@@ -352,9 +353,10 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
                 results = evaluate(model, tokenizer, task_samples, make, protocol, chunk_size, positions, kv_bits,
                                    max_new_tokens, progress)
                 summary = summarize(results)
-                row = {"policy": name, "budget": make(task_samples[0].context_tokens).budget, "protocol": protocol, "task": task,
-                       "length": length, "score": summary["tasks"][task],
-                       "depths": summary["depths"].get(task), "kv_tokens_peak": max(r["kv_tokens_peak"] for r in results),
+                row = {"policy": name, "budget": make(task_samples[0].context_tokens).budget, "protocol": protocol,
+                       "task": task, "length": length, "score": summary["tasks"][task],
+                       "depths": summary["depths"].get(task),
+                       "kv_tokens_peak": max(r["kv_tokens_peak"] for r in results),
                        "prompt_tokens": max(len(s.ids) for s in task_samples), "samples": results}
                 rows.append(row)
                 if on_row:
