@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from sparsegen.kv.policies import POLICIES
 
@@ -226,17 +227,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
     model, tokenizer = load_model(args)
     draft_model = load_draft_model(args, tokenizer)
+    context = None
+    if args.context is not None:
+        from sparsegen.kv import CompressedContext
+
+        context = CompressedContext.load(args.context, model)
     stream = None
     if not args.json:
         if args.prompt is not None:
             print(prompt, end="", flush=True)
         stream = lambda text: print(text, end="", flush=True)  # noqa: E731
     result = generate(
-        model, tokenizer, prompt, policy=args.policy, budget=args.budget, sinks=args.sinks, recent=args.recent,
-        heavy=args.heavy, history=args.history, positions=args.positions, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size, on_text=stream,
-        speculative=args.speculative, draft_tokens=draft_tokens, draft_model=draft_model, kv_bits=_kv_bits(args),
-        compile=args.compile,
+        model, tokenizer, None if context else prompt, policy=args.policy, budget=args.budget, sinks=args.sinks,
+        recent=args.recent, heavy=args.heavy, history=args.history, positions=args.positions,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        chunk_size=args.chunk_size, on_text=stream, speculative=args.speculative, draft_tokens=draft_tokens,
+        draft_model=draft_model, kv_bits=_kv_bits(args), compile=args.compile, context=context,
+        question=prompt if context else None,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -247,6 +254,54 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"\n[{args.policy}: {stats['prompt_tokens']} prompt + {stats['new_tokens']} new tokens, "
               f"KV peak {stats['kv_tokens_peak']} tokens / {stats['kv_bytes_peak'] / 2**20:.2f} MiB, "
               f"{stats['seconds']:.2f} s{drafted}]", file=sys.stderr)
+
+
+def cmd_compress(args: argparse.Namespace) -> None:
+    from sparsegen.generation import compress
+
+    with open(args.context_file, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    model, tokenizer = load_model(args)
+    t0 = time.perf_counter()
+    context = compress(model, tokenizer, text, policy=args.policy, budget=args.budget, sinks=args.sinks,
+                       recent=args.recent, heavy=args.heavy, history=args.history, positions=args.positions,
+                       kv_bits=_kv_bits(args), chunk_size=args.chunk_size)
+    seconds = time.perf_counter() - t0
+    path = context.save(args.out)
+    summary = {**context.describe(), "seconds": round(seconds, 3), "file": str(path),
+               "file_bytes": path.stat().st_size}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"{path}: {summary['context_tokens']:,} context tokens held as {summary['kv_tokens']:,} per layer under "
+              f"{args.policy} ({summary['kv_bytes'] / 2**20:,.2f} MiB of K/V, {seconds:.1f} s); ask it with "
+              f"`sparsegen generate --model {args.model} --context {path} --prompt QUESTION`")
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from sparsegen.eval.inspect import inspect, plot_grid, write_html
+
+    text = _read_prompt(args)
+    model, tokenizer = load_model(args)
+    data = inspect(model, tokenizer, text, args.policies, args.budget, question=args.question, answer=args.answer,
+                   protocol=args.protocol, kv_bits=args.kv_bits, chunk_size=args.chunk_size,
+                   max_new_tokens=args.max_new_tokens, model_name=args.model)
+    pairs = data["layers"] * data["heads"]
+    print(f"{args.model}: {data['prompt_tokens']:,} prompt tokens, budget {args.budget}, {data['layers']} layers x "
+          f"{data['heads']} KV heads; attention on the first {data['sinks']} tokens: "
+          f"{min(data['sink_mass']):.0%}-{max(data['sink_mass']):.0%} by layer")
+    print("| policy | tokens held per head | prompt tokens held by some head | answer tokens held | reply |")
+    print("|---|---|---|---|---|")
+    for name, row in data["policies"].items():
+        some = sum(1 for c in row["count"] if c) / data["prompt_tokens"]
+        kept = "-" if row["answer_kept"] is None else f"{row['answer_kept']:.0%} of {pairs} heads"
+        print(f"| {name} | {row['kv_tokens']:,} | {some:.0%} | {kept} | {row['reply']!r} |")
+    for flag, write in (("html", write_html), ("png", plot_grid)):
+        if getattr(args, flag):
+            print(f"wrote {write(data, getattr(args, flag))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(data))
+        print(f"wrote {args.json}")
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -742,7 +797,20 @@ def _engine(args: argparse.Namespace, model, tokenizer):
                   speculation=speculation, kv_bits=_kv_bits(args), compile=args.compile,
                   kv_memory=_bytes(args.kv_memory) if getattr(args, "kv_memory", None) else None,
                   max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0),
-                  prefill_budget=getattr(args, "prefill_budget", None))
+                  prefill_budget=getattr(args, "prefill_budget", None), contexts=_contexts(args, model))
+
+
+def _contexts(args: argparse.Namespace, model) -> dict:
+    """``--context NAME=FILE`` (repeated): compressed contexts by the name requests give."""
+    from sparsegen.kv import CompressedContext
+
+    contexts = {}
+    for spec in getattr(args, "context", None) or []:
+        name, _, path = spec.partition("=")
+        if not name or not path or name in contexts:
+            raise ValueError(f"--context takes NAME=FILE.safetensors, each name once, got {spec!r}")
+        contexts[name] = CompressedContext.load(path, model)
+    return contexts
 
 
 def _sampling(args: argparse.Namespace):
@@ -1103,8 +1171,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, new_tokens, kv_tokens_peak, ...)")
+    p.add_argument("--context", default=None, metavar="FILE.safetensors",
+                   help="start from a context compressed by `sparsegen compress` (it carries its policy); the prompt "
+                        "is the question")
     _speculative_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("inspect", help="which tokens of a prompt each KV policy keeps, per layer and head: a table, "
+                                       "a self-contained HTML page (--html), a PNG grid (--png), JSON")
+    _model_args(p, run=True)
+    p.add_argument("--prompt", default=None, help="the text")
+    p.add_argument("--prompt-file", default=None, help="read the text from a file")
+    p.add_argument("--policies", default="window,streaming,h2o,snapkv", help="comma-separated (default "
+                   "window,streaming,h2o,snapkv)")
+    p.add_argument("--budget", type=budget_arg, default=256, help="KV tokens kept per layer, or a share (default 256)")
+    p.add_argument("--question", default=None, help="asked after the text; each policy answers it")
+    p.add_argument("--answer", default=None, help="the text the question needs: its tokens are marked")
+    p.add_argument("--protocol", choices=["stream", "context"], default="stream")
+    p.add_argument("--kv-bits", type=int, choices=[8, 4, 2], default=None)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens of each policy's answer (default 16)")
+    p.add_argument("--html", default=None, metavar="OUT.html", help="a self-contained page (no network)")
+    p.add_argument("--png", default=None, metavar="OUT.png", help="the layer x head grid of each policy")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="what sparsegen.inspect returns")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("compress", help="compress a context once under a KV policy (kvpress's protocol) and save it, "
+                                        "to ask it many questions")
+    _model_args(p, run=True)
+    p.add_argument("--context-file", required=True, help="the context's text")
+    _policy_args(p)
+    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to save the compressed context")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compress)
 
     p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
     _model_args(p, run=True)
@@ -1282,6 +1381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=positive_int, default=64,
                    help="conversation caches kept, least recently used dropped beyond (default 64)")
     p.add_argument("--max-batch", type=positive_int, default=16, help="replies decoded together (default 16)")
+    p.add_argument("--context", action="append", default=None, metavar="NAME=FILE",
+                   help="a context compressed by `sparsegen compress` (under the server's policy), continued by "
+                        "requests that send \"context\": NAME; repeat for several")
     p.add_argument("--kv-memory", default=None, metavar="SIZE",
                    help="admit sessions by K/V memory, e.g. 2GiB: each live session reserves its policy's whole "
                         "allocation (budget + a chunk, and its row in the decode batch; full: --max-context); "

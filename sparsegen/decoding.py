@@ -99,12 +99,13 @@ class DecodeStep:
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,
-            progress: bool | None = None, first_chunk: int | None = None) -> torch.Tensor:
+            progress: bool | None = None, first_chunk: int | None = None, start: int = 0) -> torch.Tensor:
     """Feed left-padded ``ids`` into ``cache`` a chunk at a time (evicting between chunks); the last position's
     logits ``[B, vocab]``. ``first_chunk``: the first chunk's length instead (kvpress's protocol: a whole context in
-    one pass, compressed once, then the question in chunks)."""
+    one pass, compressed once, then the question in chunks). ``start``: the first token's position (a cache that
+    already holds a context)."""
     length = ids.shape[1]
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0) + start
     padded = not bool(mask.all())
     show = progress if progress is not None else length > 8 * chunk_size
     starts = [0] + list(range(first_chunk, length, chunk_size)) if first_chunk else range(0, length, chunk_size)

@@ -12,6 +12,7 @@ from sparsegen.decoding import GREEDY_BELOW, DecodeStep, check_sampling, next_to
 from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
+from sparsegen.kv.context import CompressedContext
 from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 
@@ -65,32 +66,40 @@ def generate_tokens(
     kv_bits: int | KVQuantization | None = None,
     compile: bool = False,
     first_chunk: int | None = None,
+    cache: EvictionCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """The token-level loop: ``(new [B, n], counts [B], cache stats, prefill s, decode s)``.
 
     ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``; checking
     whether all have stopped is the loop's one host read per token, and only with ``eos_id``. ``compile``: the decode
     step through ``torch.compile`` (``DecodeStep``). ``first_chunk``: prefill that many tokens in one pass first
-    (``prefill``).
+    (``prefill``). ``cache``: a cache already holding a context (``CompressedContext.cache``; then ``policy``,
+    ``positions`` and ``kv_bits`` are its own) that ``ids`` continue.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     check_sampling(temperature, top_p, seed)
     device = ids.device
     batch, length = ids.shape
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size,
-                          expected_length=length + max_new_tokens, kv_bits=kv_bits)
+    start = 0
+    if cache is None:
+        cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size,
+                              expected_length=length + max_new_tokens, kv_bits=kv_bits)
+    elif cache.seen is not None:
+        if cache.seen.shape[0] != batch:
+            raise ValueError(f"the cache holds {cache.seen.shape[0]} sequences; ids has {batch}")
+        start = cache.length - cache.pinned  # positions continue after what it holds
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
 
     t0 = time.perf_counter()
-    logits = prefill(model, cache, ids, mask, chunk_size, progress, first_chunk)
+    logits = prefill(model, cache, ids, mask, chunk_size, progress, first_chunk, start)
     prefill_seconds = time.perf_counter() - t0
 
     step = DecodeStep(model, compile)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     new = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     counts = torch.zeros(batch, dtype=torch.long, device=device)
-    position = mask.sum(-1)
+    position = mask.sum(-1) + start
     t0 = time.perf_counter()
     for index in range(max_new_tokens):
         token = torch.where(finished, pad_id, next_token(logits, temperature, top_p, generator))
@@ -132,7 +141,7 @@ def generate(
     draft_model: torch.nn.Module | None = None,
     kv_bits: int | KVQuantization | None = None,
     compile: bool = False,
-    context: str | None = None,
+    context: str | CompressedContext | None = None,
     question: str | None = None,
 ) -> Generation:
     """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
@@ -152,18 +161,33 @@ def generate(
 
     ``context`` and ``question`` instead of ``prompts``: kvpress's protocol. The context is encoded in one pass and
     compressed once to the budget (a fraction is of the context) by the policy's scores; then the question is fed
-    and the answer decoded, eviction continuing.
+    and the answer decoded, eviction continuing. ``context`` may be a ``CompressedContext`` (``compress``, or
+    ``CompressedContext.load``): the compression is then done once for many questions, under its own policy.
     """
     device = next(model.parameters()).device
-    first_chunk = None
+    first_chunk, cache, context_tokens = None, None, 0
     if context is not None or question is not None:
-        if prompts is not None or not (isinstance(context, str) and context and isinstance(question, str) and question):
-            raise ValueError("give prompts, or a non-empty context and question (kvpress's protocol), not both")
+        compressed = isinstance(context, CompressedContext)
+        if prompts is not None or not (compressed or isinstance(context, str) and context) \
+                or not (isinstance(question, str) and question):
+            raise ValueError("give prompts, or a context (text or a CompressedContext) and a non-empty question "
+                             "(kvpress's protocol), not both")
         if speculative is not None:
             raise ValueError("speculative decoding takes prompts, not a context and a question")
-        context_ids = tokenizer(context)["input_ids"]
-        ids = torch.tensor([context_ids + tokenizer(question, add_special_tokens=False)["input_ids"]], device=device)
-        mask, prompts, first_chunk = torch.ones_like(ids), [context + question], len(context_ids)
+        question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+        if compressed:
+            given = {"policy": policy != "full", "budget": budget, "sinks": sinks, "recent": recent, "heavy": heavy,
+                     "history": history, "positions": positions, "kv_bits": kv_bits}
+            if any(value not in (None, False) for value in given.values()):
+                raise ValueError("a compressed context carries its policy, budget, positions and kv_bits: drop "
+                                 f"{', '.join(k for k, v in given.items() if v not in (None, False))}")
+            cache, context_tokens = context.cache(model), context.tokens
+            policy, ids, prompts = cache.policy, torch.tensor([question_ids], device=device), [question]
+        else:
+            context_ids = tokenizer(context)["input_ids"]
+            ids = torch.tensor([context_ids + question_ids], device=device)
+            prompts, first_chunk = [context + question], len(context_ids)
+        mask = torch.ones_like(ids)
     else:
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
@@ -202,14 +226,45 @@ def generate(
     else:
         new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
                                                                               kv_bits=kv_bits, compile=compile,
-                                                                              first_chunk=first_chunk, **common)
+                                                                              first_chunk=first_chunk, cache=cache,
+                                                                              **common)
     if on_text is not None and (tail := text.flush()):
         on_text(tail)
     return Generation(
         texts=[tokenizer.decode(new[row, : counts[row]], skip_special_tokens=True) for row in range(len(prompts))],
-        new_tokens=counts.tolist(), prompt_tokens=mask.sum(-1).tolist(),
+        new_tokens=counts.tolist(), prompt_tokens=(mask.sum(-1) + context_tokens).tolist(),
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=stats,
     )
+
+
+@torch.inference_mode()
+def compress(
+    model: torch.nn.Module,
+    tokenizer,
+    context: str,
+    policy: str | Policy = "full",
+    budget: int | float | str | None = None,
+    sinks: int | None = None,
+    recent: int | None = None,
+    heavy: int | None = None,
+    history: int | None = None,
+    positions: str | None = None,
+    kv_bits: int | KVQuantization | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> CompressedContext:
+    """kvpress's first half, done once: ``context`` encoded in one pass and compressed to the budget (a fraction is
+    of the context) by the policy's scores. Ask it any number of questions with ``generate(context=..., question=...)``
+    or save it (``.save(path)``; ``CompressedContext.load(path, model)``)."""
+    if not isinstance(context, str) or not context:
+        raise ValueError("context must be a non-empty string")
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokenizer(context)["input_ids"]], device=device)
+    if not isinstance(policy, Policy):
+        policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy,
+                             history=history)
+    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size, kv_bits=kv_bits)
+    prefill(model, cache, ids, torch.ones_like(ids), chunk_size, first_chunk=ids.shape[1])
+    return CompressedContext.of(model, cache, ids, context)
 
 
 def compare(

@@ -83,7 +83,36 @@ def _bad_invocations(checkpoint: Path, tmp: Path) -> list[tuple[list[str], str]]
         (["generate", *model, "--prompt", "x", "--kv-bits", "4", "--kv-residual", "-1"], "residual"),
         (["generate", *model, "--prompt", "x", "--kv-bits", "4", "--speculative", "window:8"], "kv_bits"),
         (["ppl", *model, "--windows", "--kv-bits", "4"], "--stream"),
+        (["generate", *model, "--prompt", "x", "--context", str(tmp / "none.safetensors")], "sparsegen compress"),
+        (["compress", *model, "--context-file", str(a_file), "--out", str(tmp / "c.pt")], "NAME.safetensors"),
+        (["compress", *model, "--context-file", str(tmp / "missing.txt"), "--out", str(tmp / "c.safetensors")],
+         "missing.txt"),
     ]
+
+
+def test_compress_once_then_ask(tiny_checkpoint, tmp_path, capsys):
+    """`sparsegen compress` saves what `generate --context` answers from: the context protocol's text."""
+    import sparsegen
+
+    text = tmp_path / "doc.txt"
+    text.write_text("it was the best of times, it was the worst of times " * 8)
+    saved = tmp_path / "doc.safetensors"
+    model = ["--model", str(tiny_checkpoint)]
+    assert main(["compress", *model, "--context-file", str(text), "--policy", "h2o", "--budget", "0.25",
+                 "--out", str(saved), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["policy"] == "h2o" and summary["kv_tokens"] < summary["context_tokens"] and saved.is_file()
+    loaded, tokenizer = sparsegen.load(tiny_checkpoint)
+    for question in (" it was the age of", " the season of"):
+        assert main(["generate", *model, "--context", str(saved), "--prompt", question, "--json",
+                     "--max-new-tokens", "6"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        expected = sparsegen.generate(loaded, tokenizer, context=text.read_text(), question=question,
+                                      policy="h2o", budget=0.25, max_new_tokens=6)
+        assert got["text"] == expected.text and got["prompt_tokens"] == expected.prompt_tokens[0]
+    assert main(["generate", *model, "--context", str(saved), "--prompt", "x", "--policy", "window",
+                 "--budget", "8"]) == 2
+    assert "carries its policy" in capsys.readouterr().err
 
 
 def test_every_bad_invocation_is_one_line_and_a_nonzero_exit(tiny_checkpoint, tmp_path, capsys):

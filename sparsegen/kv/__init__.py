@@ -2,8 +2,9 @@
 
 from sparsegen.kv.attention import SUPPORTED, prepare, release
 from sparsegen.kv.cache import EvictionCache
+from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.policies import POLICIES, make_policy, resolve_budget
 from sparsegen.kv.policy import Policy, TokenView
 from sparsegen.kv.quantized import KVQuantization
 
-__all__ = ["POLICIES", "SUPPORTED", "EvictionCache", "KVQuantization", "Policy", "TokenView", "make_policy", "prepare", "release", "resolve_budget"]
+__all__ = ["POLICIES", "CompressedContext", "SUPPORTED", "EvictionCache", "KVQuantization", "Policy", "TokenView", "make_policy", "prepare", "release", "resolve_budget"]

@@ -33,6 +33,7 @@ from sparsegen.decoding import DecodeStep, check_sampling, forward, next_token
 from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
+from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.quantized import as_quantization
 from sparsegen.serve.memory import KVMemory
 from sparsegen.serve.template import ChatTemplate
@@ -88,6 +89,7 @@ class Session:
 
     def __init__(self, session_id: str | None, cache: EvictionCache, draft: EvictionCache | None = None):
         self.id, self.cache, self.draft = session_id, cache, draft
+        self.context: str | None = None  # the compressed context it starts from (restored when it starts over)
         self.draft_lag: list[int] = []  # tokens in ``cache`` that the draft cache has not been fed yet
         self.text = ""
         self.pending: list[int] = []
@@ -168,7 +170,8 @@ class Engine:
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
                  speculation: Callable[[], Speculation] | None = None,
                  kv_bits: int | KVQuantization | None = None, compile: bool = False, kv_memory: int | None = None,
-                 max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | None = None):
+                 max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | None = None,
+                 contexts: dict[str, CompressedContext] | None = None):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_context is not None and max_context < 1:
@@ -218,6 +221,25 @@ class Engine:
         self.max_context, self.memory = max_context, None
         if kv_memory is not None:
             self._plan_memory(kv_memory, idle_grace)
+        self.contexts = dict(contexts or {})
+        for name, context in self.contexts.items():
+            self._check_context(name, context)
+
+    def _check_context(self, name: str, context: CompressedContext) -> None:
+        """A compressed context is served only by the model that compressed it, under this engine's own policy
+        (its sessions decode batched with the others, which needs one policy)."""
+        if self.speculation is not None:
+            raise ValueError("--context starts sessions from a compressed cache; speculative decoding would need "
+                             "its draft cache too: drop --speculative")
+        context.check(self.model)
+        cache = self.new_cache()
+        ours = {**cache.policy.describe(), **(cache.quantization.describe() if cache.quantization else {}),
+                "positions": cache.positions}
+        theirs = {**context.meta["policy"], **(context.meta["kv_quantization"] or {}),
+                  "positions": context.meta["positions"]}
+        if ours != theirs:
+            raise ValueError(f"context {name!r} was compressed under {theirs}, this server runs {ours}: serve with "
+                             "the context's --policy/--budget/--kv-bits, or compress it under the server's")
 
     def _plan_memory(self, cap: int, idle_grace: float) -> None:
         """``--kv-memory``: every live session reserves its cache's whole allocation (``sparsegen.serve.memory``)."""
@@ -279,19 +301,41 @@ class Engine:
         self.sessions.move_to_end(session_id)
         return session
 
+    def _context_name(self, context: str | None) -> str | None:
+        if context is not None and context not in self.contexts:
+            known = ", ".join(self.contexts) or "none (start the server with --context NAME=FILE)"
+            raise ValueError(f"unknown context {context!r}; this server has {known}")
+        return context
+
     def reset(self, session: Session) -> None:
+        """Empty the session's caches (what it holds is freed; a compressed context is restored when it next
+        begins)."""
         session.release()
         session.cache, session.text, session.pending = self.new_cache(), "", []
         session.draft, session.draft_lag = self._new_draft(), []
 
+    def _start_from_context(self, session: Session, context: str | None) -> None:
+        """Point ``session`` at ``context`` (starting over if it held another), and restore the context's cache if
+        it holds nothing yet."""
+        if session.context != context:
+            if session.text:
+                self.reset(session)
+            session.context = self._context_name(context)
+        if session.context is not None and not session.text:
+            compressed = self.contexts[session.context]
+            session.release()
+            session.cache = compressed.cache(self.model, self.new_cache().policy, max_length=self.max_context)
+            session.text = compressed.text
+
     # --- running ---
     def prepare(self, session: Session | None, messages: list[dict] | None = None, prompt: str | None = None,
-                elsewhere: bool = False) -> Prepared:
+                elsewhere: bool = False, context: str | None = None) -> Prepared:
         """Render and tokenize a request's text against what ``session`` holds: the new text only if the
         conversation extends it, else all of it. ``elsewhere``: called from another thread than the one driving
         the engine (a server's request handler), with a copy of the tokenizer, so that reading a long text costs
-        the request that sent it and not the replies decoding meanwhile. Bad input (an empty or over-long prompt,
-        text the tokenizer refuses) raises ``ValueError``."""
+        the request that sent it and not the replies decoding meanwhile. ``context``: the text follows that
+        compressed context's. Bad input (an empty or over-long prompt, text the tokenizer refuses, an unknown
+        context) raises ``ValueError``."""
         if (messages is None) == (prompt is None):
             raise ValueError("give messages or a prompt")
         text = self.template.render(messages) if messages is not None else prompt
@@ -301,7 +345,10 @@ class Engine:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {err.start})") from None
-        base = session.text if session is not None and session.text and text.startswith(session.text) else ""
+        prefix = self.contexts[self._context_name(context)].text if context is not None else ""
+        text = prefix + text
+        held = session.text if session is not None and session.context == context and session.text else prefix
+        base = held if held and text.startswith(held) else ""
         limit, longest = self.max_prompt_tokens, self._longest_token
         if limit is not None and longest and len(text) - len(base) > limit * longest:  # no need to tokenize it
             raise ValueError(f"the prompt has at least {(len(text) - len(base)) // longest:,} new tokens, over this "
@@ -319,16 +366,19 @@ class Engine:
 
     def begin(self, session: Session, sampling: Sampling, messages: list[dict] | None = None,
               prompt: str | None = None, on_text: Callable[[Job, str], None] | None = None,
-              prepared: Prepared | None = None) -> Job:
+              prepared: Prepared | None = None, context: str | None = None) -> Job:
         """A reply to ``messages`` (chat) or a continuation of ``prompt`` (completion) in ``session``, to be
         advanced by ``step``. Only the text past what the session already holds is encoded; if the conversation
         does not extend it (a new or evicted session, or edited history), the session starts over from the whole
-        text. ``prepared``: the text already tokenized by ``prepare`` (used if the session has not moved since)."""
+        text. ``prepared``: the text already tokenized by ``prepare`` (used if the session has not moved since).
+        ``context``: the text follows that compressed context (``--context``), restored into the session's cache
+        instead of encoded."""
         if not isinstance(sampling, Sampling):
             raise ValueError("sampling must be a Sampling")
+        self._start_from_context(session, context)
         current = session.text if prepared is not None and prepared.text.startswith(session.text) else ""
         if prepared is None or prepared.base != current:
-            prepared = self.prepare(session, messages, prompt)
+            prepared = self.prepare(session, messages, prompt, context=context)
         continues = bool(prepared.base)
         ids = (session.pending if continues else []) + prepared.ids
         if not ids:

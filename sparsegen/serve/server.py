@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import hashlib
 import hmac
 import itertools
@@ -35,7 +36,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
@@ -165,6 +166,7 @@ class _Request(BaseModel):
     user: str | None = None
     session_id: str | None = Field(default=None, pattern=f"^{SESSION_ID.pattern}$")
     ignore_eos: bool = False  # vLLM's extension: decode max_tokens whatever the model says (fixed-length benchmarks)
+    context: str | None = Field(default=None, max_length=128)  # sparsegen's: continue a compressed context (--context)
     # sent by OpenAI clients; neutral values are accepted, others are refused (REFUSED says why)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -200,6 +202,25 @@ class ChatRequest(_Request):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+
+
+class InspectRequest(BaseModel):
+    """``POST /v1/inspect``: what each policy keeps of a text (``sparsegen.inspect``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(min_length=1)
+    policies: str | list[str] = "window,streaming,h2o,snapkv"
+    budget: int | float | str = 256
+    question: str | None = None
+    answer: str | None = None
+    protocol: Literal["stream", "context"] = "stream"
+    kv_bits: Literal[8, 4, 2] | None = None
+    max_new_tokens: int = Field(default=16, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        return _no_surrogates(data)
 
 
 class CompletionRequest(_Request):
@@ -540,9 +561,11 @@ class Worker(threading.Thread):
 
 def _texts_of(request: _Request) -> list[dict]:
     """``messages=`` or ``prompt=`` for each choice the request asks, as the engine takes them."""
+    context = {"context": request.context} if request.context is not None else {}
     if isinstance(request, ChatRequest):
-        return [{"messages": [m.as_engine() for m in request.messages]}]
-    return [{"prompt": prompt} for prompt in ([request.prompt] if isinstance(request.prompt, str) else request.prompt)]
+        return [{"messages": [m.as_engine() for m in request.messages], **context}]
+    return [{"prompt": prompt, **context}
+            for prompt in ([request.prompt] if isinstance(request.prompt, str) else request.prompt)]
 
 
 def kv_bound(engine: Engine, limits: Limits) -> int:
@@ -555,6 +578,10 @@ def kv_bound(engine: Engine, limits: Limits) -> int:
     per_session = (budget + engine.chunk_size) * per_token + per_row
     return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * ((budget + 1) * per_token
                                                                                          + per_row)
+
+
+OPEN_PATHS = ("/health", "/inspect")  # answered without an API key: a health check, and a page with no data (the
+# data it asks for, /v1/inspect, takes the key, which the page's form sends)
 
 
 class Guard:
@@ -572,7 +599,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         namespace = ""
-        if self.keys and scope["path"] != "/health":
+        if self.keys and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             match = [ns for key, ns in self.keys.items() if hmac.compare_digest(given.encode(), f"Bearer {key}".encode())]
             if not match:
@@ -638,6 +665,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         yield
         worker.stopping.set()
         preparer.shutdown(cancel_futures=True)
+        inspector.shutdown(cancel_futures=True)
         await asyncio.to_thread(worker.join, 30)
 
     app = FastAPI(title="sparsegen", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -898,6 +926,39 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
     async def model(model_id: str) -> ModelCard:
         served(model_id)
         return ModelCard(id=model_name, created=int(started))
+
+    # one inspection at a time, beside the engine (it runs the model over a whole text once per policy), with its
+    # own tokenizer (a fast tokenizer refuses concurrent calls)
+    inspector, inspect_tokenizer = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-inspect"), None
+
+    @app.get("/inspect", response_class=HTMLResponse)
+    async def inspect_page():
+        """The cache inspector: a form that asks ``/v1/inspect`` (which takes the API key, if the server has one)."""
+        from sparsegen.eval.inspect import page
+
+        return HTMLResponse(page(api=True))
+
+    @app.post("/v1/inspect")
+    async def inspect_kept(body: InspectRequest):
+        nonlocal inspect_tokenizer
+        from sparsegen.eval.inspect import inspect
+
+        if body.max_new_tokens > limits.max_tokens:
+            raise ApiError(400, f"max_new_tokens is over this server's limit of {limits.max_tokens}",
+                           param="max_new_tokens")
+        if inspect_tokenizer is None:
+            inspect_tokenizer = copy.deepcopy(engine.tokenizer)
+        tokens = len(inspect_tokenizer(body.text + (body.question or ""))["input_ids"])
+        if tokens > limits.max_prompt_tokens:
+            raise ApiError(400, f"the text has {tokens:,} tokens, over this server's limit of "
+                                f"{limits.max_prompt_tokens:,} (--max-prompt-tokens)", param="text")
+        run = partial(inspect, engine.model, inspect_tokenizer, body.text, body.policies, body.budget,
+                      question=body.question, answer=body.answer, protocol=body.protocol, kv_bits=body.kv_bits,
+                      chunk_size=engine.chunk_size, max_new_tokens=body.max_new_tokens, model_name=model_name)
+        try:
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(inspector, run))
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
 
     @app.get("/health")
     async def health():

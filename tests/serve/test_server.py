@@ -567,3 +567,41 @@ def test_the_memory_bound_counts_quantized_caches_as_they_are_stored(reference):
     while not job.done:
         engine.step([job])
     assert 0 < engine.kv_bytes() <= bounds[4] < bounds[None]
+
+
+def test_a_compressed_context_is_served_by_name(reference):
+    """Requests that name a --context continue it from its compressed cache: the same text as generate on it, with
+    only the request's own tokens encoded."""
+    model, tokenizer = reference
+    document = "It was late in the evening when the old man came back to the house by the river. " * 6
+    compressed = sparsegen.compress(model, tokenizer, document, policy="streaming", budget=BUDGET)
+    running = Running(model, tokenizer, Limits(max_sessions=4, max_batch=4, max_tokens=64), contexts={"doc": compressed})
+    try:
+        question = " The old man said that"
+        expected = generate(model, tokenizer, context=compressed, question=question, max_new_tokens=12)
+        before = running.metrics()
+        body = httpx.post(f"{running.url}/v1/completions", timeout=60,
+                          json={"prompt": question, "max_tokens": 12, "context": "doc"}).json()
+        assert body["choices"][0]["text"] == expected.text
+        fed = running.metrics()["sparsegen_prefill_tokens_total"] - before["sparsegen_prefill_tokens_total"]
+        assert fed == len(tokenizer(question, add_special_tokens=False)["input_ids"])  # not the document
+        turns = [httpx.post(f"{running.url}/v1/completions", timeout=60, headers={"X-Session-Id": "c1"},
+                            json={"prompt": question, "max_tokens": 6, "context": "doc"}).json()]
+        follow = question + turns[0]["choices"][0]["text"] + " and then"
+        turns.append(httpx.post(f"{running.url}/v1/completions", timeout=60, headers={"X-Session-Id": "c1"},
+                                json={"prompt": follow, "max_tokens": 6, "context": "doc"}))
+        assert turns[1].headers["X-Session-History"] == "kept"
+        assert turns[1].json()["choices"][0]["text"] == generate(
+            model, tokenizer, context=compressed, question=follow, max_new_tokens=6).text
+        unknown = httpx.post(f"{running.url}/v1/completions", timeout=60,
+                             json={"prompt": question, "max_tokens": 4, "context": "nope"})
+        assert unknown.status_code == 400 and "unknown context 'nope'" in unknown.json()["error"]["message"]
+        chat = httpx.post(f"{running.url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "Who came back?"}], "max_tokens": 6,
+                                "context": "doc"})
+        assert chat.status_code == 200
+    finally:
+        running.stop()
+    other = sparsegen.compress(model, tokenizer, document, policy="h2o", budget=BUDGET)
+    with pytest.raises(ValueError, match="compressed under"):
+        Engine(model, tokenizer, lambda: make_policy("streaming", BUDGET), contexts={"doc": other})

@@ -1,0 +1,172 @@
+"""Compressed contexts: a document prefilled once and compressed to a policy's budget, then reused for many questions
+(kvpress's protocol, and what its users ask for: compress once, ask many times) and saved to disk.
+
+A ``CompressedContext`` is a snapshot of an ``EvictionCache`` after the context: every layer's held slots (keys and
+values, quantized or not; positions, scores, the policy's memo) and counts. ``cache(model)`` rebuilds a live cache
+from it for one question, so questions never see each other. ``save`` writes one ``safetensors`` file whose metadata
+records the model's fingerprint and the policy; ``load`` refuses a model other than the one that compressed it,
+since its keys and values mean nothing to another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparsegen.kv.cache import BUFFERS, ROW_STATE, EvictionCache
+from sparsegen.kv.policies import OPTIONS, POLICIES
+from sparsegen.kv.policy import Policy
+from sparsegen.kv.quantized import KVQuantization
+
+FORMAT = "sparsegen.compressed_context/1"
+SAMPLE = 4096  # elements of each weight read into the fingerprint (evenly spaced): enough to tell pruned or
+# quantized weights, or another checkpoint of the same architecture, apart without hashing every byte
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of the model's config and a sample of every weight and buffer: equal for the same checkpoint loaded
+    the same way, different for another architecture, checkpoint, pruning or quantization."""
+    digest = hashlib.sha256()
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(volatile, None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0]):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def policy_from_description(description: dict) -> Policy:
+    """The policy ``Policy.describe()`` described, rebuilt by its class from the options that class takes; refuses
+    a description it cannot rebuild exactly."""
+    name = description.get("policy")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} in a saved context; this sparsegen knows {', '.join(POLICIES)}")
+    options = {k: description[k] for k in OPTIONS[name] if description.get(k) is not None}
+    policy = POLICIES[name](description["budget"], **options) if name != "full" else POLICIES[name]()
+    if policy.describe() != description:
+        raise ValueError(f"cannot rebuild policy {description} from its options; pass the Policy itself")
+    return policy
+
+
+@dataclass
+class CompressedContext:
+    tensors: dict[str, torch.Tensor]  # "seen", "context_ids" and "layers.{i}.{buffer}" (a layer's held slots)
+    meta: dict  # format, model fingerprint and name, policy, positions, kv quantization, counts
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of context it was compressed from."""
+        return int(self.tensors["context_ids"].numel())
+
+    @property
+    def held_tokens(self) -> int:
+        return max(layer["used"] // layer["fan"] for layer in self.meta["layers"])
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.nbytes for name, t in self.tensors.items() if name.startswith("layers."))
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, cache: EvictionCache, context_ids: torch.Tensor,
+           text: str = "") -> CompressedContext:
+        """Snapshot ``cache``, fed ``context_ids`` (one sequence, evicted to its budget; the tokens of ``text``),
+        for ``model``."""
+        if cache.seen is None or cache.seen.shape[0] != 1 or cache.step is not None:
+            raise ValueError("a compressed context is a cache of one sequence, fed and between calls")
+        tensors = {"seen": cache.seen.clone(), "context_ids": context_ids.reshape(-1).cpu().clone()}
+        layers = []
+        for i, layer in enumerate(cache.layers):
+            for name, buf in layer.buffers() + layer.row_state():
+                held = buf[:, :, :layer.used] if name in BUFFERS else buf  # slots past `used` hold nothing
+                tensors[f"layers.{i}.{name}"] = held.contiguous().clone()
+            layers.append({"used": layer.used, "fan": layer.fan, "peak_tokens": layer.peak_tokens})
+        quant = cache.quantization
+        meta = {"format": FORMAT, "model": getattr(model.config, "_name_or_path", "") or "",
+                "fingerprint": model_fingerprint(model), "policy": cache.policy.describe(),
+                "positions": cache.positions, "chunk_size": cache.chunk_size,
+                "kv_quantization": quant.describe() if quant else None,
+                "length": cache.length, "padded": cache.padded, "layers": layers, "text": text}
+        return cls(tensors, meta)
+
+    def check(self, model: torch.nn.Module) -> None:
+        if model_fingerprint(model) != self.meta["fingerprint"]:
+            raise ValueError(f"this context was compressed by another model ({self.meta['model'] or 'unnamed'}, "
+                             f"fingerprint {self.meta['fingerprint']}): compress it again with this one")
+
+    @property
+    def text(self) -> str:
+        """The context's text (what a server's requests under it continue)."""
+        return self.meta.get("text", "")
+
+    def cache(self, model: torch.nn.Module, policy: Policy | None = None, **options) -> EvictionCache:
+        """A live cache holding the compressed context, for one question (decoding changes it; the context does
+        not). ``policy``: the policy object to run on (its ``describe()`` must match the saved one), for policies
+        whose options the description cannot rebuild. ``options``: more of ``EvictionCache``'s (``max_length``)."""
+        self.check(model)
+        meta = self.meta
+        if policy is None:
+            policy = policy_from_description(meta["policy"])
+        elif policy.describe() != meta["policy"]:
+            raise ValueError(f"the context was compressed under {meta['policy']}, not {policy.describe()}")
+        quant = meta["kv_quantization"]
+        cache = EvictionCache(model, policy, positions=meta["positions"], chunk_size=meta["chunk_size"],
+                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else None,
+                              **options)
+        if len(cache.layers) != len(meta["layers"]):
+            raise ValueError("the saved context's layers do not match the model's")
+        device = next(model.parameters()).device
+        for i, (layer, counts) in enumerate(zip(cache.layers, meta["layers"])):
+            for name in BUFFERS + ROW_STATE:
+                saved = self.tensors.get(f"layers.{i}.{name}")
+                setattr(layer, name, None if saved is None else saved.to(device, copy=True))
+            layer.used, layer.fan, layer.peak_tokens = counts["used"], counts["fan"], counts["peak_tokens"]
+            if layer.keys is not None:
+                layer.device, layer.is_initialized = device, True
+                layer.dtype = layer.keys.dtype if quant is None else model.dtype  # what attention computes in
+        cache.seen = self.tensors["seen"].to(device, copy=True)
+        cache.length, cache.padded = meta["length"], meta["padded"]
+        return cache
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"save a compressed context as NAME.safetensors, got {str(path)!r}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        save_file({k: v.cpu() for k, v in self.tensors.items()}, str(partial),
+                  metadata={"sparsegen": json.dumps(self.meta)})
+        partial.replace(path)  # a crash mid-write never leaves a truncated context under the name
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> CompressedContext:
+        """Read a saved context; with ``model``, refuse it unless that model compressed it."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no compressed context at {str(path)!r}: write one with `sparsegen compress`")
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("sparsegen")
+            meta = json.loads(raw) if raw else {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{str(path)!r} is not a sparsegen compressed context ({FORMAT})")
+            context = cls({name: f.get_tensor(name) for name in f.keys()}, meta)
+        if model is not None:
+            context.check(model)
+        return context
+
+    def describe(self) -> dict:
+        return {"model": self.meta["model"], **self.meta["policy"], **(self.meta["kv_quantization"] or {}),
+                "positions": self.meta["positions"], "context_tokens": self.tokens, "kv_tokens": self.held_tokens,
+                "kv_bytes": self.held_bytes}

@@ -1,0 +1,115 @@
+"""Compressed contexts: compressed once, asked many times, saved and loaded, refused by another model."""
+
+import pytest
+import torch
+
+import sparsegen
+from sparsegen.decoding import DecodeStep, prefill
+from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv.context import CompressedContext, model_fingerprint
+from tests.kv.families import VOCAB, tiny_model
+
+CONTEXT = " ".join(["it was the best of times, it was the worst of times, it was the age of wisdom"] * 4)
+QUESTIONS = [" it was the season of", " the age of"]
+POLICIES = [("full", None, None), ("streaming", 16, None), ("h2o", 0.3, None), ("snapkv", 0.25, None),
+            ("h2o", 0.3, 4), ("adakv", 0.3, None), ("pyramid", 24, None)]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_checkpoint):
+    return sparsegen.load(tiny_checkpoint)
+
+
+@pytest.mark.parametrize("policy,budget,kv_bits", POLICIES)
+def test_a_compressed_context_answers_as_the_context_protocol_does(model_and_tokenizer, policy, budget, kv_bits):
+    """The same tokens as compressing the context inside each generate, for every question asked of one context."""
+    model, tokenizer = model_and_tokenizer
+    options = dict(policy=policy, budget=budget, kv_bits=kv_bits)
+    compressed = sparsegen.compress(model, tokenizer, CONTEXT, **options)
+    for question in QUESTIONS:
+        each = sparsegen.generate(model, tokenizer, context=CONTEXT, question=question, max_new_tokens=6,
+                                  stop_at_eos=False, **options)
+        once = sparsegen.generate(model, tokenizer, context=compressed, question=question, max_new_tokens=6,
+                                  stop_at_eos=False)
+        assert once.texts == each.texts
+        assert once.prompt_tokens == each.prompt_tokens
+        assert once.cache["kv_tokens"] == each.cache["kv_tokens"]
+    if budget is not None:
+        assert compressed.held_tokens < compressed.tokens
+
+
+def test_the_full_context_continues_the_models_own_generation(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    compressed = sparsegen.compress(model, tokenizer, CONTEXT)
+    ids = tokenizer(CONTEXT)["input_ids"] + tokenizer(QUESTIONS[0], add_special_tokens=False)["input_ids"]
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id)
+    got = sparsegen.generate(model, tokenizer, context=compressed, question=QUESTIONS[0], max_new_tokens=8,
+                             stop_at_eos=False)
+    assert got.texts == [tokenizer.decode(expected[0, len(ids):], skip_special_tokens=True)]
+
+
+def test_save_and_load_round_trip(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    compressed = sparsegen.compress(model, tokenizer, CONTEXT, policy="h2o", budget=0.3, kv_bits=4)
+    path = compressed.save(tmp_path / "doc.safetensors")
+    assert not list(tmp_path.glob("*.partial"))
+    loaded = CompressedContext.load(path, model)
+    assert loaded.meta == compressed.meta
+    assert loaded.tensors.keys() == compressed.tensors.keys()
+    assert all(torch.equal(loaded.tensors[k], compressed.tensors[k]) for k in compressed.tensors)
+    assert loaded.describe()["policy"] == "h2o" and loaded.describe()["kv_bits"] == 4
+    a = sparsegen.generate(model, tokenizer, context=loaded, question=QUESTIONS[0], max_new_tokens=6)
+    b = sparsegen.generate(model, tokenizer, context=compressed, question=QUESTIONS[0], max_new_tokens=6)
+    assert a.texts == b.texts
+
+
+def test_another_model_or_a_bad_file_is_refused(model_and_tokenizer, tiny_checkpoint, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    path = sparsegen.compress(model, tokenizer, CONTEXT, policy="streaming", budget=16).save(tmp_path / "c.safetensors")
+    other, _ = sparsegen.load(tiny_checkpoint)
+    assert model_fingerprint(other) == model_fingerprint(model)  # the same checkpoint loaded again
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)
+    with pytest.raises(ValueError, match="another model"):
+        CompressedContext.load(path, other)
+    loaded = CompressedContext.load(path)  # no model: read only
+    with pytest.raises(ValueError, match="another model"):
+        sparsegen.generate(other, tokenizer, context=loaded, question=QUESTIONS[0])
+    with pytest.raises(FileNotFoundError, match="sparsegen compress"):
+        CompressedContext.load(tmp_path / "missing.safetensors")
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not a sparsegen compressed context"):
+        CompressedContext.load(tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="NAME.safetensors"):
+        loaded.save(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="carries its policy.*budget"):
+        sparsegen.generate(model, tokenizer, context=loaded, question="x", policy="h2o", budget=8)
+    with pytest.raises(ValueError, match="question"):
+        sparsegen.generate(model, tokenizer, context=loaded)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_restored_caches_continue_as_the_original(family):
+    """Token level, on a model with sliding-window layers too: a restored snapshot decodes what the cache it was
+    taken from decodes."""
+    model = tiny_model(family)
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    question = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    policy = make_policy("h2o", 12)
+    original = EvictionCache(model, policy)
+    prefill(model, original, ids, torch.ones_like(ids), 64, first_chunk=40)
+    restored = CompressedContext.of(model, original, ids).cache(model)
+    assert restored.held_tokens() == original.held_tokens()
+    step = DecodeStep(model)
+    logits = [prefill(model, cache, question, torch.ones_like(question), 64, start=40)
+              for cache in (original, restored)]
+    for position in range(45, 53):  # past the budget: evictions by the restored scores
+        assert torch.equal(logits[0], logits[1])
+        token = logits[0].argmax(-1)
+        logits = [step(cache, token, torch.tensor([position])) for cache in (original, restored)]
+    assert restored.held_tokens() == original.held_tokens() and max(original.held_tokens()) == 12
+    for a, b in zip(original.layers, restored.layers):  # the same slots, scores and positions after evicting
+        for (name, x), (_, y) in zip(a.buffers(), b.buffers()):
+            assert torch.equal(x[:, :, :a.used], y[:, :, :b.used]), name
