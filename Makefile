@@ -31,6 +31,12 @@ demo: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
+# Debian's Chromium for the inspector's browser test (tests/eval/test_inspect.py drives it with playwright, from the
+# dev extra; no browser download). Needs root and apt; without a browser that one test skips.
+.PHONY: browser
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
 # The oldest transformers this package claims (pyproject: transformers>=5.0), in its own venv.
 .PHONY: test-oldest
 test-oldest:

@@ -286,10 +286,11 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     data = inspect(model, tokenizer, text, args.policies, args.budget, question=args.question, answer=args.answer,
                    protocol=args.protocol, kv_bits=args.kv_bits, chunk_size=args.chunk_size,
                    max_new_tokens=args.max_new_tokens, model_name=args.model)
-    pairs = data["layers"] * data["heads"]
+    pairs, mass = data["layers"] * data["heads"], [m for m in data["sink_mass"] if m is not None]
     print(f"{args.model}: {data['prompt_tokens']:,} prompt tokens, budget {args.budget}, {data['layers']} layers x "
-          f"{data['heads']} KV heads; attention on the first {data['sinks']} tokens: "
-          f"{min(data['sink_mass']):.0%}-{max(data['sink_mass']):.0%} by layer")
+          f"{data['heads']} KV heads; attention on the first {data['sinks']} tokens: {min(mass):.0%}-{max(mass):.0%} "
+          f"by layer" + (f" ({len(mass)} global layers; sliding-window layers keep their window)"
+                         if len(mass) < len(data["sink_mass"]) else ""))
     print("| policy | tokens held per head | prompt tokens held by some head | answer tokens held | reply |")
     print("|---|---|---|---|---|")
     for name, row in data["policies"].items():

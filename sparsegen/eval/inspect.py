@@ -38,7 +38,7 @@ def _kept(cache: EvictionCache, layer, heads: int) -> list[list[int]]:
 def _scores(cache: EvictionCache, layer, length: int) -> tuple[list[float | None], list[bool]]:
     """The policy's priority of each token, averaged over the heads holding it (None: held by none, or by its rule
     alone), and whether the policy's rule keeps it whatever it scores (an infinite priority: sinks, recent)."""
-    if not layer.is_initialized or layer.used == 0:
+    if not layer.is_initialized or layer.used == 0 or layer.policy.budget is None:  # (full scores nothing)
         return [None] * length, [False] * length
     priority = layer.policy.priority(layer.view(cache.seen))[0].double()  # [rows, slots]
     index, valid = layer.index[0, :, :layer.used], layer.valid[0, :, :layer.used]
@@ -53,12 +53,16 @@ def _scores(cache: EvictionCache, layer, length: int) -> tuple[list[float | None
 @torch.inference_mode()
 def sink_mass(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK, sinks: int = SINKS) -> list:
     """Per layer, the share of all attention (every query, every head) that went to the first ``sinks`` tokens,
-    from an attention-scoring cache that keeps every token."""
+    from an attention-scoring cache that keeps every token (None for a sliding-window layer, which keeps its window
+    whatever the policy and scores nothing)."""
     length = ids.shape[1]
     cache = EvictionCache(model, make_policy("h2o", length + 1), chunk_size=chunk_size)
     prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False)
     shares = []
     for layer in cache.layers:
+        if layer.attention is None:
+            shares.append(None)
+            continue
         attention = layer.observed(layer.used)[0].double()  # [heads, slots]
         index = layer.index[0, :, :layer.used]
         total = attention.sum()
@@ -67,14 +71,14 @@ def sink_mass(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int = DEFAU
 
 
 def answer_tokens(offsets: list[tuple[int, int]], text: str, answer: str | None) -> list[int]:
-    """Tokens of the prompt that overlap the last occurrence of ``answer`` in ``text`` (empty if absent)."""
+    """Tokens of the prompt that overlap an occurrence of ``answer`` in ``text`` (empty if absent)."""
     if not answer:
         return []
-    start = text.rfind(answer)
-    if start < 0:
-        return []
-    end = start + len(answer)
-    return [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+    spans, start = [], text.find(answer)
+    while start >= 0:
+        spans.append((start, start + len(answer)))
+        start = text.find(answer, start + 1)
+    return [i for i, (a, b) in enumerate(offsets) if b > a and any(a < end and b > begin for begin, end in spans)]
 
 
 def _offsets(tokenizer, text: str, ids: list[int]) -> tuple[list[str], list[tuple[int, int]]]:
@@ -132,7 +136,8 @@ def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | 
               "question_start": len(text_ids), "answer_tokens": needed, "layers": config.num_hidden_layers,
               "heads": heads, "sinks": SINKS, "sink_mass": sink_mass(model, ids, chunk_size), "policies": {}}
     for name in names:
-        policy = make_policy(name, budget, input_length=len(text_ids) if protocol == "context" else length)
+        policy = make_policy(name, None if name == "full" else budget,
+                             input_length=len(text_ids) if protocol == "context" else length)
         cache = EvictionCache(model, policy, chunk_size=chunk_size, kv_bits=kv_bits)
         first = len(text_ids) if protocol == "context" else None
         logits = prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False, first_chunk=first)
@@ -148,12 +153,13 @@ def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | 
         scored = [_scores(cache, layer, length) for layer in cache.layers]
         score = [_mean([s[t] for s, _ in scored if s[t] is not None]) for t in range(length)]
         protected = [any(rule[t] for _, rule in scored) for t in range(length)]
+        held = max(cache.held_tokens())
         reply = ""
         if question and max_new_tokens:
             reply = _answer(model, tokenizer, cache, logits, length, max_new_tokens)
         result["policies"][name] = {
             **policy.describe(), "kept": kept, "count": count, "layers_kept": layers_of, "score": score,
-            "protected": protected, "kv_tokens": max(cache.held_tokens()), "reply": reply,
+            "protected": protected, "kv_tokens": held, "reply": reply,
             "answer_kept": _share([count[t] for t in needed], len(kept) * heads),
         }
     return result

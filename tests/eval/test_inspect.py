@@ -23,7 +23,7 @@ def reference():
 @pytest.fixture(scope="module")
 def inspected(reference):
     model, tokenizer = reference
-    return inspect(model, tokenizer, TEXT, "window,streaming,h2o,snapkv,adakv", budget=48, question=QUESTION,
+    return inspect(model, tokenizer, TEXT, "full,window,streaming,h2o,snapkv,adakv", budget=48, question=QUESTION,
                    answer="4417", max_new_tokens=4)
 
 
@@ -44,6 +44,8 @@ def test_kept_sets_are_the_caches_own(reference, inspected):
                                 for token in range(ids.shape[1])]
         assert row["kv_tokens"] == max(cache.held_tokens()) <= 48
         assert all(row["score"][t] is None for t in range(ids.shape[1]) if row["count"][t] == 0)
+    full = inspected["policies"]["full"]
+    assert full["count"] == [inspected["layers"] * inspected["heads"]] * ids.shape[1] and full["answer_kept"] == 1.0
     window = inspected["policies"]["window"]
     assert window["count"][-48:] == [inspected["layers"] * inspected["heads"]] * 48 and sum(window["count"][:-48]) == 0
     streaming = inspected["policies"]["streaming"]
@@ -60,6 +62,7 @@ def test_answer_tokens_and_sink_mass(reference, inspected):
     assert len(inspected["sink_mass"]) == inspected["layers"]
     assert all(0 < share < 1 for share in inspected["sink_mass"])
     assert answer_tokens([(0, 3), (3, 7)], "abcdefg", "zz") == []
+    assert answer_tokens([(0, 2), (2, 4), (4, 6)], "abxxab", "ab") == [0, 2]
     assert all(isinstance(row["reply"], str) for row in inspected["policies"].values())
 
 
