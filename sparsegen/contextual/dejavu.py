@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from sparsegen.models.families import family
 from sparsegen.contextual.collect import capture
 from sparsegen.contextual.runtime import Contextual, LowRankPredictor, check_heads, model_info, predictor_name
 from sparsegen.contextual.stats import needed_fraction
@@ -136,7 +137,7 @@ def fit_dejavu(model: nn.Module, ids: torch.Tensor, config: DejaVuConfig, batch_
     train, val, test = _splits(*ids.shape)
     relu = str(getattr(model.config, "hidden_act", getattr(model.config, "activation_function", ""))) in RELU_FAMILY
     hidden = model.config.get_text_config().hidden_size
-    mlp_matrices = 3 if model_type not in ("gpt_neox", "opt") else 2
+    mlp_matrices = family(model_type).mlp_matrices
     predictors, top_k, layers_report = nn.ModuleDict(), [], []
     bar = tqdm(total=len(data.neurons) * (2 if config.heads else 1), desc="predictors", disable=not progress)
     for index in range(len(data.neurons)):

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsegen.contextual.layers import ColumnSparseLinear, RowSparseLinear
-from sparsegen.models.anatomy import HEAD_FAMILIES, decoder_layers, mlp_layout, neuron_count
+from sparsegen.models.anatomy import decoder_layers, head_families, mlp_layout, neuron_count
+from sparsegen.models.families import family
 
 METHODS = ("dejavu", "teal")
 CONFIG = "contextual.json"
@@ -286,6 +287,6 @@ def detach(model: nn.Module) -> nn.Module:
 
 def check_heads(model: nn.Module) -> None:
     model_type = model.config.model_type
-    if model_type not in HEAD_FAMILIES:
-        raise ValueError(f"skipping heads needs separate q/o projections ({', '.join(HEAD_FAMILIES)}); "
+    if not family(model_type).separate_heads:
+        raise ValueError(f"skipping heads needs separate q/o projections ({', '.join(head_families())}); "
                          f"{model_type} fuses its attention. Fit MLP predictors only (--heads 0)")

@@ -17,7 +17,7 @@ from sparsegen.contextual.runtime import suspended
 from sparsegen.decoding import DecodeStep, prefill
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
-from sparsegen.kv.policies import Full
+from sparsegen.kv.policies.full import Full
 
 
 def cut_prompts(tokens: np.ndarray, count: int, length: int, bos_id: int | None) -> torch.Tensor:

@@ -20,10 +20,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from sparsegen.models.families import family
 from sparsegen.kv.policy import TokenView
 from sparsegen.models.cache_arg import passed_cache
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "phi3", "opt")
 BACKENDS = ("sdpa", "eager")
 CACHE_KWARG = "sparsegen_cache"  # how the decoder hook hands the cache to every layer's attention, through the call
 FEW_QUERIES = 17  # up to a speculative verification: the pending token and 16 drafts
@@ -374,9 +374,7 @@ def _end(module, args, kwargs, output):
 
 def prepare(model: torch.nn.Module) -> None:
     """Make ``model`` evict through sparsegen (idempotent). Other caches keep transformers' exact behaviour."""
-    model_type = model.config.model_type
-    if model_type not in SUPPORTED:
-        raise ValueError(f"unsupported architecture {model_type!r}: eviction supports {', '.join(SUPPORTED)}")
+    family(model.config.model_type)  # (refuses an architecture sparsegen does not know)
     current = model.config._attn_implementation
     if not current.startswith("sparsegen_"):
         if current not in BACKENDS:

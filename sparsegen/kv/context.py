@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from sparsegen.kv.cache import BUFFERS, ROW_STATE, EvictionCache
-from sparsegen.kv.policies import OPTIONS, POLICIES
-from sparsegen.kv.policy import Policy
+from sparsegen.kv.policies import policy_class
+from sparsegen.kv.policy import Policy, policy_options
 from sparsegen.kv.quantized import KVQuantization
 
 FORMAT = "sparsegen.compressed_context/1"
@@ -46,11 +46,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def policy_from_description(description: dict) -> Policy:
     """The policy ``Policy.describe()`` described, rebuilt by its class from the options that class takes; refuses
     a description it cannot rebuild exactly."""
-    name = description.get("policy")
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r} in a saved context; this sparsegen knows {', '.join(POLICIES)}")
-    options = {k: description[k] for k in OPTIONS[name] if description.get(k) is not None}
-    policy = POLICIES[name](description["budget"], **options) if name != "full" else POLICIES[name]()
+    cls = policy_class(description.get("policy"))
+    options = {k: description[k] for k in policy_options(cls) if description.get(k) is not None}
+    policy = cls(description["budget"], **options) if description["budget"] is not None else cls(**options)
     if policy.describe() != description:
         raise ValueError(f"cannot rebuild policy {description} from its options; pass the Policy itself")
     return policy

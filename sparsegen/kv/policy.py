@@ -7,6 +7,7 @@ KV head after each forward step (ties go to the more recent token) and does all 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -81,3 +82,25 @@ class Policy:
 
     def describe(self) -> dict:
         return {"policy": self.name, "budget": self.budget}
+
+
+POLICIES: dict[str, type[Policy]] = {}  # name -> class: every policy registered (``register_policy``)
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy available by its ``name`` everywhere a policy is named (``make_policy``, the
+    CLI's ``--policy``, saved contexts, the test matrices). Its options are its constructor's keyword arguments."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)) or not isinstance(getattr(cls, "name", None), str):
+        raise TypeError("register_policy takes a Policy subclass with a name")
+    known = POLICIES.get(cls.name)
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise ValueError(f"a policy named {cls.name!r} is already registered ({known.__module__}.{known.__qualname__})")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_options(cls: type[Policy]) -> tuple[str, ...]:
+    """The options a policy takes besides its budget: its constructor's parameters."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return tuple(name for name in list(parameters)[1:] if name != "budget"
+                 and parameters[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))

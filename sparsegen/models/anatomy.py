@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-# families whose attention sizes come from the projections (so KV groups can be removed)
-HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-# (names of the layers whose output rows are neurons, the layer whose input columns are neurons)
-MLP_LAYOUTS = {
-    "gpt_neox": (("mlp.dense_h_to_4h",), "mlp.dense_4h_to_h"),
-    "opt": (("fc1",), "fc2"),
-    "phi3": (("mlp.gate_up_proj",), "mlp.down_proj"),
-}
-LLAMA_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")
+from sparsegen.models.families import FAMILIES, family
+
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -30,7 +23,13 @@ def linears(layer: nn.Module) -> dict[str, nn.Linear]:
 
 
 def mlp_layout(model_type: str) -> tuple[tuple[str, ...], str]:
-    return MLP_LAYOUTS.get(model_type, LLAMA_MLP)
+    """(names of the layers whose output rows are the MLP's neurons, the layer whose input columns are)."""
+    return family(model_type).mlp
+
+
+def head_families() -> list[str]:
+    """Families whose q/k/v/o projections are sized by head counts (KV groups can be removed or skipped)."""
+    return [name for name, f in FAMILIES.items() if f.separate_heads]
 
 
 def neuron_count(layer: nn.Module, model_type: str) -> int:

@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from sparsegen.models.calibration import Statistics, calibrated_layers
-from sparsegen.pruning.masks import (check_sparsity, magnitude_scores, n_m_mask, parse_pattern, unstructured_mask,
-                                     wanda_scores)
+from sparsegen.pruning.masks import check_sparsity, parse_pattern
 from sparsegen.pruning import structured
-from sparsegen.pruning.sparsegpt import sparsegpt_prune
+from sparsegen.pruning.methods import PRUNING_METHODS, PruningMethod, pruning_method
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
+METHODS = PRUNING_METHODS  # name -> class, every registered method
 
 
 @dataclass
@@ -39,8 +38,7 @@ class PruneConfig:
     amounts: dict[str, float] | None = field(init=False, default=None)
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"unknown pruning method {self.method!r}; choose one of {', '.join(METHODS)}")
+        rule = pruning_method(self.method)
         if sum(x is not None for x in (self.sparsity, self.pattern, self.structured)) != 1:
             raise ValueError("give exactly one of a sparsity (e.g. 0.5), an N:M pattern (e.g. 2:4) and a structured "
                              "amount (e.g. neurons=0.5)")
@@ -48,13 +46,14 @@ class PruneConfig:
             self.nm = parse_pattern(self.pattern)
         elif self.structured is not None:
             self.amounts = structured.parse_structured(self.structured)
-            if self.method == "sparsegpt":
-                raise ValueError("structured pruning scores whole neurons and heads with wanda or magnitude; "
-                                 "sparsegpt prunes single weights")
+            if not rule.structured:
+                able = ", ".join(name for name, cls in METHODS.items() if cls.structured)
+                raise ValueError(f"structured pruning scores whole neurons and heads ({able}); {self.method} prunes "
+                                 "single weights")
         else:
             check_sparsity(self.sparsity)
         if self.per_row is None:
-            self.per_row = self.method == "wanda"
+            self.per_row = rule.per_row
         if self.nsamples < 1 or self.seqlen < 2:
             raise ValueError("nsamples must be >= 1 and seqlen >= 2")
 
@@ -65,24 +64,12 @@ class PruneConfig:
         return self.sparsity if self.nm is None else 1 - self.nm[0] / self.nm[1]
 
 
-STATISTIC = {"magnitude": None, "wanda": "norms", "sparsegpt": "hessian"}  # what each method needs of the inputs
-
-
-def _prune_linear(linear: torch.nn.Linear, config: PruneConfig, stats: Statistics | None) -> None:
+def _prune_linear(linear: torch.nn.Linear, config: PruneConfig, rule: PruningMethod, stats: Statistics | None) -> None:
     weight = linear.weight.data
     if config.nm is not None and weight.shape[1] % config.nm[1]:
         raise ValueError(f"pattern {config.pattern} needs every input dimension to be a multiple of {config.nm[1]}; "
                          f"a layer has {weight.shape[1]}")
-    if config.method == "sparsegpt":
-        pruned, _ = sparsegpt_prune(weight, stats.hessian(), config.sparsity or 0.0, config.nm)
-        weight.copy_(pruned)
-        return
-    scores = magnitude_scores(weight) if config.method == "magnitude" else wanda_scores(weight, stats.sq_sum)
-    if config.nm is not None:
-        mask = n_m_mask(scores, *config.nm)
-    else:
-        mask = unstructured_mask(scores, config.sparsity, config.per_row)
-    weight.masked_fill_(mask, 0)
+    weight.copy_(rule.prune(weight, stats, config.sparsity or 0.0, config.nm, config.per_row))
 
 
 @torch.no_grad()
@@ -94,15 +81,16 @@ def prune_model(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor |
     """
     if config.amounts is not None:
         return structured.prune_structured(model, config, ids, progress)
-    needs_data = config.method != "magnitude"
+    rule = pruning_method(config.method)
+    needs_data = rule.statistic is not None
     if needs_data and ids is None:
         raise ValueError(f"{config.method} needs calibration data")
     t0 = time.perf_counter()
     report_layers = []
-    for index, _, linears, stats in calibrated_layers(model, ids, STATISTIC[config.method], config.batch_size,
+    for index, _, linears, stats in calibrated_layers(model, ids, rule.statistic, config.batch_size,
                                                       f"prune ({config.method})", progress):
         for name, linear in linears.items():
-            _prune_linear(linear, config, stats.get(name))
+            _prune_linear(linear, config, rule, stats.get(name))
             zeros = int((linear.weight == 0).sum())
             report_layers.append({"name": f"layers.{index}.{name}", "shape": list(linear.weight.shape),
                                   "params": linear.weight.numel(), "zeros": zeros,

@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sparsegen.models.anatomy import (HEAD_FAMILIES, attention_heads, decoder_layers, group_count, mlp_layout,
+from sparsegen.models.anatomy import (head_families, attention_heads, decoder_layers, group_count, mlp_layout,
                                       neuron_count)
 from sparsegen.models.calibration import calibrated_layers
+from sparsegen.models.families import family
 from sparsegen.models.rebuild import register_rebuilder
+from sparsegen.pruning.methods import pruning_method
 
 if TYPE_CHECKING:
     from sparsegen.pruning.prune import PruneConfig
@@ -101,12 +103,9 @@ def lowest_kept(scores: torch.Tensor, fraction: float, what: str) -> torch.Tenso
 
 
 def check_supported(model_type: str, amounts: dict[str, float]) -> None:
-    if amounts.get("heads") and model_type not in HEAD_FAMILIES:
-        raise ValueError(f"removing heads supports {', '.join(HEAD_FAMILIES)}; {model_type} fuses or sizes its "
+    if amounts.get("heads") and not family(model_type).separate_heads:
+        raise ValueError(f"removing heads supports {', '.join(head_families())}; {model_type} fuses or sizes its "
                          f"attention from the config. Use --structured neurons=F for it")
-
-
-MLP_SIZE = {"opt": "ffn_dim"}  # the config field of the MLP width (intermediate_size elsewhere)
 
 
 def record(config, layers: nn.ModuleList) -> None:
@@ -116,12 +115,12 @@ def record(config, layers: nn.ModuleList) -> None:
     shapes rather than loading random ones)."""
     model_type = config.model_type
     neurons = [neuron_count(layer, model_type) for layer in layers]
-    groups = [group_count(layer) for layer in layers] if model_type in HEAD_FAMILIES else None
+    groups = [group_count(layer) for layer in layers] if family(model_type).separate_heads else None
     text = config.get_text_config()
     if len(set(neurons)) > 1 or (groups and len(set(groups)) > 1):
         config.sparsegen_structure = {"neurons": neurons, "kv_groups": groups}
         return
-    setattr(text, MLP_SIZE.get(model_type, "intermediate_size"), neurons[0])
+    setattr(text, family(model_type).mlp_size, neurons[0])
     if groups and groups[0] != text.num_key_value_heads:
         queries_per_group = text.num_attention_heads // text.num_key_value_heads
         text.head_dim = attention_heads(layers[0].self_attn)[2]  # explicit: it no longer follows from the width
@@ -144,9 +143,9 @@ def prune_structured(model: nn.Module, config: PruneConfig, ids: torch.Tensor | 
     """Remove the lowest-scoring MLP neurons and KV groups of every layer, shrinking the matrices in place."""
     model_type = model.config.model_type
     check_supported(model_type, config.amounts)
-    needs_data = config.method == "wanda"
+    needs_data = pruning_method(config.method).statistic is not None  # input norms weigh the scores; else all alike
     if needs_data and ids is None:
-        raise ValueError("wanda needs calibration data")
+        raise ValueError(f"{config.method} needs calibration data")
     t0 = time.perf_counter()
     before = sum(p.numel() for p in model.parameters())
     report_layers = []

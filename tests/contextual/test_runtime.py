@@ -9,7 +9,7 @@ from sparsegen.contextual import Contextual, attach, detach
 from sparsegen.contextual.runtime import LowRankPredictor, model_info, predictor_name
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.models.anatomy import HEAD_FAMILIES, decoder_layers, mlp_layout
+from sparsegen.models.anatomy import head_families, decoder_layers, mlp_layout
 from sparsegen.models.cache_arg import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
@@ -100,7 +100,7 @@ def _decode_logits(model, ids, cache):
 
 
 def _plans(family, model):
-    heads = 0.5 if family in HEAD_FAMILIES else None
+    heads = 0.5 if family in head_families() else None
     return {"dejavu": dejavu_plan(model, 0.3, heads), "teal": teal_plan(model, 0.5)}
 
 
@@ -110,7 +110,7 @@ def test_every_unit_chosen_equals_the_dense_model(family):
     with torch.no_grad():
         dense = model(IDS).logits
         dense_steps = _decode_logits(model, IDS, DynamicCache(config=model.config))
-        for plan in (dejavu_plan(model, 1.0, 1.0 if family in HEAD_FAMILIES else None), teal_plan(model, 0.0)):
+        for plan in (dejavu_plan(model, 1.0, 1.0 if family in head_families() else None), teal_plan(model, 0.0)):
             attach(model, plan)
             torch.testing.assert_close(model(IDS).logits, dense, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(_decode_logits(model, IDS, DynamicCache(config=model.config)), dense_steps,
@@ -203,7 +203,7 @@ def test_bad_plans_get_clear_errors(tmp_path):
 def test_suspended_runs_dense_and_fidelity_compares_with_the_dense_model():
     from sparsegen.contextual.runtime import suspended
     from sparsegen.eval.fidelity import fidelity
-    from sparsegen.kv.policies import Full
+    from sparsegen.kv.policies.full import Full
 
     model = tiny_model("llama")
     with torch.no_grad():

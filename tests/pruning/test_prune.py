@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sparsegen.cli import main
-from sparsegen.pruning import PruneConfig, prune_model
+from sparsegen.pruning import METHODS, PruneConfig, prune_model
 from sparsegen.models.anatomy import decoder_layers, linears
 from sparsegen.models.calibration import first_layer_inputs, run_layer
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
@@ -16,7 +16,7 @@ def _ids(n=8, length=24, seed=0):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+@pytest.mark.parametrize("method", list(METHODS))  # every registered method
 def test_every_family_prunes_every_linear_to_the_requested_sparsity(family, method):
     model = tiny_model(family)
     embeddings = model.get_input_embeddings().weight.clone()

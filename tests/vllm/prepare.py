@@ -11,7 +11,7 @@ import torch
 
 from sparsegen.cli import main as sparsegen
 from sparsegen.generation import generate_tokens
-from sparsegen.kv.policies import Full
+from sparsegen.kv.policies.full import Full
 from sparsegen.models import load
 from sparsegen.models.loading import resolve
 

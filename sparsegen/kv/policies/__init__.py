@@ -1,26 +1,26 @@
-"""Eviction policies by name."""
+"""Eviction policies by name: each module here registers one (``register_policy``); a policy of your own registers
+itself the same way, in a file of its own, or from an installed package through the ``sparsegen.policies`` entry
+point group."""
 
-from sparsegen.kv.policies.adakv import AdaKV
-from sparsegen.kv.policies.full import Full
-from sparsegen.kv.policies.h2o import H2O
-from sparsegen.kv.policies.keydiff import KeyDiff
-from sparsegen.kv.policies.knorm import Knorm
-from sparsegen.kv.policies.lagkv import LagKV
-from sparsegen.kv.policies.pyramid import Pyramid
-from sparsegen.kv.policies.random import Random
-from sparsegen.kv.policies.scissorhands import Scissorhands
-from sparsegen.kv.policies.snapkv import SnapKV
-from sparsegen.kv.policies.streaming import Streaming
-from sparsegen.kv.policies.streaming_h2o import StreamingH2O
-from sparsegen.kv.policies.tova import TOVA
-from sparsegen.kv.policies.window import Window
+from importlib.metadata import entry_points
 
-POLICIES = {p.name: p for p in (Full, Window, Streaming, H2O, StreamingH2O, TOVA, Scissorhands, SnapKV, Knorm,
-                                       KeyDiff, LagKV, Random, Pyramid, AdaKV)}
-OPTIONS = {"full": (), "window": (), "streaming": ("sinks",), "h2o": ("sinks", "recent", "heavy"),
-           "streaming-h2o": ("sinks", "recent", "heavy"), "tova": (), "knorm": (),
-           "random": (), "pyramid": ("sinks",), "keydiff": (), "lagkv": ("sinks",),
-           "scissorhands": ("sinks", "recent", "heavy", "history"), "snapkv": ("sinks",), "adakv": ("sinks", "recent", "heavy")}  # the budget splits each policy takes
+from sparsegen.kv.policy import POLICIES, Policy, policy_options, register_policy
+# imported for their registration, in the order the CLI lists them
+from sparsegen.kv.policies import full, window, streaming, h2o, streaming_h2o, tova, scissorhands  # noqa: F401
+from sparsegen.kv.policies import snapkv, knorm, keydiff, lagkv, random, pyramid, adakv  # noqa: F401
+
+ENTRY_POINTS = "sparsegen.policies"
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The registered policy called ``name`` (looking in installed packages' entry points if it is not yet)."""
+    if name not in POLICIES:
+        for point in entry_points(group=ENTRY_POINTS):
+            if point.name == name:
+                register_policy(point.load())
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name]
 
 
 def parse_budget(budget: int | float | str) -> int | float:
@@ -49,27 +49,19 @@ def resolve_budget(budget: int | float | str, input_length: int | None = None) -
     return budget
 
 
-def make_policy(
-    name: str,
-    budget: int | float | str | None = None,
-    input_length: int | None = None,
-    sinks: int | None = None,
-    recent: int | None = None,
-    heavy: int | None = None,
-    history: int | None = None,
-):
-    """Build a policy by name, checking that every option given applies to it."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    options = {"sinks": sinks, "recent": recent, "heavy": heavy, "history": history}
-    extra = [k for k, v in options.items() if v is not None and k not in OPTIONS[name]]
+def make_policy(name: str, budget: int | float | str | None = None, input_length: int | None = None,
+                **options) -> Policy:
+    """Build a policy by name; ``options`` (None: the policy's default) must be its constructor's own."""
+    cls = policy_class(name)
+    given = {k: v for k, v in options.items() if v is not None}
+    extra = [k for k in given if k not in policy_options(cls)]
     if extra:
-        raise ValueError(f"policy {name!r} takes no --{' --'.join(extra)}")
+        takes = ", ".join(f"--{k}" for k in policy_options(cls)) or "none"
+        raise ValueError(f"policy {name!r} takes no --{' --'.join(extra)} (its options: {takes})")
     if name == "full":
         if budget is not None:
             raise ValueError("policy 'full' keeps everything and takes no budget")
-        return Full()
+        return cls(**given)
     if budget is None:
         raise ValueError(f"policy {name!r} needs a budget (tokens, or a fraction of the input length)")
-    tokens = resolve_budget(budget, input_length)
-    return POLICIES[name](tokens, **{k: v for k, v in options.items() if v is not None})
+    return cls(resolve_budget(budget, input_length), **given)

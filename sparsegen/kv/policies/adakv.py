@@ -3,9 +3,10 @@ import math
 import torch
 
 from sparsegen.kv.policies.h2o import H2O
-from sparsegen.kv.policy import TokenView
+from sparsegen.kv.policy import TokenView, register_policy
 
 
+@register_policy
 class AdaKV(H2O):
     """Ada-KV (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM
     Inference", 2024) over H2O's scores: each KV head keeps its sinks and recent tokens, and the layer's heavy-hitter

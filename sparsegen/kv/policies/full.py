@@ -1,6 +1,7 @@
-from sparsegen.kv.policy import Policy
+from sparsegen.kv.policy import Policy, register_policy
 
 
+@register_policy
 class Full(Policy):
     """Keep everything: the model's own behaviour, the reference for exactness."""
 

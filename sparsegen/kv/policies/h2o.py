@@ -1,8 +1,9 @@
 import math
 
-from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.policy import Policy, TokenView, register_policy
 
 
+@register_policy
 class H2O(Policy):
     """Heavy hitters: the ``recent`` last tokens plus those with the largest accumulated attention, per KV head."""
 

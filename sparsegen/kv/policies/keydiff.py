@@ -1,8 +1,9 @@
 import torch.nn.functional as F
 
-from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.policy import Policy, TokenView, register_policy
 
 
+@register_policy
 class KeyDiff(Policy):
     """Keep the keys least like the others (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-
     Context LLM Inference in Resource-Constrained Environments", 2025): score = minus the cosine similarity of each

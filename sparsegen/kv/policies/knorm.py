@@ -1,8 +1,9 @@
-from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.policy import Policy, TokenView, register_policy
 
 RESOLUTION = 2**-10  # norms closer than this tie (ties keep the newer token): rotation noise never decides
 
 
+@register_policy
 class Knorm(Policy):
     """Keep the keys of smallest L2 norm (Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache
     Compression", 2024): low-norm keys draw high attention. A rotation keeps a norm, so it holds under rolling

@@ -1,10 +1,11 @@
 import torch
 
-from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.policy import Policy, TokenView, register_policy
 
 FLOOR = 1e-6  # a reference channel with no range (one token) divides by this instead of zero
 
 
+@register_policy
 class LagKV(Policy):
     """Score tokens against the partition after them (Liang et al., "LagKV: Lag-Relative Information of the KV Cache
     Tells Which Tokens Are Important", 2025). After the ``sinks``, tokens fall in partitions of ``lag`` positions.

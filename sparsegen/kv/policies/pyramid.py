@@ -1,4 +1,5 @@
 from sparsegen.kv.policies.h2o import H2O
+from sparsegen.kv.policy import register_policy
 
 
 def pyramid_budgets(budget: int, layers: int, ratio: int = 20) -> list[int]:
@@ -16,6 +17,7 @@ def pyramid_budgets(budget: int, layers: int, ratio: int = 20) -> list[int]:
     return floors
 
 
+@register_policy
 class Pyramid(H2O):
     """H2O's rule (recent + heavy hitters, half each) under PyramidKV's allocation (Cai et al., "PyramidKV: Dynamic
     KV Cache Compression based on Pyramidal Information Funneling", 2024): lower layers, whose attention is spread
@@ -23,6 +25,9 @@ class Pyramid(H2O):
     mean per layer; each layer's storage is sized by its own budget."""
 
     name = "pyramid"
+
+    def __init__(self, budget: int, sinks: int = 0):
+        super().__init__(budget, sinks=sinks)  # each layer splits its own budget half recent, half heavy
 
     def for_layer(self, index: int, layers: int) -> H2O:
         budget = pyramid_budgets(self.budget, layers)[index]

@@ -1,6 +1,8 @@
 from sparsegen.kv.policies.h2o import H2O
+from sparsegen.kv.policy import register_policy
 
 
+@register_policy
 class Scissorhands(H2O):
     """Persistence of importance (Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for
     LLM KV Cache Compression at Test Time", 2023): a token that drew more than the average attention (1/n over the n

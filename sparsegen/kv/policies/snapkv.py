@@ -2,9 +2,10 @@ import torch
 import torch.nn.functional as F
 
 from sparsegen.kv.policies.h2o import H2O
-from sparsegen.kv.policy import TokenView
+from sparsegen.kv.policy import TokenView, register_policy
 
 
+@register_policy
 class SnapKV(H2O):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024): the last
     ``window`` queries of each prompt chunk (the observation window) vote with their attention, the votes are

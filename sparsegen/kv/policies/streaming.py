@@ -1,8 +1,9 @@
 import math
 
-from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.policy import Policy, TokenView, register_policy
 
 
+@register_policy
 class Streaming(Policy):
     """StreamingLLM: the first ``sinks`` tokens (attention sinks) plus the most recent ones."""
 

@@ -1,6 +1,7 @@
-from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.policy import Policy, TokenView, register_policy
 
 
+@register_policy
 class TOVA(Policy):
     """Token Omission Via Attention (Oren et al., "Transformers are Multi-State RNNs", 2024): keep the tokens the
     current query attends to most (summed over the KV head's query heads); nothing accumulates."""

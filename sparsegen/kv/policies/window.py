@@ -1,6 +1,7 @@
-from sparsegen.kv.policy import Policy, TokenView
+from sparsegen.kv.policy import Policy, TokenView, register_policy
 
 
+@register_policy
 class Window(Policy):
     """Keep the last ``budget`` tokens."""
 

@@ -1,0 +1,121 @@
+"""sparsegen beside NVIDIA kvpress on the same RULER prompts, in one run (``make kvpress-ruler``; kvpress 0.5.5 pins
+transformers < 5.3, so this runs in its own venv, ``.venv-kvpress``, where sparsegen runs too).
+
+Both libraries see the same model weights and the same prompts (``sparsegen.eval.ruler.make_samples``) under kvpress's
+protocol: the context prefilled in one pass and compressed once to ``budget`` of its tokens, then the question and a
+greedy answer. kvpress compresses inside its press's forward hooks on a ``DynamicCache`` and decodes with the cache
+left as it is; sparsegen's policy keeps evicting while it decodes. Scores are RULER's string match, per task.
+
+    .venv-kvpress/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 4 \\
+        --tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming,tova --budget 0.5 --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import sparsegen
+from sparsegen.data import data_dir
+from sparsegen.eval import ruler
+from sparsegen.kv import make_policy
+
+PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress", "tova": "TOVAPress",
+           "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress", "pyramid": "PyramidKVPress"}
+
+
+@torch.inference_mode()
+def kvpress_answer(model, tokenizer, sample: ruler.Sample, press) -> tuple[str, int]:
+    """kvpress's protocol by hand (what its pipeline does, without its chat formatting: the prompt is RULER's as
+    sparsegen built it): the context through the press, then the question and a greedy answer on the pressed cache."""
+    context = torch.tensor([sample.ids[:sample.context_tokens]])
+    question = torch.tensor([sample.ids[sample.context_tokens:]])
+    cache = DynamicCache()
+    with press(model) if press is not None else torch.no_grad():
+        model.model(input_ids=context, past_key_values=cache)
+    held = cache.get_seq_length()
+    position = torch.arange(sample.context_tokens, sample.context_tokens + question.shape[1])[None]
+    logits = model(input_ids=question, past_key_values=cache, position_ids=position, logits_to_keep=1).logits[0, -1]
+    tokens = [int(logits.argmax())]
+    for step in range(sample.max_new_tokens - 1):
+        if tokens[-1] == tokenizer.eos_token_id:
+            break
+        position = torch.tensor([[sample.context_tokens + question.shape[1] + step]])
+        logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=position).logits
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokenizer.decode(tokens, skip_special_tokens=True), held
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--tasks", default="niah_single_1,niah_single_2")
+    parser.add_argument("--methods", default="snapkv,knorm,streaming,tova")
+    parser.add_argument("--budget", type=float, default=0.5, help="share of the context kept (kvpress: 1 - ratio)")
+    parser.add_argument("--haystack", default=str(data_dir() / "books" / "test" / "great_expectations.txt"))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import kvpress
+
+    model, tokenizer = sparsegen.load(args.model)
+    hay = ruler.Haystack(tokenizer, Path(args.haystack).read_text(encoding="utf-8", errors="replace"))
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    samples = [s for task in args.tasks.split(",") for s in ruler.make_samples(hay, task, args.length, args.samples,
+                                                                                  chat=chat)]
+    methods = args.methods.split(",")
+    rows = []
+
+    def record(library: str, method: str, results: list[dict], seconds: float) -> None:
+        for task in dict.fromkeys(r["task"] for r in results):
+            mine = [r for r in results if r["task"] == task]
+            rows.append({"library": library, "policy": method, "budget": args.budget, "protocol": "context",
+                         "task": task, "length": args.length, "score": sum(r["score"] for r in mine) / len(mine),
+                         "kv_tokens": max(r["kv_tokens"] for r in mine), "samples": mine,
+                         "seconds_per_sample": round(seconds / len(results), 2)})
+            print(f"{library:>9} {method:>10} {task:>16}: {rows[-1]['score']:.3f}", flush=True)
+
+    # kvpress first: sparsegen's cache switches the model's attention to its own registered functions
+    for method in ["full"] + methods:
+        press = None if method == "full" else getattr(kvpress, PRESSES[method])(compression_ratio=1 - args.budget)
+        t0, results = time.perf_counter(), []
+        for sample in samples:
+            answer, held = kvpress_answer(model, tokenizer, sample, press)
+            results.append({"task": sample.task, "depth": sample.depth, "answer": answer, "answers": sample.answers,
+                            "score": ruler.score(answer, sample.answers), "kv_tokens": held})
+        record("kvpress", method, results, time.perf_counter() - t0)
+    for method in methods:
+        t0 = time.perf_counter()
+        results = ruler.evaluate(model, tokenizer, samples, lambda n, m=method: make_policy(m, args.budget, n),
+                                 protocol="context", progress=False)
+        for r in results:
+            r["kv_tokens"] = r.pop("kv_tokens_peak")
+        record("sparsegen", method, results, time.perf_counter() - t0)
+
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    print(f"\n{args.model}, RULER {args.length}, {args.samples} samples a task, context protocol, budget {args.budget} "
+          f"of the context (kvpress compression_ratio {1 - args.budget:g})\n")
+    print("| method | " + " | ".join(f"kvpress {t} | sparsegen {t}" for t in tasks) + " |")
+    print("|---|" + "---|---|" * len(tasks))
+    for method in ["full"] + methods:
+        cells = []
+        for task in tasks:
+            for library in ("kvpress", "sparsegen"):
+                found = [r["score"] for r in rows if r["library"] == library and r["policy"] == method
+                         and r["task"] == task]
+                cells.append(f"{found[0]:.2f}" if found else "-")
+        print(f"| {method} | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "kvpress": kvpress.__version__ if hasattr(
+            kvpress, "__version__") else "0.5.5", "transformers": __import__("transformers").__version__,
+            "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
