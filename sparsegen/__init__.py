@@ -7,9 +7,9 @@ tune a soft prompt. Importing the package also registers how pruned and quantize
 from sparsegen.contextual import Contextual, DejaVuConfig, fit_dejavu, fit_teal
 from sparsegen.eval.inspect import inspect
 from sparsegen.generation import Generation, compare, compress, generate
-from sparsegen.kv import CompressedContext, EvictionCache, Policy, TokenView, make_policy
+from sparsegen.kv import CompressedContext, EvictionCache, Policy, TokenView, make_policy, patched
 from sparsegen.models import ModelLoadError, ModelSpec, load, model_spec
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from sparsegen.prompt import PromptPrefix, TuneConfig, tune_prompt
 from sparsegen.pruning import PruneConfig, prune_model, save_pruned
 from sparsegen.quant import QuantizeConfig, quantize_model
@@ -17,5 +17,5 @@ from sparsegen.speculative import Speculation
 
 __version__ = "0.1.0"
 __all__ = ["CompressedContext", "Contextual", "DejaVuConfig", "EvictionCache", "Generation", "ModelLoadError", "ModelSpec", "Policy", "PromptPrefix",
-           "PruneConfig", "QuantizeConfig", "Speculation", "TokenView", "TuneConfig", "cache_kwargs", "compare", "compress", "fit_dejavu", "fit_teal", "generate", "inspect", "load", "make_policy", "model_spec",
+           "PruneConfig", "QuantizeConfig", "Speculation", "TokenView", "TuneConfig", "cache_kwargs", "compare", "compress", "fit_dejavu", "fit_teal", "generate", "inspect", "load", "make_policy", "model_spec", "patched",
            "prune_model", "quantize_model", "save_pruned", "tune_prompt", "__version__"]

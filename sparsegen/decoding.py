@@ -11,7 +11,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
 

@@ -9,7 +9,7 @@ import torch
 
 import sparsegen
 from sparsegen.kv import POLICIES, EvictionCache, make_policy
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from sparsegen.plugins import load_plugin
 
 EXAMPLES = Path(__file__).parents[1] / "examples"

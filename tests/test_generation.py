@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sparsegen.eval.perplexity import windows
+from sparsegen.models.compat import attention_implementation
 
 
 def attention_mask(length: int, window: int | None = None, sinks: int = 0) -> torch.Tensor:
@@ -57,7 +58,7 @@ def sink_statistics(
     Windows are ``[BOS] + length-1`` text tokens (or ``length`` text tokens without a BOS), spread
     evenly over the text.
     """
-    if model.config._attn_implementation != "eager":
+    if attention_implementation(model) != "eager":
         raise ValueError("attention weights are needed: load the model with attn_implementation='eager'")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype

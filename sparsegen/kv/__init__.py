@@ -1,10 +1,10 @@
 """KV-cache eviction: policies that say which tokens to keep, and a cache that really drops the rest."""
 
-from sparsegen.kv.attention import prepare, release
+from sparsegen.kv.attention import patched, prepare, release
 from sparsegen.kv.cache import EvictionCache
 from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.policies import POLICIES, make_policy, resolve_budget
 from sparsegen.kv.policy import Policy, TokenView, register_policy
 from sparsegen.kv.quantized import KVQuantization
 
-__all__ = ["POLICIES", "CompressedContext", "EvictionCache", "KVQuantization", "Policy", "TokenView", "make_policy", "prepare", "register_policy", "release", "resolve_budget"]
+__all__ = ["POLICIES", "CompressedContext", "EvictionCache", "KVQuantization", "Policy", "TokenView", "make_policy", "patched", "prepare", "register_policy", "release", "resolve_budget"]

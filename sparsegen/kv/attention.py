@@ -11,7 +11,7 @@ the call's keyword arguments, which transformers passes on to every layer's atte
 
 from __future__ import annotations
 
-import importlib
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sparsegen.models.families import family
 from sparsegen.kv.policy import TokenView
-from sparsegen.models.cache_arg import passed_cache
+from sparsegen.models.compat import attention_implementation, model_eager_attention, passed_cache
 
 BACKENDS = ("sdpa", "eager")
 CACHE_KWARG = "sparsegen_cache"  # how the decoder hook hands the cache to every layer's attention, through the call
@@ -329,15 +329,11 @@ def _attend(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return (probs.to(value.dtype).view(batch, 1, heads * group * q, total) @ value).view(batch, heads * group, q, -1)
 
 
-def _model_eager(module):
-    return importlib.import_module(type(module).__module__).eager_attention_forward
-
-
 def _make_attention(backend: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cache = kwargs.pop(CACHE_KWARG, None)
         if cache is None:
-            fn = ALL_ATTENTION_FUNCTIONS["sdpa"] if backend == "sdpa" else _model_eager(module)
+            fn = ALL_ATTENTION_FUNCTIONS["sdpa"] if backend == "sdpa" else model_eager_attention(module)
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         layer = cache.layers[module.layer_idx]
@@ -347,9 +343,17 @@ def _make_attention(backend: str):
     return attention
 
 
-for _backend in BACKENDS:
-    AttentionInterface.register(f"sparsegen_{_backend}", _make_attention(_backend))
-    AttentionMaskInterface.register(f"sparsegen_{_backend}", sdpa_mask if _backend == "sdpa" else eager_mask)
+_registered: list[str] = []
+
+
+def _register() -> None:
+    """sparsegen's attention functions in transformers' registries, on first use (importing sparsegen registers
+    nothing)."""
+    for backend in BACKENDS:
+        if backend not in _registered:
+            AttentionInterface.register(f"sparsegen_{backend}", _make_attention(backend))
+            AttentionMaskInterface.register(f"sparsegen_{backend}", sdpa_mask if backend == "sdpa" else eager_mask)
+            _registered.append(backend)
 
 
 def _begin(module, args, kwargs):
@@ -375,7 +379,8 @@ def _end(module, args, kwargs, output):
 def prepare(model: torch.nn.Module) -> None:
     """Make ``model`` evict through sparsegen (idempotent). Other caches keep transformers' exact behaviour."""
     family(model.config.model_type)  # (refuses an architecture sparsegen does not know)
-    current = model.config._attn_implementation
+    _register()
+    current = attention_implementation(model)
     if not current.startswith("sparsegen_"):
         if current not in BACKENDS:
             raise ValueError(f"unsupported attention backend {current!r}: load the model with "
@@ -390,10 +395,27 @@ def prepare(model: torch.nn.Module) -> None:
 def release(model: torch.nn.Module) -> None:
     """Undo ``prepare``: the model's own attention implementation back, the decoder hooks removed. (A prepared
     model already behaves exactly as transformers' with any other cache; this leaves no trace at all.)"""
-    current = model.config._attn_implementation
+    current = attention_implementation(model)
     if current.startswith("sparsegen_"):
         model.set_attn_implementation(current.removeprefix("sparsegen_"))
     decoder = model.get_decoder()
     for handle in getattr(decoder, "_sparsegen_hooks", None) or ():
         handle.remove()
     decoder._sparsegen_hooks = None
+
+
+def is_prepared(model: torch.nn.Module) -> bool:
+    return bool(getattr(model.get_decoder(), "_sparsegen_hooks", None))
+
+
+@contextmanager
+def patched(model: torch.nn.Module):
+    """``with patched(model):`` eviction installed for the block (``prepare``) and removed after (``release``) unless
+    it was installed before: the model leaves configured, hooked and behaving exactly as it came in."""
+    before = is_prepared(model)
+    prepare(model)
+    try:
+        yield model
+    finally:
+        if not before:
+            release(model)

@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from sparsegen.models.compat import no_split_modules
 from sparsegen.models.errors import ModelLoadError
 from sparsegen.models.rebuild import rebuild, recorded
 from sparsegen.models.synthetic import PREFIX, PRESETS, is_random, preset_config
@@ -254,7 +255,7 @@ def _dispatch(model: torch.nn.Module, device_map: str | dict) -> torch.nn.Module
     from accelerate import dispatch_model, infer_auto_device_map
 
     if device_map == "auto":
-        device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules)
+        device_map = infer_auto_device_map(model, no_split_module_classes=no_split_modules(model))
     elif not isinstance(device_map, dict):
         device_map = {"": str(check_device(device_map))}
     return dispatch_model(model, device_map)

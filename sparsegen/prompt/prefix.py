@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from sparsegen.models.anatomy import PINNED
-from sparsegen.models.cache_arg import passed_cache
+from sparsegen.models.compat import passed_cache
 
 FORMAT = "sparsegen-prompt"
 _STATE = threading.local()  # per-thread stack: whether each running decoder forward put the prefix in front

@@ -7,7 +7,7 @@ import torch
 from sparsegen.bench import decode
 from sparsegen.bench.syncs import HostSyncs
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 
 

@@ -10,7 +10,7 @@ from sparsegen.contextual.runtime import LowRankPredictor, model_info, predictor
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.anatomy import head_families, decoder_layers, mlp_layout
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 import sparsegen
 from sparsegen.cli import main
 from sparsegen.eval.perplexity import window_perplexity

@@ -19,7 +19,7 @@ import math
 from sparsegen.kv.policies.knorm import RESOLUTION
 from sparsegen.kv.policies.lagkv import FLOOR
 from sparsegen.kv.policies.random import MULTIPLIER, SPAN
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 
 _STATE = {}
 

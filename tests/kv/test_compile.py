@@ -8,7 +8,7 @@ import torch
 from sparsegen.decoding import DecodeStep, prefill
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 
 STILL_READING = {"adakv", "lagkv"}  # as tests/kv/test_host_syncs.py counts

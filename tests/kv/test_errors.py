@@ -3,7 +3,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import tiny_model
 
 
@@ -71,3 +71,28 @@ def test_release_leaves_no_trace_and_the_cache_prepares_again():
     cache = EvictionCache(model, make_policy("window", 8))
     model(ids, **cache_kwargs(cache))
     assert max(cache.held_tokens()) == 8
+
+
+def test_patched_installs_for_the_block_and_leaves_the_model_as_it_came():
+    import subprocess
+    import sys
+
+    from sparsegen import patched
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    config_before, before = model.config._attn_implementation, model(ids).logits
+    with patched(model):
+        with patched(model):  # nested: the inner block does not undo the outer's
+            pass
+        cache = EvictionCache(model, make_policy("window", 8))
+        model(ids, **cache_kwargs(cache))
+        assert max(cache.held_tokens()) == 8 and model.config._attn_implementation.startswith("sparsegen_")
+    decoder = model.get_decoder()
+    assert model.config._attn_implementation == config_before
+    assert not decoder._forward_pre_hooks and not decoder._forward_hooks
+    assert torch.equal(model(ids).logits, before)
+    # importing sparsegen registers nothing in transformers: only a first cache (or patched) does
+    code = ("from transformers import AttentionInterface; import sparsegen, sparsegen.kv; "
+            "print(any(k.startswith('sparsegen') for k in AttentionInterface._global_mapping))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from sparsegen.kv import POLICIES, EvictionCache, make_policy
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, ROPE_FAMILIES, VOCAB, tiny_model
 from tests.kv.reference import ReferenceRun
 

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 TOL = 1e-5

@@ -8,7 +8,7 @@ import torch
 from sparsegen.bench.syncs import HostSyncs
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 
 SHARED_SLOTS = {"adakv"}  # heads share a row of slots and hold different counts: their step still reads counts

@@ -8,7 +8,7 @@ import torch
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policy import TokenView
 from sparsegen.kv.policies.pyramid import pyramid_budgets
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 
 

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.quantized import KVQuantization, dequantize, pack, quantize, unpack
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 from tests.kv.test_exactness import CHUNKS, _padded_batch, _run_chunks
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsegen import EvictionCache, make_policy
-from sparsegen.models.cache_arg import CACHE_ARG, cache_kwargs, passed_cache
+from sparsegen.models.compat import CACHE_ARG, cache_kwargs, passed_cache
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.gguf import PACKAGED

@@ -4,7 +4,7 @@ from transformers import DynamicCache
 
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.models.cache_arg import cache_kwargs
+from sparsegen.models.compat import cache_kwargs
 from sparsegen.prompt import PromptPrefix, attach, detach
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
