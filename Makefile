@@ -44,8 +44,8 @@ kvpress:
 
 kvpress-ruler: kvpress
 	mkdir -p runs
-	$(KVPRESS_VENV)/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 4 \
-		--tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming,tova --budget 0.5 \
+	$(KVPRESS_VENV)/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 3 \
+		--tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming --budget 0.5 \
 		--json runs/kvpress-ruler.json
 
 # Debian's Chromium for the inspector's browser test (tests/eval/test_inspect.py drives it with playwright, from the

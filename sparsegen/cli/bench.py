@@ -1,0 +1,266 @@
+"""Benchmarks: decode speed and memory per policy (bench, with llama.cpp beside it), and grids (sweep)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sparsegen.cli.common import (
+    attach_prompt,
+    budget_args,
+    gguf_weights_plan,
+    int_list,
+    kv_quantization,
+    model_args,
+    parse_bytes,
+    policy_factories,
+    positive_int,
+    prompt_args,
+    speculative_args,
+    weights_arg,
+)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from sparsegen.bench import decode, report
+    from sparsegen.bench.roofline import measure_bandwidth
+    from sparsegen.contextual import Contextual, attach, detach
+    from sparsegen.models import load
+    from sparsegen.models.loading import check_device, load_config, resolve_dtype
+    from sparsegen.models.synthetic import is_random, random_model
+    from sparsegen.speculative import Speculation, draft_length, draft_policy
+
+    contexts, batches = int_list(args.contexts, "contexts"), int_list(args.batch, "batch")
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    if args.baseline == "llama.cpp":
+        from sparsegen.bench import llamacpp
+        from sparsegen.models.gguf import gguf_file
+
+        if not llamacpp.available():
+            raise ValueError(llamacpp.INSTALL)
+        ggufs = {m.strip(): gguf_file(m.strip()) for m in args.model.split(",") if m.strip()}  # fails before loading
+    if not isinstance(args.budget, int) and any(n not in ("dense", "full") and not n.startswith("speculative:")
+                                                for n in names):
+        raise ValueError("--budget (a token count) is needed for every policy but dense and full (recompute: its "
+                         "window)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policies = []
+    args.policy = [n for n in names if n not in decode.BASELINES and not n.startswith("speculative:")]
+    factories = dict(policy_factories(args)) if args.policy else {}
+    draft_tokens = draft_length(args.draft_tokens)
+    for name in names:
+        if name == "dense":
+            policies.append((name, lambda: None))
+        elif name == "recompute":
+            policies.append((name, lambda: args.budget))
+        elif name.startswith("speculative:"):
+            spec = name.removeprefix("speculative:")
+            policies.append((name, lambda spec=spec: Speculation(draft_policy(spec), draft_tokens)))
+        else:
+            policies.append((name, factories[name]))
+    for _, make in policies:
+        make()  # bad budgets and splits fail here, before any model is built
+    device = check_device(args.device)
+    bandwidth = measure_bandwidth(device)
+    rows, env = [], None
+    names_of_models = [m.strip() for m in args.model.split(",") if m.strip()]
+    variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
+    plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
+    from sparsegen.quant.fast import WEIGHTS, quantize_weights
+
+    weight_modes = [w.strip() for w in args.weights.split(",") if w.strip()]
+    baselines: dict[str, list[dict]] = {}  # llama.cpp's rows per model
+    if not weight_modes or any(w not in WEIGHTS for w in weight_modes):
+        raise ValueError(f"--weights takes {', '.join(WEIGHTS)} (comma-separated), got {args.weights!r}")
+    for name, weights in [(n, w) for n in names_of_models for w in weight_modes]:
+        tokenizer = None
+        if is_random(name):
+            config = load_config(name)
+            model = random_model(config, device, resolve_dtype(args.dtype, config, device), args.seed)
+        else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
+            needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None or args.text is not None
+            model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
+        quantize_weights(model, weights, gguf_weights_plan(name, weights))
+        attach_prompt(args, model, tokenizer)
+        for variant in variants:
+            label = name if variant == "none" else f"{name} + {variant}"
+            label = label if len(weight_modes) == 1 and weights == "fp32" else f"{label} [{weights}]"
+            if variant != "none":
+                attach(model, plans[variant])
+            measured, env = _bench_model(args, model, label, is_random(name), bandwidth, policies, contexts, batches,
+                                         _bench_text(args, tokenizer, name))
+            rows += measured
+            if args.baseline == "llama.cpp" and variant == "none":
+                if name not in baselines:  # llama.cpp once per model; every weights variant's ratio to it
+                    baselines[name] = _llamacpp_rows(args, ggufs[name], label, contexts)
+                    rows += baselines[name]
+                _vs_llamacpp(measured, baselines[name], ggufs[name].name)
+            detach(model)
+        del model
+    for line in report.model_speedups(rows):
+        print(line)
+    if args.markdown:
+        print(report.markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": rows}, f, indent=2)
+    if args.plot:
+        report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
+
+
+def _llamacpp_rows(args: argparse.Namespace, gguf, label: str, contexts: list[int]) -> list[dict]:
+    """llama.cpp's rows (batch 1) for ``contexts`` on ``gguf``, printed."""
+    import torch
+
+    from sparsegen.bench import llamacpp, report
+
+    rows = []
+    for context in contexts:
+        row = {"model": label, **llamacpp.measure(gguf, context, args.new_tokens, args.warmup,
+                                                  args.threads or torch.get_num_threads(), args.seed)}
+        print(report.format_row(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _vs_llamacpp(measured: list[dict], baseline: list[dict], gguf_name: str) -> None:
+    """Each measured row's tok/s over llama.cpp's at its context (``vs_llama_cpp``), printed."""
+    base = {row["context"]: row["tokens_per_s"] for row in baseline}
+    ratios = []
+    for row in measured:
+        if row.get("tokens_per_s") and row["batch"] == 1 and row["context"] in base:
+            row["vs_llama_cpp"] = row["tokens_per_s"] / base[row["context"]]
+            ratios.append(f"{row['policy']} {row['context']:,} {row['vs_llama_cpp']:.2f}x")
+    print(f"tok/s of {measured[0]['model'] if measured else ''} over llama.cpp's ({gguf_name}, batch 1): "
+          + "; ".join(ratios))
+
+
+def _bench_text(args: argparse.Namespace, tokenizer, model_name: str):
+    """``--text`` as token ids of the model's tokenizer (None without it)."""
+    if args.text is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(f"--text needs a model with a tokenizer; {model_name} has none (random: shapes prefill "
+                         "random token ids)")
+    import numpy as np
+    import torch
+
+    from sparsegen.data import tokenize_files
+
+    return torch.from_numpy(np.concatenate(tokenize_files(args.text, tokenizer)).astype(np.int64))
+
+
+def _bench_model(args, model, label: str, random_weights: bool, bandwidth, policies, contexts,
+                 batches, text_ids=None) -> tuple[list[dict], dict]:
+    """Measure one model (or one contextual variant of it): print its table, ratios and goals."""
+    from sparsegen.bench import decode, report
+
+    setup = decode.Setup(
+        model=model, model_name=label, random_weights=random_weights, new_tokens=args.new_tokens,
+        warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
+        recompute_tokens=args.recompute_tokens, memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+        bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats, text_ids=text_ids,
+        kv_bits=kv_quantization(args),
+    )
+    env = setup.environment()
+    print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
+          f"{env['machine']}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
+          f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after "
+          f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
+    print(report.header())
+    measured = decode.run(setup, policies, contexts, batches,
+                          on_row=lambda row: print(report.format_row(row), flush=True))
+    names = [name for name, _ in policies]
+    for baseline in ("full", "dense", "recompute"):
+        if baseline in names:
+            ratios = report.speedups(measured, baseline)
+            if ratios:
+                print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
+                    f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
+    for line in report.goals(measured):
+        print("goal: " + line)
+    return measured, env
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+
+    from sparsegen import sweep
+
+    if args.file == "report":
+        folder = args.folder or args.out
+        if folder is None:
+            raise ValueError("give the sweep's folder: sparsegen sweep report DIR")
+        results = Path(folder) / "results.jsonl"
+        if not results.exists():
+            raise ValueError(f"{results} does not exist: run the sweep with --out {folder} first")
+        print(sweep.report(results))
+        return
+    if args.folder is not None:
+        raise ValueError(f"unexpected {args.folder!r}: run `sparsegen sweep FILE --out DIR`")
+    plan = sweep.Sweep.load(args.file)
+    out = Path(args.out or f"runs/sweep-{plan.name}")
+    counts = sweep.run(plan, out, workers=args.workers, ray=args.ray, retries=args.retries)
+    print(f"sweep {plan.name}: {counts['cells']} cells, {counts['skipped']} already done, {counts['done']} run now, "
+          f"{counts['failed']} failed; results in {out / 'results.jsonl'} (`sparsegen sweep report {out}`)")
+    if counts["failed"]:
+        sys.exit(1)
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("bench", help="decode latency, throughput and memory per KV policy vs context, with roofline")
+    model_args(p, more="; or random:PRESET; several, comma-separated, are measured in turn and compared")
+    weights_arg(p, several=True)
+    p.add_argument("--policies", default="full,window,streaming,h2o,streaming-h2o,recompute",
+                   help="comma-separated; besides the KV policies: dense (transformers' DynamicCache) and recompute "
+                        "(re-encode the last --budget tokens for every token)")
+    p.add_argument("--contexts", default="1024,4096,16384,32768", help="context lengths before decoding")
+    budget_args(p, "KV tokens per layer for every policy but full/dense (recompute: its window)")
+    p.add_argument("--new-tokens", type=int, default=128, help="timed decode steps (default 128)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first (default 4)")
+    p.add_argument("--batch", default="1", help="batch sizes, comma-separated (default 1)")
+    p.add_argument("--prefill", choices=["real", "synthetic"], default="real",
+                   help="real: encode the context (timed); synthetic: fill the cache with random K/V of the same "
+                        "shape, for contexts too long to prefill on this machine (no prefill time)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+    p.add_argument("--text", default=None, metavar="FILE|DIR",
+                   help="prefill with this text (each row from another place in it) instead of random token ids: "
+                        "what speculative rows need for representative acceptance")
+    p.add_argument("--recompute-tokens", type=int, default=8, help="timed steps of recompute (slow; default 8)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every policy N times, interleaved, pooling the steps (steadier ratios; default 1)")
+    p.add_argument("--memory-limit", default=None, help="e.g. 80GiB: report the largest batch whose weights + KV fit")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--contextual", default=None, metavar="DIR[,DIR]",
+                   help="also measure with these contextual plans (`sparsegen contextual fit`); 'none' is the model "
+                        "without, e.g. none,ctx/teal50: each variant's speed-up over the first is printed")
+    prompt_args(p)
+    p.add_argument("--compile", action="store_true",
+                   help="time the decode step through torch.compile (fullgraph; inductor on CPU, CUDA graphs on "
+                        "CUDA); compiled once per row's shape, the compile kept out of the timed steps")
+    p.add_argument("--baseline", choices=["llama.cpp"], default=None,
+                   help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1) and "
+                        "print each row's tok/s over llama.cpp's; needs `make llamacpp` (a one-time source build)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
+    p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")
+    p.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
+    speculative_args(p, with_policy=False, with_draft_model=False)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("sweep", help="run a grid of experiments from a TOML file (models x policies x budgets x "
+                                     "kv-bits x tasks x lengths), resumable, locally or on Ray; `sweep report DIR` "
+                                     "prints its table")
+    p.add_argument("file", help="the sweep file (e.g. examples/sweep-small.toml), or 'report'")
+    p.add_argument("folder", nargs="?", default=None, help="with 'report': the sweep's --out folder")
+    p.add_argument("--out", default=None, help="folder for results.jsonl (default: runs/sweep-NAME)")
+    p.add_argument("--workers", type=positive_int, default=1,
+                   help="cells at a time in the local process pool (default 1: a cell uses [sweep] threads CPUs)")
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="run each cell as a Ray task: 'auto' joins a running cluster or starts a local one")
+    p.add_argument("--retries", type=int, default=1, help="Ray retries of a failed cell (default 1)")
+    p.set_defaults(func=cmd_sweep)

@@ -1,0 +1,249 @@
+"""What every command shares: model, policy and calibration options, loading, small argument types."""
+
+from __future__ import annotations
+
+import argparse
+
+from sparsegen.kv.policies import POLICIES
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def model_args(p: argparse.ArgumentParser, positional: bool = False, more: str = "", run: bool = False) -> None:
+    if positional:
+        p.add_argument("model", help="hub id, local checkpoint folder, or 'reference'")
+    else:
+        p.add_argument("--model", default="reference",
+                       help=f"hub id, local checkpoint folder, or 'reference' (default){more}")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
+    if run:
+        weights_arg(p)
+        p.add_argument("--contextual", default=None, metavar="DIR",
+                       help="run with the contextual sparsity fit into DIR by `sparsegen contextual fit`")
+        prompt_args(p)
+
+
+def compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="run the decode step through torch.compile (one graph: model, cache update, eviction); the "
+                        "first step compiles (tens of seconds on a CPU), and again when the batch or slots change")
+
+
+def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4|gguf" + ("[,...]" if several else ""),
+                   help="store the decoder's linears and LM head in 8 or 4 bits for PyTorch's CPU weight-only kernels "
+                        "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest); gguf: each linear "
+                        "at the bit width its GGUF file has (4-bit types at 4, the others at 8)"
+                        + ("; several, comma-separated, are measured in turn and compared" if several else "")
+                        + " (default fp32: as loaded)")
+
+
+def gguf_weights_plan(model_name: str, weights: str) -> dict | None:
+    """``--weights gguf``: each linear's bit width in the model's GGUF file."""
+    if weights != "gguf":
+        return None
+    from sparsegen.models.gguf import gguf_file
+    from sparsegen.quant.fast import gguf_plan
+
+    return gguf_plan(gguf_file(model_name))
+
+
+def prompt_args(p: argparse.ArgumentParser) -> None:
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--soft-prompt", default=None, metavar="FILE",
+                        help="put the soft prompt trained by `sparsegen prompt-tune` before every sequence (its tokens "
+                             "are never evicted)")
+    prompt.add_argument("--hard-prompt", default=None, metavar="TEXT",
+                        help="put this text before every sequence, pinned in the cache like a soft prompt")
+
+
+def attach_prompt(args: argparse.Namespace, model, tokenizer) -> None:
+    """``--soft-prompt FILE`` / ``--hard-prompt TEXT``: the model sees the prompt before every sequence."""
+    from sparsegen.prompt import PromptPrefix, attach
+
+    if getattr(args, "soft_prompt", None):
+        attach(model, PromptPrefix.load(args.soft_prompt))
+    elif getattr(args, "hard_prompt", None):
+        if tokenizer is None:
+            raise ValueError("--hard-prompt needs a model with a tokenizer (random: models have none)")
+        attach(model, PromptPrefix.from_text(model, tokenizer, args.hard_prompt))
+
+
+def budget_arg(text: str) -> int | float:
+    """An argparse type: a KV budget (tokens, or a fraction of the input)."""
+    from sparsegen.kv.policies import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
+    p.add_argument("--budget", type=budget_arg, default=None, help=budget_help)
+    p.add_argument("--sinks", type=int, default=None, help="first tokens always kept (streaming: 4)")
+    p.add_argument("--recent", type=int, default=None, help="most recent tokens always kept (h2o: half the budget)")
+    p.add_argument("--heavy", type=int, default=None, help="heavy-hitter tokens kept (h2o: half the budget)")
+    p.add_argument("--history", type=int, default=None,
+                   help="scissorhands: count only the latest this many queries' votes (default: all)")
+    p.add_argument("--positions", choices=["original", "rolling"], default=None,
+                   help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
+    p.add_argument("--kv-bits", type=int, choices=[8, 4, 2], default=None,
+                   help="hold the cached keys and values in this many bits (KIVI-style: keys per channel, values per "
+                        "token), under any policy (default: as the model computes them)")
+    p.add_argument("--kv-residual", type=int, default=32,
+                   help="with --kv-bits: the newest tokens also kept in full precision (default 32)")
+
+
+def kv_quantization(args: argparse.Namespace):
+    """``--kv-bits``/``--kv-residual`` as a ``KVQuantization``, or None."""
+    from sparsegen.kv import KVQuantization
+
+    return None if args.kv_bits is None else KVQuantization(args.kv_bits, args.kv_residual)
+
+
+def policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="full", help=f"{', '.join(POLICIES)} (default full)")
+    budget_args(p, "KV tokens kept per layer, or a fraction of the input length (0.2)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+
+
+def speculative_args(p: argparse.ArgumentParser, with_policy: bool = True, with_draft_model: bool = True) -> None:
+    spec = p.add_argument_group("lossless speculative decoding (the full cache verifies what a small cache drafts)")
+    if with_policy:
+        spec.add_argument("--speculative", default=None, metavar="POLICY[:BUDGET]",
+                          help="draft with the model over a cache under this policy, e.g. streaming:512 or h2o:0.1; "
+                               "the output is the full cache's (--policy stays full)")
+    spec.add_argument("--draft-tokens", default="4", metavar="K|auto",
+                      help="tokens drafted per round (1-16), or auto: chosen from the measured acceptance and step "
+                           "costs (default 4)")
+    if with_draft_model:
+        spec.add_argument("--draft-model", default=None, metavar="MODEL",
+                          help="draft with this model instead (same tokenizer), e.g. a pruned + int4 copy of --model")
+
+
+def load_draft_model(args: argparse.Namespace, tokenizer):
+    """``--draft-model``, checked to share ``tokenizer``'s vocabulary; None without it."""
+    if args.draft_model is None:
+        return None
+    from sparsegen.models import load
+
+    model, draft_tokenizer = load(args.draft_model, device=args.device, dtype=args.dtype)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"--draft-model {args.draft_model} has another tokenizer than --model {args.model}: draft "
+                         "with a compressed copy of the same model")
+    return model
+
+
+def calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
+    """Layer-by-layer calibration (prune, quantize): which text, how many windows, how long, how many per forward."""
+    p.add_argument("--calib", default=None, help=f"{who}calibration text file or folder (default ../shared/data/books/train)")
+    p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+
+
+def conversation_args(p: argparse.ArgumentParser, speculative: bool = True) -> None:
+    if speculative:
+        speculative_args(p)
+    p.add_argument("--policy", default="streaming", help=f"{', '.join(POLICIES)} (default streaming)")
+    budget_args(p, "KV tokens kept per conversation (default 1024)")
+    p.set_defaults(budget="1024")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def policy_factories(args: argparse.Namespace, input_length: int | None = None):
+    """``(name, factory)`` for each ``--policy``; with several, each takes only the splits that apply to it."""
+    from sparsegen.kv import make_policy
+    from sparsegen.kv.policy import policy_options
+
+    names = args.policy or ["full"]
+    for name in names:  # (a name that is no policy, such as ppl's recompute, is its command's to read)
+        options = policy_options(POLICIES[name]) if name in POLICIES else ()
+        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy", "history")
+                  if len(names) == 1 or k in options}
+
+        def make(length=input_length, name=name, splits=splits):
+            return make_policy(name, None if name == "full" else args.budget, input_length=length, **splits)
+
+        yield name, make
+
+
+def load_model(args: argparse.Namespace):
+    from sparsegen.models import load
+
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    if getattr(args, "weights", "fp32") != "fp32":
+        from sparsegen.quant.fast import quantize_weights
+
+        quantize_weights(model, args.weights, gguf_weights_plan(args.model, args.weights))
+    if getattr(args, "contextual", None):
+        from sparsegen.contextual import Contextual, attach
+
+        attach(model, Contextual.load(args.contextual))
+    attach_prompt(args, model, tokenizer)
+    return model, tokenizer
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give exactly one of --prompt and --prompt-file")
+    if args.prompt is not None:
+        return args.prompt
+    with open(args.prompt_file, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def parse_bytes(text: str) -> int:
+    """``24GiB``, ``80GB``, ``512MiB`` or a plain number of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    lowered = text.strip().lower()
+    for unit, scale in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * scale)
+    if not lowered.rstrip("b").isdigit():
+        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 24GiB, 80GB or 512MiB")
+    return int(lowered.rstrip("b"))
+
+
+def int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{what} takes positive whole numbers, got {text!r}")
+    return values
+
+
+def calibration_tokens(args: argparse.Namespace, tokenizer, books: str):
+    """``(ids, source)``: ``--nsamples`` windows of ``--seqlen`` tokens from ``--calib`` (default books/BOOKS)."""
+    from sparsegen.data import data_dir, leading_bos, tokenize_files
+    from sparsegen.models.calibration import calibration_ids
+
+    source = args.calib or data_dir() / "books" / books
+    ids = calibration_ids(tokenize_files(source, tokenizer), args.nsamples, args.seqlen, args.seed,
+                          leading_bos(tokenizer))
+    return ids, source
+
+
+class Parser(argparse.ArgumentParser):
+    """A usage mistake is one line (and the way to the help), like every other error a user can cause."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

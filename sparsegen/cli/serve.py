@@ -1,0 +1,185 @@
+"""Conversations: a terminal chat and the OpenAI-compatible server, on one engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sparsegen.cli.common import (
+    compile_arg,
+    conversation_args,
+    kv_quantization,
+    load_draft_model,
+    load_model,
+    model_args,
+    parse_bytes,
+    positive_int,
+)
+
+
+def _engine(args: argparse.Namespace, model, tokenizer):
+    from sparsegen.kv import make_policy
+    from sparsegen.serve import Engine
+
+    def policy():
+        return make_policy(args.policy, None if args.policy == "full" else args.budget, sinks=args.sinks,
+                           recent=args.recent, heavy=args.heavy, history=args.history)
+
+    speculation = None
+    if getattr(args, "speculative", None) is not None:
+        from sparsegen.speculative import Speculation, draft_length, draft_policy
+
+        draft_tokens, draft_model = draft_length(args.draft_tokens), load_draft_model(args, tokenizer)
+
+        def speculation():
+            return Speculation(draft_policy(args.speculative), draft_tokens, model=draft_model)
+    elif getattr(args, "draft_model", None) is not None:
+        raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
+    return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
+                  max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
+                  speculation=speculation, kv_bits=kv_quantization(args), compile=args.compile,
+                  kv_memory=parse_bytes(args.kv_memory) if getattr(args, "kv_memory", None) else None,
+                  max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0),
+                  prefill_budget=getattr(args, "prefill_budget", None), contexts=_contexts(args, model))
+
+
+def _contexts(args: argparse.Namespace, model) -> dict:
+    """``--context NAME=FILE`` (repeated): compressed contexts by the name requests give."""
+    from sparsegen.kv import CompressedContext
+
+    contexts = {}
+    for spec in getattr(args, "context", None) or []:
+        name, _, path = spec.partition("=")
+        if not name or not path or name in contexts:
+            raise ValueError(f"--context takes NAME=FILE.safetensors, each name once, got {spec!r}")
+        contexts[name] = CompressedContext.load(path, model)
+    return contexts
+
+
+def _sampling(args: argparse.Namespace):
+    from sparsegen.serve import Sampling
+
+    return Sampling(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from sparsegen.serve.chat import chat
+
+    model, tokenizer = load_model(args)
+    engine = _engine(args, model, tokenizer)
+    script = None
+    if args.script:
+        with open(args.script, encoding="utf-8") as f:
+            script = [line for line in f.read().splitlines() if line.strip()]
+    turns = chat(engine, _sampling(args), script, system=args.system)
+    if turns:
+        last = turns[-1]
+        print(f"[{len(turns)} turns, {last['tokens_seen']:,} tokens seen; KV held {last['kv_tokens']:,} tokens "
+              f"({last['kv_bytes'] / 2**20:.2f} MiB); last turn {last['seconds']:.2f} s]", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "policy": engine.make_policy().describe(), "turns": turns}, f, indent=2)
+    if args.plot:
+        from sparsegen.eval.plots import plot_turns
+
+        plot_turns({f"{args.policy}": turns}, args.plot, title=f"{args.model}: {len(turns)} chat turns")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import os
+
+    from sparsegen.serve.server import Limits, build_app, kv_bound, run_server
+
+    keys = list(args.api_key or [])
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-keys-file {args.api_keys_file} holds no key")
+    if not keys and os.environ.get("SPARSEGEN_API_KEY"):
+        keys = [os.environ["SPARSEGEN_API_KEY"]]
+    limits = Limits(max_sessions=args.max_sessions, max_batch=args.max_batch, max_queue=args.max_queue,
+                    max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
+                    max_messages=args.max_messages, max_stop_chars=args.max_stop_chars,
+                    max_request_bytes=args.max_request_bytes, api_keys=tuple(keys))
+    if args.kv_memory is None and args.idle_grace != 2.0:
+        raise ValueError("--idle-grace is how long an idle session is safe under --kv-memory: give --kv-memory too")
+    defaults = _sampling(args)  # before loading: a bad flag fails at once
+    if defaults.max_tokens > limits.max_tokens:
+        raise ValueError(f"--max-new-tokens {defaults.max_tokens} is over --max-tokens-limit {limits.max_tokens}")
+    model, tokenizer = load_model(args)
+    engine = _engine(args, model, tokenizer)
+    app = build_app(engine, limits, args.model, defaults)
+    bound = kv_bound(engine, limits)
+    policy = engine.make_policy().describe()
+    memory = engine.memory
+    held = (f"K/V memory capped at {bound / 2**20:,.1f} MiB: {memory.most_live} live sessions of "
+            f"{memory.per_session / 2**20:,.1f} MiB each" if memory is not None else
+            f"worst-case KV memory {bound / 2**20:.1f} MiB ({limits.max_sessions} sessions + {limits.max_batch} in "
+            f"flight, each at most budget + {args.chunk_size} tokens)")
+    print(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; {held}; "
+          f"http://{args.host}:{args.port}/v1"
+          + (f" ({len(keys)} API keys)" if keys else " (no API key)"), flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
+    status = run_server(app, args.host, args.port, args.log_level)
+    if status:
+        sys.exit(status)
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("chat", help="a terminal conversation in one bounded cache (history never re-encoded)")
+    model_args(p, run=True)
+    compile_arg(p)
+    conversation_args(p)
+    p.add_argument("--system", default=None, help="a system message at the start of the conversation")
+    p.add_argument("--script", default=None, help="read the user's turns from this file, one per line (no terminal)")
+    p.add_argument("--json", default=None, help="write per-turn statistics (latency, KV held, memory) to this file")
+    p.add_argument("--plot", default=None, help="write per-turn latency and memory as a PNG")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server whose sessions live in bounded caches")
+    model_args(p, run=True)
+    compile_arg(p)
+    conversation_args(p, speculative=False)  # (serve keeps caches bounded; speculation verifies with full)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY'; repeat for several clients, each with its own sessions "
+                        "(or set SPARSEGEN_API_KEY)")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE", help="API keys, one per line (# comments)")
+    p.add_argument("--max-sessions", type=positive_int, default=64,
+                   help="conversation caches kept, least recently used dropped beyond (default 64)")
+    p.add_argument("--max-batch", type=positive_int, default=16, help="replies decoded together (default 16)")
+    p.add_argument("--context", action="append", default=None, metavar="NAME=FILE",
+                   help="a context compressed by `sparsegen compress` (under the server's policy), continued by "
+                        "requests that send \"context\": NAME; repeat for several")
+    p.add_argument("--kv-memory", default=None, metavar="SIZE",
+                   help="admit sessions by K/V memory, e.g. 2GiB: each live session reserves its policy's whole "
+                        "allocation (budget + a chunk, and its row in the decode batch; full: --max-context); "
+                        "beyond the cap, idle sessions are dropped least recently used first (their next request "
+                        "re-encodes, X-Session-History: reencoded) or requests wait (429 beyond --max-queue). "
+                        "Lets policy 'full' be served")
+    p.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
+                   help="the most tokens one conversation may hold; sizes a full cache under --kv-memory (default: "
+                        "the model's max_position_embeddings)")
+    p.add_argument("--prefill-budget", type=positive_int, default=None, metavar="TOKENS",
+                   help="prompt tokens one engine step encodes while other replies decode (default: --chunk-size): "
+                        "what a long prompt adds to their inter-token latency, at the cost of its own time to first "
+                        "token")
+    p.add_argument("--idle-grace", type=float, default=2.0, metavar="SECONDS",
+                   help="under --kv-memory, an idle session is not dropped for another within this many seconds of "
+                        "its last reply (a client's next turn usually follows at once; default 2)")
+    p.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting beyond those: 429 (default 64)")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=1024,
+                   help="largest max_tokens a request may ask (default 1024)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=8192,
+                   help="most new tokens one request may bring to encode (default 8192)")
+    p.add_argument("--max-messages", type=positive_int, default=256, help="most messages in one request (default 256)")
+    p.add_argument("--max-stop-chars", type=positive_int, default=256,
+                   help="longest stop string (default 256; at most 4 of them)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=1 << 20,
+                   help="largest request body (default 1 MiB)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    p.set_defaults(func=cmd_serve)

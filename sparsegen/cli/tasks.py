@@ -1,0 +1,138 @@
+"""The field's long-context tasks: pass-key retrieval, RULER, lm-evaluation-harness."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from sparsegen.cli.common import budget_args, kv_quantization, load_model, model_args, policy_factories
+
+
+def cmd_passkey(args: argparse.Namespace) -> None:
+    from sparsegen.data import data_dir
+    from sparsegen.eval.passkey import describe_prompt, passkey_accuracy
+    from sparsegen.eval.stream import read_tokens
+    model, tokenizer = load_model(args)
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{args.model} has no chat template; drop --chat")
+    text = args.text or data_dir() / "books" / "test" / "great_expectations.txt"
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    filler = read_tokens(text, tokenizer, 4 * max(lengths))
+    quantization = kv_quantization(args)
+    results = {}
+    for name, make in policy_factories(args):
+        results[name] = {**make().describe(), **(quantization.describe() if quantization else {}), **passkey_accuracy(
+            model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions,
+            chat=chat, kv_bits=quantization, protocol=args.protocol)}
+        print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
+        for length in lengths:
+            row = [c["accuracy"] for c in results[name]["cells"] if c["length"] == length]
+            print(f"  {length:>7} tokens: " + " ".join(f"{a:4.0%}" for a in row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "text": str(text), "prompt": describe_prompt(tokenizer, chat),
+                       "policies": results}, f, indent=2)
+    if args.plot:
+        from sparsegen.eval.plots import plot_passkey
+
+        plot_passkey(results, args.plot)
+
+
+def cmd_ruler(args: argparse.Namespace) -> None:
+
+    from sparsegen.data import data_dir
+    from sparsegen.eval import ruler
+
+    model, tokenizer = load_model(args)
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{args.model} has no chat template; drop --chat")
+    haystack = args.haystack or data_dir() / "books" / "test" / "great_expectations.txt"
+    tasks = args.tasks.split(",") if args.tasks else list(ruler.TASKS)
+    unknown = [t for t in tasks if t not in ruler.TASKS]
+    if unknown:
+        raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(ruler.TASKS)}")
+    protocols = args.protocol.split(",")
+    if any(p not in ("stream", "context") for p in protocols):
+        raise ValueError(f"--protocol takes stream, context or both (stream,context), got {args.protocol!r}")
+    args.policy = args.policies.split(",")
+    lengths = [int(x) for x in args.length.split(",")]
+    depths = [float(x) for x in args.depths.split(",")] if args.depths else None
+
+    def show(row: dict) -> None:
+        print(f"{row['policy']:>14} {row['protocol']:>7} {row['length']:>6} {row['task']:>16}: {row['score']:.3f} "
+              f"(K/V peak {row['kv_tokens_peak']:,} tokens; prompts up to {row['prompt_tokens']:,})", flush=True)
+
+    report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
+                       dict(policy_factories(args)), lengths, tasks, args.samples, tuple(protocols), chat, depths,
+                       args.seed, args.chunk_size, args.positions, kv_quantization(args), args.max_new_tokens,
+                       on_row=show)
+    print()
+    print(ruler.markdown(report["rows"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "haystack": str(haystack), "chat": chat, "samples_per_task": args.samples,
+                       "budget_arg": args.budget, "kv_bits": args.kv_bits, **report}, f, indent=2)
+    if args.plot:
+        from sparsegen.eval.plots import plot_ruler
+
+        plot_ruler(report["rows"], args.plot)
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> None:
+    try:
+        from sparsegen.eval import harness
+    except ImportError as err:
+        raise ValueError(f"sparsegen lm-eval needs lm-eval: pip install 'sparsegen[lmeval]' ({err})") from None
+    harness.main(args.lm_eval_args)
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("passkey", help="pass-key retrieval accuracy per context length and needle depth")
+    model_args(p, run=True)
+    p.add_argument("--text", default=None, help="haystack text (default books/test/great_expectations.txt)")
+    p.add_argument("--policy", action="append", default=None, help="policy; repeat for several (default full)")
+    budget_args(p, "KV tokens per layer (a token count)")
+    p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths, tokens (comma-separated)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0-1 (comma-separated)")
+    p.add_argument("--trials", type=int, default=5, help="keys per (length, depth) (default 5)")
+    p.add_argument("--protocol", choices=["stream", "context"], default="stream",
+                   help="stream: the prompt in chunks, evicting as it goes (default); context (kvpress's): all before "
+                        "the question in one pass, compressed once, then the question")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask in the model's chat template (default: when the model has one)")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--plot", default=None, help="write accuracy heatmaps as a PNG")
+    p.set_defaults(func=cmd_passkey)
+
+    p = sub.add_parser("ruler", help="RULER's synthetic long-context tasks (needles, variable tracking, word "
+                                     "extraction), generated from a haystack text, per policy and protocol")
+    model_args(p, run=True)
+    p.add_argument("--haystack", default=None, metavar="FILE",
+                   help="text the haystacks and word lists come from (default books/test/great_expectations.txt)")
+    p.add_argument("--tasks", default=None, help="comma-separated RULER task names (default: all eleven)")
+    p.add_argument("--length", default="4096", help="prompt lengths, tokens (comma-separated; default 4096)")
+    p.add_argument("--samples", type=int, default=20, help="prompts per task and length (default 20)")
+    p.add_argument("--policies", default="full", help="comma-separated KV policies (default full)")
+    budget_args(p, "KV tokens kept per layer, or a fraction of the context (0.5)")
+    p.add_argument("--protocol", default="stream",
+                   help="stream: the whole prompt in chunks, evicting as it goes; context (kvpress's): the context in "
+                        "one pass, compressed once, then the question; or stream,context (default stream)")
+    p.add_argument("--depths", default=None, help="needle depths 0-1 the samples cycle through (default 0,.25,.5,.75,1)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default RULER's per task)")
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask in the model's chat template (default: when the model has one)")
+    p.add_argument("--json", default=None, help="write the rows (with every answer) as JSON to this file")
+    p.add_argument("--plot", default=None, help="write needle-depth x length heat maps per policy as a PNG")
+    p.set_defaults(func=cmd_ruler)
+
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness with sparsegen's model registered: --model sparsegen "
+                                       "--model_args pretrained=M,policy=P,budget=B[,kv_bits=4] --tasks ...",
+                       add_help=False)  # (main hands everything after lm-eval to lm-eval)
