@@ -90,7 +90,8 @@ class Rotary:
             cos, sin = cos.unsqueeze(-4), sin.unsqueeze(-4)
         dim = cos.shape[-1]
         rot, rest = x[..., :dim], x[..., dim:]
-        if out is not None and not inverse and torch.compiler.is_compiling():  # (out= into a view: no graph)
+        # out= into a view has no graph (compile) and no gradient (a forward under autograd): assign instead
+        if out is not None and not inverse and (torch.compiler.is_compiling() or torch.is_grad_enabled()):
             half = dim // 2
             x1, x2 = rot[..., :half], rot[..., half:]
             out[..., :half] = x1 * cos[..., :half] - x2 * sin[..., :half]

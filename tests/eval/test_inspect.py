@@ -9,7 +9,7 @@ import torch
 import sparsegen
 from sparsegen.decoding import prefill
 from sparsegen.eval.inspect import answer_tokens, inspect, page, write_html
-from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv import POLICIES, EvictionCache, make_policy
 
 TEXT = ("The old house stood by the river. The pass key is 4417. Remember it. " + "The grass is green. " * 30)
 QUESTION = " What is the pass key? The pass key is"
@@ -23,16 +23,16 @@ def reference():
 @pytest.fixture(scope="module")
 def inspected(reference):
     model, tokenizer = reference
-    return inspect(model, tokenizer, TEXT, "full,window,streaming,h2o,snapkv,adakv", budget=48, question=QUESTION,
-                   answer="4417", max_new_tokens=4)
+    return inspect(model, tokenizer, TEXT, list(POLICIES), budget=48, question=QUESTION, answer="4417",
+                   max_new_tokens=4)
 
 
 def test_kept_sets_are_the_caches_own(reference, inspected):
     model, tokenizer = reference
     ids = torch.tensor([tokenizer(TEXT + QUESTION)["input_ids"]])
     assert inspected["prompt_tokens"] == ids.shape[1] == len(inspected["tokens"])
-    for name in ("window", "streaming", "h2o", "snapkv", "adakv"):
-        cache = EvictionCache(model, make_policy(name, 48))
+    for name in inspected["policies"]:  # every registered policy
+        cache = EvictionCache(model, make_policy(name, None if name == "full" else 48))
         prefill(model, cache, ids, torch.ones_like(ids), 512)
         row = inspected["policies"][name]
         for layer, per_head in zip(cache.layers, row["kept"]):
@@ -42,7 +42,7 @@ def test_kept_sets_are_the_caches_own(reference, inspected):
                     assert held == sorted(layer.index[0, head, :layer.used][layer.valid[0, head, :layer.used]].tolist())
         assert row["count"] == [sum(token in held for per_head in row["kept"] for held in per_head)
                                 for token in range(ids.shape[1])]
-        assert row["kv_tokens"] == max(cache.held_tokens()) <= 48
+        assert row["kv_tokens"] == max(cache.held_tokens()) <= (48 * 2 if name == "pyramid" else 48) or name == "full"
         assert all(row["score"][t] is None for t in range(ids.shape[1]) if row["count"][t] == 0)
     full = inspected["policies"]["full"]
     assert full["count"] == [inspected["layers"] * inspected["heads"]] * ids.shape[1] and full["answer_kept"] == 1.0

@@ -96,3 +96,17 @@ def test_patched_installs_for_the_block_and_leaves_the_model_as_it_came():
     code = ("from transformers import AttentionInterface; import sparsegen, sparsegen.kv; "
             "print(any(k.startswith('sparsegen') for k in AttentionInterface._global_mapping))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_rolling_positions_under_autograd():
+    """A forward with gradients on (a user's own model call, or prompt tuning) through a rolling cache: the in-place
+    rotation used to refuse it ("functions with out=... arguments don't support automatic differentiation")."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(0))
+    cache = EvictionCache(model, make_policy("streaming", 8))
+    logits = model(ids, **cache_kwargs(cache)).logits
+    logits.sum().backward()
+    assert model.lm_head.weight.grad is not None and max(cache.held_tokens()) == 8
+    with torch.no_grad():
+        again = EvictionCache(model, make_policy("streaming", 8))
+        assert torch.allclose(model(ids, **cache_kwargs(again)).logits, logits, atol=1e-6)

@@ -1,0 +1,51 @@
+"""Documented numbers, recomputed (``pytest -m results``; deselected by default: real models, about a minute each).
+
+Each test reads a results page's own table and reruns the command the page names on the real model; it fails when
+a documented number drifts past the noise the page allows (the kept sets are deterministic: exact, but for rounding
+at a percent's edge)."""
+
+import re
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+import sparsegen
+from sparsegen.eval.inspect import inspect
+from sparsegen.models.gguf import PACKAGED
+
+ROOT = Path(__file__).parents[1]
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+pytestmark = pytest.mark.results
+
+
+def _table(page: Path) -> dict[str, list[str]]:
+    """The rows of the Markdown table on ``page``, by their first cell."""
+    rows = {}
+    for line in page.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and not set(cells[0]) <= set("-") and cells[0] != "policy":
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
+def test_the_inspector_pages_numbers(model):
+    if not all(find_spec(module) for module, _ in PACKAGED[model].parts):
+        pytest.skip(f"{model} is not installed")
+    page = ROOT / "docs" / "results" / model / "inspect" / "passkey.md"
+    documented = _table(page)
+    loaded, tokenizer = sparsegen.load(model)
+    text = (ROOT / "docs" / "results" / "smollm2" / "inspect" / "passkey-prompt.txt").read_text()
+    data = inspect(loaded, tokenizer, text, list(documented), budget=256, question=QUESTION, answer="71432")
+    pairs = data["layers"] * data["heads"]
+    for name, cells in documented.items():
+        row = data["policies"][name]
+        assert row["kv_tokens"] == int(cells[1].replace(",", "")), name
+        some = 100 * sum(1 for c in row["count"] if c) / data["prompt_tokens"]
+        assert abs(some - int(cells[2].rstrip("%"))) <= 0.5 + 1e-9, (name, some)
+        held = 100 * row["answer_kept"]
+        assert abs(held - int(re.match(r"(\d+)%", cells[3]).group(1))) <= 0.5 + 1e-9, (name, held)
+        assert f"of {pairs} heads" in cells[3]
+        assert repr(row["reply"]) == cells[4], name
