@@ -1,35 +1,52 @@
 """Checkpoints whose layers a kind of sparsity reshaped (structured pruning shrinks matrices, quantization swaps
-linears for packed ones) record how in a ``config.json`` key. The package that writes a key registers here how to
-rebuild that shape on a freshly built model, so loading needs no knowledge of any kind of sparsity."""
+linears for packed ones) record how in a ``config.json`` key. Each key names the function that rebuilds that shape on
+a freshly built model, as ``"module:function"``: loading imports it when, and only when, a checkpoint records the key,
+so a checkpoint loads the same whatever was imported before (``import sparsegen.models`` alone is enough), and this
+base layer needs no knowledge of any kind of sparsity."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig
 
-Rebuild = Callable[[nn.Module, Any], None]
-_REBUILDERS: dict[str, tuple[int, Rebuild, Callable[[Any], bool]]] = {}
+
+@dataclass(frozen=True)
+class Rebuilder:
+    order: int  # lower runs first (sizes before the layers that hold them are swapped)
+    rebuild: str  # "module:function": function(model, config.<key>) reshapes a fresh model as recorded
+    claims: str | None = None  # "module:function": whether a value of a shared key is one ``rebuild`` reads
+
+    def call(self, name: str, *args) -> Any:
+        module, _, function = getattr(self, name).partition(":")
+        return getattr(importlib.import_module(module), function)(*args)
 
 
-def register_rebuilder(key: str, rebuild: Rebuild, order: int, claims: Callable[[Any], bool] = bool) -> None:
-    """``rebuild(model, config.<key>)`` reshapes a fresh model as recorded, for the values ``claims`` accepts (a
-    shared key such as ``quantization_config`` may hold formats that transformers loads itself); lower ``order``
-    runs first."""
-    _REBUILDERS[key] = (order, rebuild, claims)
+REBUILDERS: dict[str, Rebuilder] = {
+    "sparsegen_structure": Rebuilder(0, "sparsegen.pruning.structured:rebuild"),
+    # compressed-tensors' key: transformers reads other formats under it itself
+    "quantization_config": Rebuilder(1, "sparsegen.quant.quantize:rebuild", "sparsegen.quant.quantize:ours"),
+}
+
+
+def register_rebuilder(key: str, rebuilder: Rebuilder) -> None:
+    """A new reshaping ``key`` (an extension's own checkpoints)."""
+    REBUILDERS[key] = rebuilder
 
 
 def recorded(config: PretrainedConfig) -> list[str]:
     """The reshaping keys ``config`` records, in the order they are rebuilt."""
     values = {key: getattr(config, key, None) for key in config.to_dict()}
-    unknown = [key for key, value in values.items() if key.startswith("sparsegen_") and value and key not in _REBUILDERS]
+    unknown = [key for key, value in values.items() if key.startswith("sparsegen_") and value and key not in REBUILDERS]
     if unknown:
         raise ValueError(f"config.json records {', '.join(unknown)}, which this version of sparsegen cannot "
                          f"rebuild; upgrade sparsegen")
-    keys = [key for key, (_, _, claims) in _REBUILDERS.items() if values.get(key) and claims(values[key])]
-    return sorted(keys, key=lambda key: _REBUILDERS[key][0])
+    keys = [key for key, rebuilder in REBUILDERS.items() if values.get(key)
+            and (rebuilder.claims is None or rebuilder.call("claims", values[key]))]
+    return sorted(keys, key=lambda key: REBUILDERS[key].order)
 
 
 def rebuild(model: nn.Module, config: PretrainedConfig, only: str | None = None) -> None:
@@ -37,4 +54,4 @@ def rebuild(model: nn.Module, config: PretrainedConfig, only: str | None = None)
     that key's reshaping (e.g. sizes without quantization, to count parameters)."""
     for key in recorded(config):
         if only is None or key == only:
-            _REBUILDERS[key][1](model, getattr(config, key))
+            REBUILDERS[key].call("rebuild", model, getattr(config, key))

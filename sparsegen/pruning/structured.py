@@ -18,7 +18,6 @@ from sparsegen.models.anatomy import (head_families, attention_heads, decoder_la
                                       neuron_count)
 from sparsegen.models.calibration import calibrated_layers
 from sparsegen.models.families import family
-from sparsegen.models.rebuild import register_rebuilder
 from sparsegen.pruning.methods import pruning_method
 
 if TYPE_CHECKING:
@@ -135,8 +134,6 @@ def rebuild(model: nn.Module, structure: dict) -> None:
         if structure.get("kv_groups"):
             keep_groups(layer, torch.arange(structure["kv_groups"][index]))
 
-
-register_rebuilder("sparsegen_structure", rebuild, order=0)
 
 
 def prune_structured(model: nn.Module, config: PruneConfig, ids: torch.Tensor | None, progress: bool) -> dict:

@@ -18,7 +18,6 @@ from torch import nn
 
 from sparsegen.models.anatomy import decoder_layers, linears
 from sparsegen.models.calibration import calibrated_layers
-from sparsegen.models.rebuild import register_rebuilder
 from sparsegen.pruning.sparsegpt import sparsegpt_prune
 from sparsegen.quant.groups import GroupQuantizer, check_bits, check_groups, round_to_nearest
 from sparsegen.quant.linear import QuantLinear
@@ -152,5 +151,3 @@ def rebuild(model: torch.nn.Module, recorded: dict) -> None:
                                                   group_size, linear.bias is not None, linear.weight.dtype,
                                                   linear.weight.device))
 
-
-register_rebuilder(CONFIG_KEY, rebuild, order=1, claims=ours)  # after structured pruning has sized the linears

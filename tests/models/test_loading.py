@@ -96,3 +96,14 @@ def test_device_map_and_shards(tiny_checkpoint, tmp_path):
     assert torch.equal(again(ids).logits, model(ids).logits)
     with pytest.raises(ValueError, match="device or device_map"):
         sparsegen.load(tiny_checkpoint, device="cuda", device_map="auto")
+
+
+def test_every_rebuilder_is_named_and_resolves():
+    """A checkpoint's reshaping key names its rebuilder ("module:function"): it resolves without any prior import."""
+    from sparsegen.models.rebuild import REBUILDERS
+
+    for key, rebuilder in REBUILDERS.items():
+        for name in ("rebuild", "claims"):
+            if getattr(rebuilder, name) is not None:
+                module, _, function = getattr(rebuilder, name).partition(":")
+                assert callable(getattr(__import__(module, fromlist=[function]), function)), (key, name)
