@@ -7,8 +7,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
+
+
+def from_entry_points(group: str, name: str):
+    """What an installed package offers as ``name`` in the entry point ``group`` (None if none does)."""
+    for point in entry_points(group=group):
+        if point.name == name:
+            return point.load()
+    return None
 
 
 def load_plugin(spec: str) -> ModuleType:

@@ -6,7 +6,8 @@ entry point (a ``Family``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+
+from sparsegen.plugins import from_entry_points
 
 ENTRY_POINTS = "sparsegen.families"
 GATED_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")
@@ -37,10 +38,8 @@ def register_family(family: Family) -> Family:
 
 def family(model_type: str) -> Family:
     """The family of ``model_type`` (looking in installed packages' entry points if it is not registered yet)."""
-    if model_type not in FAMILIES:
-        for point in entry_points(group=ENTRY_POINTS):
-            if point.name == model_type:
-                register_family(point.load())
+    if model_type not in FAMILIES and (found := from_entry_points(ENTRY_POINTS, model_type)) is not None:
+        register_family(found)
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported architecture {model_type!r}: sparsegen supports {', '.join(FAMILIES)} (add "
                          "one with sparsegen.models.register_family)")

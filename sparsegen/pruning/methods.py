@@ -5,12 +5,12 @@ layer's inputs, or prunes the weight itself (SparseGPT's update). A method of yo
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 from typing import ClassVar
 
 import torch
 
 from sparsegen.models.calibration import Statistics
+from sparsegen.plugins import from_entry_points
 from sparsegen.pruning.masks import magnitude_scores, n_m_mask, unstructured_mask, wanda_scores
 from sparsegen.pruning.sparsegpt import sparsegpt_prune
 
@@ -55,10 +55,8 @@ def register_pruning_method(cls: type[PruningMethod]) -> type[PruningMethod]:
 
 def pruning_method(name: str) -> PruningMethod:
     """The registered method called ``name`` (looking in installed packages' entry points if it is not yet)."""
-    if name not in PRUNING_METHODS:
-        for point in entry_points(group=ENTRY_POINTS):
-            if point.name == name:
-                register_pruning_method(point.load())
+    if name not in PRUNING_METHODS and (found := from_entry_points(ENTRY_POINTS, name)) is not None:
+        register_pruning_method(found)
     if name not in PRUNING_METHODS:
         raise ValueError(f"unknown pruning method {name!r}; choose one of {', '.join(PRUNING_METHODS)}")
     return PRUNING_METHODS[name]()

@@ -2,9 +2,8 @@
 itself the same way, in a file of its own, or from an installed package through the ``sparsegen.policies`` entry
 point group."""
 
-from importlib.metadata import entry_points
-
 from sparsegen.kv.policy import POLICIES, Policy, policy_options, register_policy
+from sparsegen.plugins import from_entry_points
 # imported for their registration, in the order the CLI lists them
 from sparsegen.kv.policies import full, window, streaming, h2o, streaming_h2o, tova, scissorhands  # noqa: F401
 from sparsegen.kv.policies import snapkv, knorm, keydiff, lagkv, random, pyramid, adakv  # noqa: F401
@@ -14,10 +13,8 @@ ENTRY_POINTS = "sparsegen.policies"
 
 def policy_class(name: str) -> type[Policy]:
     """The registered policy called ``name`` (looking in installed packages' entry points if it is not yet)."""
-    if name not in POLICIES:
-        for point in entry_points(group=ENTRY_POINTS):
-            if point.name == name:
-                register_policy(point.load())
+    if name not in POLICIES and (found := from_entry_points(ENTRY_POINTS, name)) is not None:
+        register_policy(found)
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     return POLICIES[name]
