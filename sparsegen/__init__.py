@@ -1,14 +1,16 @@
 """sparsegen: sparse, long-sequence inference for Hugging Face causal LMs.
 
-The public API: load a model, generate through an evicting KV cache, prune, quantize, fit contextual sparsity,
-tune a soft prompt. Importing the package also registers how pruned and quantized checkpoints are rebuilt.
+The public API: load a model (with its run-time weights, contextual plan and prompt), generate through an evicting KV
+cache, compress a context once, inspect what each policy keeps, prune, quantize, fit contextual sparsity, tune a soft
+prompt.
 """
 
+from sparsegen.assemble import load
 from sparsegen.contextual import Contextual, DejaVuConfig, fit_dejavu, fit_teal
 from sparsegen.eval.inspect import inspect
 from sparsegen.generation import Generation, compare, compress, generate
 from sparsegen.kv import CompressedContext, EvictionCache, Policy, TokenView, make_policy, patched
-from sparsegen.models import ModelLoadError, ModelSpec, load, model_spec
+from sparsegen.models import ModelLoadError, ModelSpec, model_spec
 from sparsegen.models.compat import cache_kwargs
 from sparsegen.prompt import PromptPrefix, TuneConfig, tune_prompt
 from sparsegen.pruning import PruneConfig, prune_model, save_pruned

@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 from sparsegen.cli.common import (
-    attach_prompt,
     budget_args,
-    gguf_weights_plan,
     int_list,
     kv_quantization,
     model_args,
@@ -71,7 +69,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     names_of_models = [m.strip() for m in args.model.split(",") if m.strip()]
     variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
     plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
-    from sparsegen.quant.fast import WEIGHTS, quantize_weights
+    from sparsegen.assemble import put_prompt, restore_weights
+    from sparsegen.quant.fast import WEIGHTS
 
     weight_modes = [w.strip() for w in args.weights.split(",") if w.strip()]
     baselines: dict[str, list[dict]] = {}  # llama.cpp's rows per model
@@ -85,8 +84,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
             needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None or args.text is not None
             model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
-        quantize_weights(model, weights, gguf_weights_plan(name, weights))
-        attach_prompt(args, model, tokenizer)
+        restore_weights(model, weights, name)
+        put_prompt(model, tokenizer, args.soft_prompt, args.hard_prompt)
         for variant in variants:
             label = name if variant == "none" else f"{name} + {variant}"
             label = label if len(weight_modes) == 1 and weights == "fp32" else f"{label} [{weights}]"

@@ -48,16 +48,6 @@ def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
                         + " (default fp32: as loaded)")
 
 
-def gguf_weights_plan(model_name: str, weights: str) -> dict | None:
-    """``--weights gguf``: each linear's bit width in the model's GGUF file."""
-    if weights != "gguf":
-        return None
-    from sparsegen.models.gguf import gguf_file
-    from sparsegen.quant.fast import gguf_plan
-
-    return gguf_plan(gguf_file(model_name))
-
-
 def prompt_args(p: argparse.ArgumentParser) -> None:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--soft-prompt", default=None, metavar="FILE",
@@ -65,18 +55,6 @@ def prompt_args(p: argparse.ArgumentParser) -> None:
                              "are never evicted)")
     prompt.add_argument("--hard-prompt", default=None, metavar="TEXT",
                         help="put this text before every sequence, pinned in the cache like a soft prompt")
-
-
-def attach_prompt(args: argparse.Namespace, model, tokenizer) -> None:
-    """``--soft-prompt FILE`` / ``--hard-prompt TEXT``: the model sees the prompt before every sequence."""
-    from sparsegen.prompt import PromptPrefix, attach
-
-    if getattr(args, "soft_prompt", None):
-        attach(model, PromptPrefix.load(args.soft_prompt))
-    elif getattr(args, "hard_prompt", None):
-        if tokenizer is None:
-            raise ValueError("--hard-prompt needs a model with a tokenizer (random: models have none)")
-        attach(model, PromptPrefix.from_text(model, tokenizer, args.hard_prompt))
 
 
 def budget_arg(text: str) -> int | float:
@@ -185,19 +163,12 @@ def policy_factories(args: argparse.Namespace, input_length: int | None = None):
 
 
 def load_model(args: argparse.Namespace):
-    from sparsegen.models import load
+    """``sparsegen.load`` with the command's options."""
+    from sparsegen.assemble import load
 
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
-    if getattr(args, "weights", "fp32") != "fp32":
-        from sparsegen.quant.fast import quantize_weights
-
-        quantize_weights(model, args.weights, gguf_weights_plan(args.model, args.weights))
-    if getattr(args, "contextual", None):
-        from sparsegen.contextual import Contextual, attach
-
-        attach(model, Contextual.load(args.contextual))
-    attach_prompt(args, model, tokenizer)
-    return model, tokenizer
+    return load(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", "fp32"),
+                contextual=getattr(args, "contextual", None), soft_prompt=getattr(args, "soft_prompt", None),
+                hard_prompt=getattr(args, "hard_prompt", None))
 
 
 def read_prompt(args: argparse.Namespace) -> str:
