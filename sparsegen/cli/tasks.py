@@ -56,8 +56,9 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(ruler.TASKS)}")
     protocols = args.protocol.split(",")
-    if any(p not in ("stream", "context") for p in protocols):
-        raise ValueError(f"--protocol takes stream, context or both (stream,context), got {args.protocol!r}")
+    if not protocols or any(p not in ruler.PROTOCOLS for p in protocols):
+        raise ValueError(f"--protocol takes {', '.join(ruler.PROTOCOLS)} or several (stream,context), got "
+                         f"{args.protocol!r}")
     args.policy = args.policies.split(",")
     lengths = [int(x) for x in args.length.split(",")]
     depths = [float(x) for x in args.depths.split(",")] if args.depths else None
@@ -121,8 +122,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--policies", default="full", help="comma-separated KV policies (default full)")
     budget_args(p, "KV tokens kept per layer, or a fraction of the context (0.5)")
     p.add_argument("--protocol", default="stream",
-                   help="stream: the whole prompt in chunks, evicting as it goes; context (kvpress's): the context in "
-                        "one pass, compressed once, then the question; or stream,context (default stream)")
+                   help="stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
+                        "compressed once, then the question, the budget holding throughout; context-once (kvpress's "
+                        "exactly): the same, nothing evicted after the context; several comma-separated (default "
+                        "stream)")
     p.add_argument("--depths", default=None, help="needle depths 0-1 the samples cycle through (default 0,.25,.5,.75,1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default RULER's per task)")
     p.add_argument("--chunk-size", type=int, default=512)

@@ -10,9 +10,11 @@ frequent words of a list (``cwe``, ``fwe``). RULER's two QA tasks need SQuAD and
 cannot fetch, so they are not here. Prompts use RULER's wording, fill a given token length, place the (queried)
 needle at a given depth, and are seeded: the same arguments give the same prompts.
 
-Two protocols compress the cache: ``stream`` feeds the whole prompt in chunks and evicts as it goes (what a
-streaming deployment does); ``context`` (kvpress's) encodes the context in one pass, compresses it once to the
-budget with the policy's scores, then feeds the question and decodes, eviction continuing.
+Three protocols compress the cache: ``stream`` feeds the whole prompt in chunks and evicts as it goes (what a
+streaming deployment does); ``context`` encodes the context in one pass, compresses it once to the budget with the
+policy's scores, then feeds the question and decodes, eviction continuing (the budget caps memory throughout);
+``context-once`` is kvpress's exactly: the same compression, and nothing evicted after it (the cache grows by the
+question and the answer).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ TASKS: dict[str, Niah | str] = {
     "cwe": "cwe",
     "fwe": "fwe",
 }
+PROTOCOLS = ("stream", "context", "context-once")
 NEW_TOKENS = {"vt": 30, "cwe": 120, "fwe": 50}  # RULER's answer lengths; 128 for the needle tasks
 
 
@@ -303,8 +306,8 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
              max_new_tokens: int | None = None, progress: bool = True) -> list[dict]:
     """Greedy answers to ``samples`` (one at a time) through a cache under ``make(context_tokens)``'s policy, each
     with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``."""
-    if protocol not in ("stream", "context"):
-        raise ValueError(f"protocol must be 'stream' or 'context', got {protocol!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     results = []
@@ -314,7 +317,8 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
             model, ids, torch.ones_like(ids), make(sample.context_tokens), positions,
             max_new_tokens=max_new_tokens or sample.max_new_tokens, chunk_size=chunk_size, eos_id=eos,
             pad_id=eos if eos is not None else 0, kv_bits=kv_bits, progress=False,
-            first_chunk=sample.context_tokens if protocol == "context" else None)
+            first_chunk=sample.context_tokens if protocol != "stream" else None,
+            hold_after_first=protocol == "context-once")
         answer = tokenizer.decode(new[0, :int(counts[0])], skip_special_tokens=True)
         results.append({"task": sample.task, "depth": sample.depth, "score": score(answer, sample.answers),
                         "answer": answer, "answers": sample.answers, "kv_tokens_peak": stats["kv_tokens_peak"]})

@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sparsegen.kv.attention import prepare
+from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.window import Window
 from sparsegen.kv.policy import Policy, TokenView
 from sparsegen.kv.quantized import TINY, KVQuantization, as_quantization, dequantize, quantize
@@ -692,6 +693,17 @@ class EvictionCache(Cache):
             storage[name] = new
         layer.dtype, layer.device, layer.is_initialized = row.dtype, row.device, True
         return storage
+
+    def stop_evicting(self) -> None:
+        """Hold every token fed from now on (what it holds stays): kvpress's protocol, where a context is compressed
+        once and the question and answer that follow are never evicted. Sliding-window layers keep their window."""
+        if self.policy.shares_slots:
+            raise ValueError(f"{self.policy.name}'s heads share one pool of slots; it cannot stop evicting")
+        self.policy = Full()
+        for layer in self.layers:
+            if not layer.is_sliding:
+                layer.policy = self.policy
+                layer.attention = layer.memo = None  # (nothing scores the tokens any more)
 
     def park(self) -> None:
         """Let go of the slots of this one-sequence cache while a stacked cache holds its row (``add_row``), so a

@@ -118,3 +118,27 @@ def test_cli_rows_per_policy_protocol_task_and_length(tiny_checkpoint, book_slic
     assert "--protocol takes stream, context" in capsys.readouterr().err
     assert main(["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--tasks", "qa_1"]) == 2
     assert "unknown RULER task(s) qa_1" in capsys.readouterr().err
+
+
+def test_context_once_holds_the_question_and_answer(tiny_checkpoint):
+    """kvpress's exact protocol: the context compressed once to the budget, nothing evicted after (the cache grows by
+    the question and the answer); ``context`` holds the budget throughout."""
+    import torch
+
+    import sparsegen
+    from sparsegen.generation import generate_tokens
+    from sparsegen.kv import make_policy
+
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    ids = torch.tensor([tokenizer("it was the best of times, it was the worst of times " * 6)["input_ids"]])
+    context = ids.shape[1] - 6
+    runs = {hold: generate_tokens(model, ids, torch.ones_like(ids), make_policy("knorm", 16), max_new_tokens=5,
+                                  first_chunk=context, hold_after_first=hold)[2] for hold in (False, True)}
+    assert runs[False]["kv_tokens"] == 16
+    assert runs[True]["kv_tokens"] == 16 + 6 + 4  # the compressed context, the question, the answer's fed tokens
+    full = generate_tokens(model, ids, torch.ones_like(ids), make_policy("full"), max_new_tokens=5)[0]
+    once = generate_tokens(model, ids, torch.ones_like(ids), make_policy("knorm", context), max_new_tokens=5,
+                           first_chunk=context, hold_after_first=True)[0]
+    assert torch.equal(once, full)  # a budget that holds the whole context: the model's own tokens
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        ruler.evaluate(model, tokenizer, [], lambda n: make_policy("full"), protocol="twice")

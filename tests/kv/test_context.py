@@ -113,3 +113,19 @@ def test_restored_caches_continue_as_the_original(family):
     for a, b in zip(original.layers, restored.layers):  # the same slots, scores and positions after evicting
         for (name, x), (_, y) in zip(a.buffers(), b.buffers()):
             assert torch.equal(x[:, :, :a.used], y[:, :, :b.used]), name
+
+
+def test_nothing_evicted_after_the_context_when_asked(model_and_tokenizer):
+    """evict_after_context=False: kvpress's exact protocol, from a text context or a compressed one alike."""
+    model, tokenizer = model_and_tokenizer
+    compressed = sparsegen.compress(model, tokenizer, CONTEXT, policy="knorm", budget=16)
+    common = dict(question=QUESTIONS[0], max_new_tokens=6, stop_at_eos=False, evict_after_context=False)
+    once = sparsegen.generate(model, tokenizer, context=compressed, **common)
+    text = sparsegen.generate(model, tokenizer, context=CONTEXT, policy="knorm", budget=16, **common)
+    assert once.texts == text.texts
+    question = len(tokenizer(QUESTIONS[0], add_special_tokens=False)["input_ids"])
+    assert once.cache["kv_tokens"] == text.cache["kv_tokens"] == 16 + question + 5
+    held = sparsegen.generate(model, tokenizer, context=compressed, question=QUESTIONS[0], max_new_tokens=6)
+    assert held.cache["kv_tokens"] == 16
+    with pytest.raises(ValueError, match="share one pool"):
+        sparsegen.generate(model, tokenizer, context=CONTEXT, policy="adakv", budget=16, **common)

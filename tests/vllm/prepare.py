@@ -20,16 +20,23 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 NEW_TOKENS = 32
 PRUNED = {"wanda50": ["--sparsity", "0.5"], "wanda24": ["--pattern", "2:4"],
           "structured": ["--structured", "neurons=0.25"]}
+QUANTIZED = {"int4": ["--bits", "4"], "int8": ["--bits", "8"]}  # round to nearest, the default group size (64)
 
 
 def checkpoints(out: Path) -> dict[str, str]:
-    """dense (the GGUF converted), Wanda 50%, Wanda 2:4, structured-pruned; each written once."""
+    """dense (the GGUF converted), Wanda 50%, Wanda 2:4, structured-pruned, int4 and int8 (compressed-tensors
+    pack-quantized, W4A16 / W8A16); each written once."""
     made = {"dense": resolve("smollm2")}
     for name, flags in PRUNED.items():
         folder = out / name
         if not (folder / "config.json").exists():
             sparsegen(["prune", "--model", "smollm2", "--method", "wanda", *flags, "--nsamples", "16",
                        "--out", str(folder), "--force"])
+        made[name] = str(folder)
+    for name, flags in QUANTIZED.items():
+        folder = out / name
+        if not (folder / "config.json").exists():
+            sparsegen(["quantize", "--model", "smollm2", *flags, "--method", "rtn", "--out", str(folder), "--force"])
         made[name] = str(folder)
     return made
 
