@@ -92,8 +92,8 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 values of ``quantize``'s output (written into ``out`` when given, of any floating dtype)."""
-    values = torch.addcmul(zero.float(), unpack(packed, bits).float(), scale.float(),
-                           out=out if out is not None and out.dtype == torch.float32 else None)
+    direct = out is not None and out.dtype == torch.float32 and not torch.is_grad_enabled()  # (out= has no gradient)
+    values = torch.addcmul(zero.float(), unpack(packed, bits).float(), scale.float(), out=out if direct else None)
     if out is not None and values is not out:
         out.copy_(values)
     return values if out is None else out

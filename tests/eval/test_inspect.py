@@ -149,3 +149,19 @@ def test_a_browser_renders_the_served_inspector(reference, tmp_path):
             browser.close()
     finally:
         running.stop()
+
+
+def test_quantized_kv_and_the_context_protocol(reference):
+    """--kv-bits and --protocol context: the kept sets are still the caches' own."""
+    model, tokenizer = reference
+    data = inspect(model, tokenizer, TEXT, "h2o", budget=32, question=QUESTION, kv_bits=4, protocol="context",
+                   max_new_tokens=0)
+    ids = torch.tensor([tokenizer(TEXT + QUESTION)["input_ids"]])
+    context = len(tokenizer(TEXT)["input_ids"])
+    cache = EvictionCache(model, make_policy("h2o", 32), kv_bits=4)
+    prefill(model, cache, ids, torch.ones_like(ids), 512, first_chunk=context)
+    kept = data["policies"]["h2o"]["kept"]
+    for layer, per_head in zip(cache.layers, kept):
+        for head, held in enumerate(per_head):
+            assert held == sorted(layer.index[0, head, :layer.used][layer.valid[0, head, :layer.used]].tolist())
+    assert data["kv_bits"] == 4 and data["policies"]["h2o"]["reply"] == ""

@@ -107,6 +107,8 @@ def test_rolling_positions_under_autograd():
     logits = model(ids, **cache_kwargs(cache)).logits
     logits.sum().backward()
     assert model.lm_head.weight.grad is not None and max(cache.held_tokens()) == 8
+    quantized = EvictionCache(model, make_policy("h2o", 8), kv_bits=4)  # a forward with autograd on (no backward:
+    assert torch.isfinite(model(ids, **cache_kwargs(quantized)).logits).all()  # rounding has no gradient anyway)
     with torch.no_grad():
         again = EvictionCache(model, make_policy("streaming", 8))
         assert torch.allclose(model(ids, **cache_kwargs(again)).logits, logits, atol=1e-6)
