@@ -254,6 +254,9 @@ def summary(rows: list[dict]) -> str:
     for r in rows:
         def ms(v):
             return "-" if v is None else f"{v * 1000:.0f}"
+
+        def ratio(v):  # (no full row under this cap: nothing to compare with)
+            return "-" if v is None else f"{v:.2f}x"
         if "skipped" in r:
             lines.append(f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{0:>9}  (the cap holds no session)")
             continue
@@ -261,7 +264,7 @@ def summary(rows: list[dict]) -> str:
             f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{r['sessions_admitted']:>9}"
             f"{r['mean_decode_batch'] or 0:>6.1f}{r['failed']:>7}"
             f"{r['decode_tokens_per_s'] or 0:>13.1f}{r['tokens_per_s']:>10.1f}"
-            f"{r.get('throughput_ratio_vs_full', float('nan')):>7.2f}x{r['ttft_p50_s'] or 0:>8.1f}s"
+            f"{ratio(r.get('throughput_ratio_vs_full')):>8}{r['ttft_p50_s'] or 0:>8.1f}s"
             f"{r['ttft_p99_s'] or 0:>6.1f}s{ms(r['itl_p50_s']):>6}ms{ms(r['itl_p99_s']):>5}ms"
             f"{r['kv_bytes_peak'] / 2**20:>8.0f}{(r['peak_rss_bytes'] or 0) / 2**20:>8.0f}")
     return "\n".join(lines)
