@@ -240,7 +240,7 @@ def generate(
                                                                               kv_bits=kv_bits, compile=compile,
                                                                               first_chunk=first_chunk, cache=cache,
                                                                               hold_after_first=not evict_after_context
-                                                                              and (first_chunk or cache) is not None,
+                                                                              and context is not None,
                                                                               **common)
     if on_text is not None and (tail := text.flush()):
         on_text(tail)

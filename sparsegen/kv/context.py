@@ -104,11 +104,14 @@ class CompressedContext:
         """The context's text (what a server's requests under it continue)."""
         return self.meta.get("text", "")
 
-    def cache(self, model: torch.nn.Module, policy: Policy | None = None, **options) -> EvictionCache:
+    def cache(self, model: torch.nn.Module, policy: Policy | None = None, check: bool = True,
+              **options) -> EvictionCache:
         """A live cache holding the compressed context, for one question (decoding changes it; the context does
         not). ``policy``: the policy object to run on (its ``describe()`` must match the saved one), for policies
-        whose options the description cannot rebuild. ``options``: more of ``EvictionCache``'s (``max_length``)."""
-        self.check(model)
+        whose options the description cannot rebuild. ``check=False``: ``model`` was already checked (``check``).
+        ``options``: more of ``EvictionCache``'s (``max_length``)."""
+        if check:
+            self.check(model)
         meta = self.meta
         if policy is None:
             policy = policy_from_description(meta["policy"])

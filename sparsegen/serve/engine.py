@@ -324,7 +324,8 @@ class Engine:
         if session.context is not None and not session.text:
             compressed = self.contexts[session.context]
             session.release()
-            session.cache = compressed.cache(self.model, self.new_cache().policy, max_length=self.max_context)
+            # (checked against this model at start-up: not again on the engine thread for every session)
+            session.cache = compressed.cache(self.model, self.make_policy(), check=False, max_length=self.max_context)
             session.text = compressed.text
 
     # --- running ---
