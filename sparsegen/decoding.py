@@ -62,32 +62,33 @@ class DecodeStep:
     rows of a server's batch included.
 
     ``compile=True``: ``torch.compile(fullgraph=True)`` of the whole step (one graph: model, cache update,
-    eviction), compiled on the first call and again when a shape changes (batch, or the cache growing its slots).
-    On CUDA, ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token.
-    A graph replays one shape at fixed addresses, so there it runs only on a ``steady`` cache (every layer full to
-    its budget: a step adds a slot and evicts one), with the cache's state marked static (it is updated in place);
-    a cache still filling, or ``full``'s (one slot more every step), decodes eagerly. Eager otherwise, for debugging
-    and for caches whose step reads the host (quantized K/V, Ada-KV, LagKV): those compile with graph breaks, which
-    bench reports."""
+    eviction), run on a ``steady`` cache only (every layer full to its budget: a step adds a slot and evicts one, so
+    every shape stays): compiled once per (batch, slots) shape. A cache still filling, or ``full``'s (one slot more
+    every step), decodes eagerly: its held count is a Python number the graph would specialise on, so each step
+    would recompile (and, after one, dynamo turns the count symbolic: minutes of compiling on a small CPU).
+    On CUDA, ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token,
+    with the cache's state marked static (it is updated in place). Eager otherwise, for debugging and for caches
+    whose step reads the host (quantized K/V, Ada-KV, LagKV): those compile with graph breaks, which bench
+    reports."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):
         self.model, self.compiled = model, compile
         self.graphs = compile and next(model.parameters()).device.type == "cuda"
-        self.compiled_steps = 0  # steps that ran the compiled step (on CUDA, only a steady cache's do)
-        self._run = self._eager
+        self.compiled_steps = 0  # steps that ran the compiled step (only a steady cache's do)
+        self._run = self.eager
         if compile:
-            self._run = torch.compile(self._eager, fullgraph=True, mode="reduce-overhead" if self.graphs else None)
+            self._run = torch.compile(self.eager, fullgraph=True, mode="reduce-overhead" if self.graphs else None)
 
-    def _eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    def eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The step uncompiled (what the compiled step traces)."""
         return forward(self.model, cache, token[:, None], position[:, None], last=True)
 
     def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        if not self.graphs:
-            self.compiled_steps += self.compiled
-            return self._run(cache, token, position)
-        if not getattr(cache, "steady", False):
-            return self._eager(cache, token, position)
+        if not self.compiled or not getattr(cache, "steady", False):
+            return self.eager(cache, token, position)
         self.compiled_steps += 1
+        if not self.graphs:
+            return self._run(cache, token, position)
         for tensor in cache.step_state():
             torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
         return self._run(cache, token, position).clone()  # the graph's output memory is its next replay's
@@ -95,7 +96,7 @@ class DecodeStep:
     def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
         """Run one step under dynamo's capture (no compiler) and count the graph breaks it meets: 0 means the step
         compiles as one graph."""
-        return torch._dynamo.explain(self._eager)(cache, token, position).graph_break_count
+        return torch._dynamo.explain(self.eager)(cache, token, position).graph_break_count
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,

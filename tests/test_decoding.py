@@ -2,6 +2,7 @@
 shapes as it found them), that a step updates the cache's state in place, and that a graph step runs only on a
 steady cache and hands back its own copy of the logits. (Replaying on a GPU: tests/test_cuda.py.)"""
 
+import pytest
 import torch
 
 from sparsegen.decoding import DecodeStep, prefill
@@ -45,14 +46,15 @@ def test_a_step_updates_the_tokens_seen_in_place():
     assert cache.seen is seen and seen.tolist() == [7, 7]
 
 
-def test_a_graph_step_runs_only_on_a_steady_cache_and_returns_its_own_logits():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_compiled_step_runs_only_on_a_steady_cache_and_returns_its_own_logits(graphs):
     model, cache, token, position = _prefilled("streaming")
     step, graph_calls, outputs = DecodeStep(model), [], []
-    step.graphs = True  # as on CUDA with compile=True; the "graph" is the eager step, counted
+    step.compiled, step.graphs = True, graphs  # as with compile=True on CPU / CUDA; the "graph" is the eager step
 
     def graph(*args):
         graph_calls.append(cache.steady)
-        outputs.append(step._eager(*args))
+        outputs.append(step.eager(*args))
         return outputs[-1]
 
     step._run = graph
@@ -61,4 +63,4 @@ def test_a_graph_step_runs_only_on_a_steady_cache_and_returns_its_own_logits():
             logits = step(cache, token, position)
             token, position = logits.argmax(-1), position + 1
     assert graph_calls == [True] * 4 and step.compiled_steps == 4
-    assert logits is not outputs[-1] and torch.equal(logits, outputs[-1])
+    assert (logits is not outputs[-1]) == graphs and torch.equal(logits, outputs[-1])  # a graph's output is cloned

@@ -310,9 +310,9 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     timer, mlp_timer = StepTimer(device), MLPTimer(model, enabled=not setup.compiled)
     steps = setup.warmup + setup.new_tokens
 
-    def step() -> None:
+    def step(run: Callable = decode) -> None:
         nonlocal token, position
-        token = decode(cache, token, position).argmax(-1)
+        token = run(cache, token, position).argmax(-1)
         position = position + 1
 
     attended = []  # held tokens plus the new one, at the first and the last timed step
@@ -322,19 +322,29 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         if index in (setup.warmup, steps - 1):
             attended.append(_held_tokens(cache) + 1)
         started = timer.start()
+        if index == 0:
+            synchronize(device)
+            first_started = time.perf_counter()
         step()
+        if index == 0:
+            synchronize(device)
+            first_step_seconds = time.perf_counter() - first_started  # under --compile: the compile
         if index >= setup.warmup:
             timer.stop(started)
         mlp_timer.step(index >= setup.warmup)
     kv_tokens = sum(attended) / len(attended)
     compiled_share = (decode.compiled_steps - compiled_before) / setup.new_tokens
     mlp_ms = mlp_timer.close()  # its hooks call the host clock: a graph break, and not part of the step
-    with count_syncs(device) as syncs:  # counted on steps after the timed ones (counting costs time)
+    # counted on steps after the timed ones (counting costs time); off CUDA by a dispatch mode, under which dynamo
+    # does not run: there the eager step's code is counted (a compiled fullgraph step cannot hold a sync of its own)
+    counted = decode.eager if setup.compiled and device.type != "cuda" else decode
+    with count_syncs(device) as syncs:
         for _ in range(SYNC_STEPS):
-            step()
+            step(counted)
     return {
         "host_syncs_per_token": syncs.count / SYNC_STEPS, "host_sync_ops": dict(syncs.ops),
         "compiled_share": compiled_share,  # of the timed steps (CUDA graphs replay only a steady cache's steps)
+        "first_step_seconds": first_step_seconds,
         "graph_breaks": decode.graph_breaks(cache, token, position),
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,

@@ -128,6 +128,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(status)
 
 
+def cmd_export_window(args: argparse.Namespace) -> None:
+    from sparsegen.models.windowed import windowed_checkpoint
+
+    out = windowed_checkpoint(args.model, args.window, args.out, args.max_context, overwrite=args.force)
+    print(f"{args.model} with every layer a {args.window}-token sliding window written to {out}; serve it with "
+          f"`vllm serve {out}`{f' --max-model-len {args.max_context}' if args.max_context else ''} (vLLM frees the "
+          f"blocks outside the window; sparsegen's --policy window --budget {args.window - 1} on the source model "
+          f"keeps the same tokens)")
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("chat", help="a terminal conversation in one bounded cache (history never re-encoded)")
     model_args(p, run=True)
@@ -183,3 +193,14 @@ def add_parsers(sub) -> None:
                    help="largest request body (default 1 MiB)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export-window", help="write a checkpoint whose layers are all sliding windows, for vLLM to "
+                                             "serve in bounded KV memory (StreamingLLM's window, without sinks)")
+    p.add_argument("--model", required=True, help="a Llama/Mistral/Qwen checkpoint folder or a packaged model")
+    p.add_argument("--window", type=positive_int, required=True,
+                   help="tokens each query attends to, itself included")
+    p.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
+                   help="raise the positions the engine may serve to this (e.g. 32768; RoPE as trained)")
+    p.add_argument("--out", required=True, help="the new checkpoint's folder")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_export_window)

@@ -36,10 +36,10 @@ def test_bench_cli_writes_rows_json_and_plot(tiny_checkpoint, tmp_path, capsys):
         if row["policy"] in ("full", "dense"):  # everything fed: context, warm-up, timed, sync- and break-counted steps
             assert row["peak_kv_bytes"] == (row["context"] + 1 + 4 + decode.SYNC_STEPS + 1) * per_token * row["batch"]
         if row["policy"] != "recompute":
-            assert row["host_syncs_per_token"] >= 0 and row["graph_breaks"] >= 0
-        elif row["policy"] == "recompute":
+            assert row["host_syncs_per_token"] >= 0 and row["graph_breaks"] >= 0 and row["first_step_seconds"] > 0
+        if row["policy"] == "recompute":
             assert row["peak_kv_bytes"] == 32 * per_token * row["batch"] and row["prefill_seconds"] is None
-        else:  # the budget plus one prefill chunk, whatever the context
+        elif row["policy"] not in ("full", "dense"):  # the budget plus one prefill chunk, whatever the context
             assert row["peak_kv_bytes"] == (32 + 16) * per_token * row["batch"]
             assert row["kv_tokens"] == 32 + 1
         assert row["max_batch_at_limit"] == int((2**30 - sum(
@@ -170,3 +170,15 @@ def test_shared_slot_and_quantized_caches_measure_what_they_hold(tiny_model):
     assert rows["adakv", False]["peak_kv_bytes"] < rows["h2o", False]["peak_kv_bytes"]
     assert rows["h2o", False]["peak_kv_bytes"] < rows["h2o", True]["peak_kv_bytes"] / 2
     assert rows["h2o", False]["bytes_per_step"] < rows["h2o", True]["bytes_per_step"]
+
+
+def test_bench_times_the_compiled_step(tiny_checkpoint, tmp_path):
+    """--compile times the compiled step (every timed step compiled) and still counts its syncs and graph breaks
+    (off CUDA on the eager step's code: dynamo does not run under the counting dispatch mode)."""
+    out = tmp_path / "c.json"
+    assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "streaming", "--contexts", "40",
+                 "--budget", "16", "--sinks", "2", "--new-tokens", "3", "--warmup", "1", "--compile",
+                 "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["compiled_share"] == 1.0 and row["host_syncs_per_token"] == 0 and row["graph_breaks"] == 0
+    assert row["first_step_seconds"] > row["ms_per_token"] / 1000  # the first call compiled

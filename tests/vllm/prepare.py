@@ -10,10 +10,13 @@ from pathlib import Path
 import torch
 
 from sparsegen.cli import main as sparsegen
+from sparsegen.data import data_dir, read_texts
 from sparsegen.generation import generate_tokens
+from sparsegen.kv import make_policy
 from sparsegen.kv.policies.full import Full
 from sparsegen.models import load
 from sparsegen.models.loading import resolve
+from sparsegen.models.windowed import windowed_checkpoint
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "To make a cup of tea, first"]
@@ -41,10 +44,40 @@ def checkpoints(out: Path) -> dict[str, str]:
     return made
 
 
+WINDOW = 256  # vLLM's sliding window for the windowed checkpoint: sparsegen's window policy holds WINDOW - 1
+WINDOW_PROMPT = 1200  # tokens of book text, well past the window
+LONG_CONTEXT = 32768  # the windowed checkpoint's positions: a 32K conversation in a pool of far fewer tokens
+
+
+@torch.inference_mode()
+def windowed(out: Path) -> dict:
+    """A windowed SmolLM2 (every layer a WINDOW-token sliding window) and sparsegen's greedy tokens under its
+    ``window`` policy with WINDOW - 1 held tokens, original positions, on a book excerpt."""
+    folder = out / "window"
+    if not (folder / "config.json").exists():
+        windowed_checkpoint("smollm2", WINDOW, folder, max_context=LONG_CONTEXT, overwrite=True)
+    model, tokenizer = load("smollm2")
+    text = read_texts(data_dir() / "books" / "test")[0]
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :WINDOW_PROMPT]
+    new, *_ = generate_tokens(model, ids, torch.ones_like(ids), make_policy("window", WINDOW - 1),
+                              positions="original", max_new_tokens=NEW_TOKENS)
+    rows = [{"prompt": f"{WINDOW_PROMPT} tokens of {text[:40]!r}...", "prompt_ids": ids[0].tolist(),
+             "tokens": new[0].tolist()}]
+    books = tokenizer("\n\n".join(read_texts(data_dir() / "books" / "test")), return_tensors="pt")["input_ids"]
+    ids = books[:, :LONG_CONTEXT - 2 * NEW_TOKENS]
+    if ids.shape[1] < LONG_CONTEXT - 2 * NEW_TOKENS:
+        raise RuntimeError(f"the test books hold {books.shape[1]:,} tokens, fewer than a {LONG_CONTEXT:,}-token prompt")
+    new, *_ = generate_tokens(model, ids, torch.ones_like(ids), make_policy("window", WINDOW - 1),
+                              positions="original", max_new_tokens=NEW_TOKENS)
+    long = {"prompt": f"{ids.shape[1]:,} tokens of the test books", "prompt_ids": ids[0].tolist(),
+            "tokens": new[0].tolist()}
+    return {"path": str(folder), "window": WINDOW, "long_context": LONG_CONTEXT, "rows": rows, "long": long}
+
+
 @torch.inference_mode()
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    expected = {}
+    expected = {"window": windowed(out)}
     for name, path in checkpoints(out).items():
         model, tokenizer = load(path)
         rows = []

@@ -13,6 +13,7 @@ EXPECTED = Path(os.environ.get("SPARSEGEN_VLLM_RUNS", "runs/vllm")) / "expected.
 if not EXPECTED.exists():
     pytest.skip(f"{EXPECTED} is missing: run `make test-vllm`", allow_module_level=True)
 CASES = json.loads(EXPECTED.read_text())
+WINDOWED = CASES.pop("window")  # served with its own settings (below)
 
 
 QUANTIZED_PREFIX = 4  # a quantized checkpoint runs in vLLM's mixed-precision kernel with bf16 activations, sparsegen's
@@ -47,3 +48,43 @@ def test_vllm_gives_sparsegens_greedy_tokens(name, capfd):
             print(f"{name}: {row['prompt']!r}: vLLM and sparsegen agree for {agree} of {len(got)} tokens")
         else:
             assert got == row["tokens"], row["prompt"]
+
+
+def _windowed_llm(path: str, pool_tokens: int, max_model_len: int, **options):
+    """vLLM on CPU with a KV pool of ``pool_tokens`` tokens (SmolLM2 in fp32: 30 layers x 2 x 3 heads x 64 x 4 bytes
+    a token) and prefill chunks of 512 tokens."""
+    return vllm.LLM(model=path, dtype="float32", max_model_len=max_model_len, enforce_eager=True, seed=0,
+                    kv_cache_memory_bytes=pool_tokens * 30 * 2 * 3 * 64 * 4, max_num_batched_tokens=512,
+                    enable_prefix_caching=False, **options)
+
+
+def test_vllm_serves_the_windowed_checkpoint_as_sparsegens_window_policy():
+    """`sparsegen export-window --window W`: vLLM's sliding window of W tokens (itself included) keeps what
+    sparsegen's ``window`` policy with W - 1 held tokens keeps, on a prompt far past the window: the same greedy
+    tokens."""
+    llm = _windowed_llm(WINDOWED["path"], pool_tokens=8192, max_model_len=2048)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=len(WINDOWED["rows"][0]["tokens"]), ignore_eos=True)
+    for row, output in zip(WINDOWED["rows"], llm.generate([{"prompt_token_ids": r["prompt_ids"]}
+                                                           for r in WINDOWED["rows"]], params)):
+        assert list(output.outputs[0].token_ids) == row["tokens"], row["prompt"]
+
+
+def test_vllm_serves_a_32k_conversation_in_a_pool_of_4k_tokens(capfd):
+    """The windowed checkpoint answers a 32K-token prompt (SmolLM2 is trained to 8K) from a KV pool of 4,096 tokens:
+    vLLM frees blocks outside the window, so memory stays flat past it. The same pool refuses the model's
+    unwindowed checkpoint at that length (it would need every token's K/V). The greedy tokens are compared with
+    sparsegen's window policy over the same 32K prompt."""
+    long, context = WINDOWED["long"], WINDOWED["long_context"]
+    with pytest.raises(Exception) as refused:  # noqa: B017 (the engine's own error only says its core failed)
+        _windowed_llm(CASES["dense"]["path"], pool_tokens=4096, max_model_len=context,
+                      hf_overrides={"max_position_embeddings": context})  # the same positions as the windowed one
+    logged = "".join(capfd.readouterr()) + str(refused.value)
+    assert "larger than the available KV cache memory" in logged, logged[-2000:]
+    llm = _windowed_llm(WINDOWED["path"], pool_tokens=4096, max_model_len=context)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=len(long["tokens"]), ignore_eos=True)
+    [output] = llm.generate([{"prompt_token_ids": long["prompt_ids"]}], params)
+    got = list(output.outputs[0].token_ids)
+    agree = next((i for i, (a, b) in enumerate(zip(got, long["tokens"])) if a != b), len(got))
+    print(f"window {WINDOWED['window']}, {len(long['prompt_ids']):,}-token prompt: vLLM and sparsegen agree for "
+          f"{agree} of {len(got)} tokens")
+    assert agree >= QUANTIZED_PREFIX  # fp32 both, but 32K tokens of rounding: a wrong window differs at once
