@@ -84,5 +84,5 @@ with torch.inference_mode():
 print(f"{args.model} {args.policy} context {args.context} batch {args.batch} {dtype} on {device}: eager {eager_ms:.2f} "
       f"ms/step, compiled {compiled_ms:.2f} ms/step ({eager_ms / compiled_ms:.2f}x; {compiled.compiled_steps} of "
       f"{args.steps + 4} steps compiled), first compiled call {first_s:.1f} s, first logits max |diff| "
-      f"{(eager_logits - compiled_logits).abs().max():.2e} (of max |logit| {eager_logits.abs().max():.1f}), same tokens "
-      f"{torch.equal(eager_tokens, compiled_tokens)}")
+      f"{(eager_logits - compiled_logits).abs().max():.2e} (of max |logit| {eager_logits.abs().max():.1f}), "
+      f"same tokens {torch.equal(eager_tokens, compiled_tokens)}")

@@ -19,7 +19,8 @@ WINDOWED = CASES.pop("window")  # served with its own settings (below)
 QUANTIZED_PREFIX = 4  # a quantized checkpoint runs in vLLM's mixed-precision kernel with bf16 activations, sparsegen's
 # in fp32: greedy continuations agree on the first tokens of every prompt, then may drift apart (a wrongly loaded
 # weight would differ at once)
-NO_AVX512_KERNEL = "cpu_gemm_wna16"  # an AVX2 build selects its WNA16 kernel for int4, then lacks the op at the first forward
+# an AVX2 build selects its WNA16 kernel for int4, then lacks the op at the first forward
+NO_AVX512_KERNEL = "cpu_gemm_wna16"
 NO_KERNEL = "Failed to find a kernel"  # vLLM's CPU build has none for this scheme (its worker logs why, per kernel)
 
 
