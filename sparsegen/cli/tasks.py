@@ -56,7 +56,7 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(ruler.TASKS)}")
     protocols = args.protocol.split(",")
-    if not protocols or any(p not in ruler.PROTOCOLS for p in protocols):
+    if any(p not in ruler.PROTOCOLS for p in protocols):
         raise ValueError(f"--protocol takes {', '.join(ruler.PROTOCOLS)} or several (stream,context), got "
                          f"{args.protocol!r}")
     args.policy = args.policies.split(",")

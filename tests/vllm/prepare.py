@@ -16,6 +16,7 @@ from sparsegen.kv import make_policy
 from sparsegen.kv.policies.full import Full
 from sparsegen.models import load
 from sparsegen.models.loading import resolve
+from sparsegen.models.spec import kv_bytes_per_token
 from sparsegen.models.windowed import windowed_checkpoint
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
@@ -57,13 +58,14 @@ def windowed(out: Path) -> dict:
     if not (folder / "config.json").exists():
         windowed_checkpoint("smollm2", WINDOW, folder, max_context=LONG_CONTEXT, overwrite=True)
     model, tokenizer = load("smollm2")
-    text = read_texts(data_dir() / "books" / "test")[0]
+    texts = read_texts(data_dir() / "books" / "test")
+    text = texts[0]
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :WINDOW_PROMPT]
     new, *_ = generate_tokens(model, ids, torch.ones_like(ids), make_policy("window", WINDOW - 1),
                               positions="original", max_new_tokens=NEW_TOKENS)
     rows = [{"prompt": f"{WINDOW_PROMPT} tokens of {text[:40]!r}...", "prompt_ids": ids[0].tolist(),
              "tokens": new[0].tolist()}]
-    books = tokenizer("\n\n".join(read_texts(data_dir() / "books" / "test")), return_tensors="pt")["input_ids"]
+    books = tokenizer("\n\n".join(texts), return_tensors="pt")["input_ids"]
     ids = books[:, :LONG_CONTEXT - 2 * NEW_TOKENS]
     if ids.shape[1] < LONG_CONTEXT - 2 * NEW_TOKENS:
         raise RuntimeError(f"the test books hold {books.shape[1]:,} tokens, fewer than a {LONG_CONTEXT:,}-token prompt")
@@ -71,7 +73,8 @@ def windowed(out: Path) -> dict:
                               positions="original", max_new_tokens=NEW_TOKENS)
     long = {"prompt": f"{ids.shape[1]:,} tokens of the test books", "prompt_ids": ids[0].tolist(),
             "tokens": new[0].tolist()}
-    return {"path": str(folder), "window": WINDOW, "long_context": LONG_CONTEXT, "rows": rows, "long": long}
+    return {"path": str(folder), "window": WINDOW, "long_context": LONG_CONTEXT, "rows": rows, "long": long,
+            "kv_bytes_per_token": kv_bytes_per_token(model.config, 4)}  # fp32 K/V, as vLLM holds them here
 
 
 @torch.inference_mode()

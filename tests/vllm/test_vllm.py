@@ -55,11 +55,11 @@ def test_vllm_gives_sparsegens_greedy_tokens(name, capfd):
             assert got == row["tokens"], row["prompt"]
 
 
-def _windowed_llm(path: str, pool_tokens: int, max_model_len: int, **options):
-    """vLLM on CPU with a KV pool of ``pool_tokens`` tokens (SmolLM2 in fp32: 30 layers x 2 x 3 heads x 64 x 4 bytes
-    a token) and prefill chunks of 512 tokens."""
+def _pooled_llm(path: str, pool_tokens: int, max_model_len: int, **options):
+    """vLLM on CPU with a KV pool of ``pool_tokens`` tokens of SmolLM2's full fp32 K/V (46 KB a token) and prefill
+    chunks of 512 tokens."""
     return vllm.LLM(model=path, dtype="float32", max_model_len=max_model_len, enforce_eager=True, seed=0,
-                    kv_cache_memory_bytes=pool_tokens * 30 * 2 * 3 * 64 * 4, max_num_batched_tokens=512,
+                    kv_cache_memory_bytes=pool_tokens * WINDOWED["kv_bytes_per_token"], max_num_batched_tokens=512,
                     enable_prefix_caching=False, **options)
 
 
@@ -67,7 +67,7 @@ def test_vllm_serves_the_windowed_checkpoint_as_sparsegens_window_policy():
     """`sparsegen export-window --window W`: vLLM's sliding window of W tokens (itself included) keeps what
     sparsegen's ``window`` policy with W - 1 held tokens keeps, on a prompt far past the window: the same greedy
     tokens."""
-    llm = _windowed_llm(WINDOWED["path"], pool_tokens=8192, max_model_len=2048)
+    llm = _pooled_llm(WINDOWED["path"], pool_tokens=8192, max_model_len=2048)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=len(WINDOWED["rows"][0]["tokens"]), ignore_eos=True)
     for row, output in zip(WINDOWED["rows"], llm.generate([{"prompt_token_ids": r["prompt_ids"]}
                                                            for r in WINDOWED["rows"]], params)):
@@ -81,11 +81,11 @@ def test_vllm_serves_a_32k_conversation_in_a_pool_of_4k_tokens(capfd):
     sparsegen's window policy over the same 32K prompt."""
     long, context = WINDOWED["long"], WINDOWED["long_context"]
     with pytest.raises(Exception) as refused:  # noqa: B017 (the engine's own error only says its core failed)
-        _windowed_llm(CASES["dense"]["path"], pool_tokens=4096, max_model_len=context,
+        _pooled_llm(CASES["dense"]["path"], pool_tokens=4096, max_model_len=context,
                       hf_overrides={"max_position_embeddings": context})  # the same positions as the windowed one
     logged = "".join(capfd.readouterr()) + str(refused.value)
     assert "larger than the available KV cache memory" in logged, logged[-2000:]
-    llm = _windowed_llm(WINDOWED["path"], pool_tokens=4096, max_model_len=context)
+    llm = _pooled_llm(WINDOWED["path"], pool_tokens=4096, max_model_len=context)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=len(long["tokens"]), ignore_eos=True)
     [output] = llm.generate([{"prompt_token_ids": long["prompt_ids"]}], params)
     got = list(output.outputs[0].token_ids)
