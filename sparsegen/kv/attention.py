@@ -89,6 +89,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
             sinks, recent = view
             sink_column = key_index[:, :1] < sinks
             mask = mask & ((key_index[:, :1] >= query_index - recent) | sink_column)
+        if cache.rolling:
             query_slot = (mask.sum(-1) - 1).clamp(min=0)  # [B, 1, q]: the rolling position of each query
         mask = mask | (slot[None, :] == (start + row)[:, None]) & ~step.new_valid[:, None, :, None]  # pads: themselves
     if sliding_window is not None:
@@ -96,7 +97,26 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         in_window = query_index - (key_index if view is None else key_index[:, :1]) < sliding_window
         mask = in_window if mask is None else mask & in_window
     value_dim = value.shape[-1]
-    if cache.rolling and view is not None and q > 1:
+    # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
+    # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
+    few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
+    sink_query = None
+    if layer.keys_at_index:
+        # keys are held turned to their token ordinal, so a query turned to its own ordinal sees every recent key at
+        # its rolling distance already; the sinks (rank = ordinal) need the query at its rolling rank instead
+        # (an order policy's held count, so each query's rank, follows from its sinks and budget alone)
+        rotary, model_query = layer.rotary, query
+        query = rotary.turn(model_query, step.positions, step.new_index[:, None, :], step.memo)
+        if layer.sinks:
+            rank = valid[:, :1].sum(-1, keepdim=True) - 1 if unmasked else query_slot  # [B, 1, q]
+            sink_query = rotary.turn(model_query, step.positions, rank, step.memo, (layer.sinks, layer.policy.budget))
+            sink_slot = key_index[:, :1] < layer.sinks  # [B, 1, 1, T]
+            if not few_queries_on_cpu:  # SDPA: both frames side by side in one product, as in the branch below
+                query, sink_query = torch.cat((query, sink_query), dim=-1), None
+                sink_slot = sink_slot[:, :, 0, :, None]
+                key = torch.cat((key.masked_fill(sink_slot, 0), key.masked_fill(~sink_slot, 0)), dim=-1)
+                value = F.pad(value, (0, key.shape[-1] - value_dim))
+    elif cache.rolling and view is not None and q > 1:
         # each query's own rolling positions: recent keys at their distance in the stream, sinks at slots
         # 0..sinks-1 and the query at (tokens it sees - 1); positions measured from a base near the chunk.
         # Both position frames in one product: query = [q_near, q_far], a recent key = [k_near, 0], a sink
@@ -142,11 +162,12 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         key = rotary.rotate(key, None, angles=key_angles, out=cache.workspace(key.shape, key))
         query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
 
-    # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
-    # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
-    few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
     if layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
-        scores = _scores(query, key, scaling)
+        if sink_query is None:
+            scores = _scores(query, key, scaling)
+        else:  # both query frames in one pass over the keys; each slot takes its own frame's logit
+            both = _scores(torch.cat((query, sink_query), dim=2), key, scaling)
+            scores = torch.where(sink_slot[:, :, None], both[:, :, :, q:], both[:, :, :, :q])
         if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
             scores.masked_fill_(~mask[:, :, None], -torch.inf)
         probs = torch.softmax(scores, dim=-1)

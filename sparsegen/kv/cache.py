@@ -6,8 +6,11 @@ new; then the layer keeps the ``budget`` highest-priority tokens of every (seque
 the holes left in the front by moving the few survivors from the tail. Slot order carries no meaning
 (attention is order-free), so a decode step moves at most one token per head.
 
-With ``positions="rolling"`` keys are stored without their rotary embedding and rotated at attention
-time to their rank in the cache (StreamingLLM), so positions never exceed the budget.
+With ``positions="rolling"`` attention sees every key at its rank in the cache (StreamingLLM), so positions never
+exceed the budget: keys are stored without their rotary embedding and rotated to their rank at attention time or,
+under an order policy (sinks + one recent run), stored turned to their token ordinal, which puts every recent key at
+its rolling distance from the query already (only the query turns, twice: once for the recent run, once for the
+sinks).
 
 Two storage variants keep the same slot mechanics: a quantized cache (``kv_bits``) stores each token's key and
 value as codes with their own scale and zero point (``sparsegen.kv.quantized``), and a policy whose heads share
@@ -78,6 +81,13 @@ class EvictionLayer(CacheLayerMixin):
         self.storage: dict[str, torch.Tensor] | None = None  # a stacked cache's buffers for all its row capacity
         self.quantization: KVQuantization | None = cache.quantization
         self.fan = 1  # KV heads sharing each row of slots (all of them under a ``shares_slots`` policy)
+        # rolling positions under an order policy: keys are held turned to their token ordinal, where a recent key
+        # already sits at its rolling distance from the query (attention then turns only the query; see
+        # ``eviction_attention``); otherwise rolling keys are held unrotated and turned to their rank every step
+        view = self.query_view()
+        self.keys_at_index = (cache.rolling and rotary is not None and view is not None
+                              and cache.quantization is None and not policy.shares_slots and rotary.exact)
+        self.sinks = view[0] if self.keys_at_index else 0  # (kept when ``stop_evicting`` lifts the budget)
         for name in BUFFERS + ROW_STATE:
             setattr(self, name, None)
 
@@ -220,7 +230,9 @@ class EvictionLayer(CacheLayerMixin):
                 "the previous step's tokens were never attended through sparsegen's attention: the model's "
                 "attn_implementation was changed after the cache was built; build a new EvictionCache"
             )
-        if self.cache.rolling:
+        if self.keys_at_index:
+            key_states = self.rotary.turn(key_states, step.positions, step.new_index[:, None, :], step.memo)
+        elif self.cache.rolling:
             key_states = self.rotary.unrotate(key_states, step.positions, step.memo)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -318,18 +330,20 @@ class EvictionLayer(CacheLayerMixin):
         budget = self.slot_budget
         if budget is None:
             return
+        decode = self.cache.step.new_valid.shape[1] == 1 and self.fan == 1  # at most one token over per row
+        if decode and not self.cache.padded and self.used <= budget + 1:
+            # every row holds exactly ``used`` tokens in slots 0..used-1, the newest last: over the budget all
+            # together, or none; the newest token moves into the slot its row evicts
+            if self.used > budget:
+                self._overwrite(self.lowest_slot(self.view(seen)), newest=budget)
+            return
         valid = self.valid[:, :, :self.used]
         held = valid.sum(-1)  # [batch, rows]
         keep_count, over = held.clamp(max=budget), held > budget
-        decode = self.cache.step.new_valid.shape[1] == 1 and self.fan == 1  # at most one token over per row
         if decode and self.used <= budget + 1:
             # rows hold their tokens contiguously from slot 0 and the longest holds ``used`` (the new token
             # included), so what compaction needs is known here without reading the device: at most one hole per
             # row (the token evicted, or a shorter row's gap before its new token) and ``min(used, budget)`` after
-            if not self.cache.padded:  # every row holds exactly ``used``: over the budget all together, or none
-                if self.used > budget:
-                    self._compact(self.drop_lowest(self.view(seen), over[..., None]), keep_count, moves=1, used=budget)
-                return
             self._compact(self.drop_lowest(self.view(seen), over[..., None]), keep_count, moves=1,
                           used=min(self.used, budget))
             return
@@ -359,12 +373,26 @@ class EvictionLayer(CacheLayerMixin):
     def drop_lowest(self, view: TokenView, over: torch.Tensor) -> torch.Tensor:
         """``view.valid`` less, in each row that is ``over`` the budget (``[batch, heads, 1]``), its lowest-priority
         token that is not a pinned prefix token (ties: the older): one decode step's eviction."""
-        valid = view.valid
-        evictable = valid & (view.index >= self.pinned) if self.pinned else valid
+        valid, slot = view.valid, self.lowest_slot(view)
+        return valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & ~over)
+
+    def lowest_slot(self, view: TokenView) -> torch.Tensor:
+        """Each row's slot (``[batch, heads, 1]``) of its lowest-priority token that is not a pinned prefix token
+        (ties: the older)."""
+        evictable = view.valid & (view.index >= self.pinned) if self.pinned else view.valid
         priority = self.policy.priority(view).masked_fill(~evictable, torch.inf)
         candidates = (priority == priority.min(-1, keepdim=True).values) & evictable
-        slot = view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
-        return valid.clone().scatter_(-1, slot, valid.gather(-1, slot) & ~over)
+        return view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
+
+    def _overwrite(self, slot: torch.Tensor, newest: int) -> None:
+        """Every row is one token over its budget, its newest in slot ``newest``: move that token's state into the
+        row's ``slot`` (a copy onto itself where the newest is the one evicted) and free ``newest``. A decode step's
+        eviction in one copy per buffer; ``_compact`` would do the same with a search for holes and movers."""
+        for _, buf in self.buffers():
+            newest_state = buf[:, :, newest:newest + 1].clone()
+            buf.scatter_(2, slot.view(*slot.shape, *(1,) * (buf.dim() - 3)).expand_as(newest_state), newest_state)
+        self.valid[:, :, newest] = False
+        self.used = newest
 
     def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor, moves: int | None = None,
                  used: int | None = None) -> None:

@@ -22,7 +22,7 @@ from sparsegen.kv.policies import policy_class
 from sparsegen.kv.policy import Policy, policy_options
 from sparsegen.kv.quantized import KVQuantization
 
-FORMAT = "sparsegen.compressed_context/1"
+FORMAT = "sparsegen.compressed_context/2"  # 2: rolling order-policy keys held turned to their token ordinal
 SAMPLE = 4096  # elements of each weight read into the fingerprint (evenly spaced): enough to tell pruned or
 # quantized weights, or another checkpoint of the same architecture, apart without hashing every byte
 
@@ -161,6 +161,9 @@ class CompressedContext:
             raw = (f.metadata() or {}).get("sparsegen")
             meta = json.loads(raw) if raw else {}
             if meta.get("format") != FORMAT:
+                if str(meta.get("format", "")).startswith(FORMAT.split("/")[0]):
+                    raise ValueError(f"{str(path)!r} was written by another sparsegen version ({meta['format']}; "
+                                     f"this one reads {FORMAT}): compress the context again")
                 raise ValueError(f"{str(path)!r} is not a sparsegen compressed context ({FORMAT})")
             context = cls({name: f.get_tensor(name) for name in f.keys()}, meta)
         if model is not None:

@@ -20,6 +20,8 @@ class Rotary:
         self.scale = float(scale if scale is not None else getattr(module, "attention_scaling", 1.0))
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._turns: torch.Tensor | None = None
+        self._frequencies: torch.Tensor | None = None
+        self._exact: bool | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module, layer_idx: int = 0) -> Rotary:
@@ -111,6 +113,48 @@ class Rotary:
         else:
             out = rot * cos + half * sin
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    @property
+    def exact(self) -> bool:
+        """Whether ``turn`` can turn vectors exactly as the module does (its frequencies are a buffer we can read
+        and they give the module's own angles): checked once, on the first 256 positions."""
+        if self._exact is None:
+            own = getattr(self.module, f"{self.layer_type}_inv_freq", None) if self.layer_type else None
+            own = own if own is not None else getattr(self.module, "inv_freq", None)
+            self._exact = isinstance(own, torch.Tensor)
+            if self._exact:
+                self._frequencies = own.detach().double()
+                probe = torch.zeros(1, dtype=torch.float32, device=own.device)
+                positions = torch.arange(256, device=own.device)
+                theirs = self.cos_sin(probe, positions[None])
+                ours = self._exact_angles(probe, positions[None])
+                self._exact = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(theirs, ours))
+        return self._exact
+
+    def _exact_angles(self, x: torch.Tensor, positions: torch.Tensor):
+        """``cos, sin`` at ``positions`` computed in float64: exact at any position (fp32 angles at position 10^6 are
+        off by up to 0.06 rad in the fastest-turning pair, so keys and queries turned to their token index in fp32
+        would drift apart over an endless stream)."""
+        angle = positions[..., None].double() * self._frequencies.to(positions.device)
+        angle = torch.cat((angle, angle), dim=-1)
+        return (angle.cos() * self.scale).to(x.dtype), (angle.sin() * self.scale).to(x.dtype)
+
+    def turn(self, x: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, memo: dict | None = None,
+             memo_key: tuple = ()) -> torch.Tensor:
+        """``x[B, H, q, D]`` as the model rotated it (to ``positions[B, q]``) turned to ``index[B, 1, q]`` instead, in one
+        rotation: by the exact angle at ``index`` less the model's own at ``positions`` (from the cos/sin the model
+        used, so its rotation is undone exactly). ``memo``: a dict shared by the layers of one step, where the angles
+        are kept under ``memo_key`` (``index`` must be the same for every layer that passes it)."""
+        key = ("turn", self.layer_type, *memo_key)
+        angles = None if memo is None else memo.get(key)
+        if angles is None:
+            model_cos, model_sin = self.cos_sin(x, positions[:, None, :])
+            cos, sin = self._exact_angles(x, index)
+            square = self.scale * self.scale
+            angles = ((cos * model_cos + sin * model_sin) / square, (sin * model_cos - cos * model_sin) / square)
+            if memo is not None:
+                memo[key] = angles
+        return self.rotate(x, None, angles=angles)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
         """Undo the model's rotation of new tokens: ``x[B, H, q, D]`` at ``positions[B, q]`` (``memo``: a dict

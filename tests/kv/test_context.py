@@ -1,5 +1,7 @@
 """Compressed contexts: compressed once, asked many times, saved and loaded, refused by another model."""
 
+import json
+
 import pytest
 import torch
 
@@ -82,6 +84,10 @@ def test_another_model_or_a_bad_file_is_refused(model_and_tokenizer, tiny_checkp
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a sparsegen compressed context"):
         CompressedContext.load(tmp_path / "other.safetensors")
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "old.safetensors"),
+              metadata={"sparsegen": json.dumps({"format": "sparsegen.compressed_context/1"})})
+    with pytest.raises(ValueError, match="another sparsegen version.*compress the context again"):
+        CompressedContext.load(tmp_path / "old.safetensors")
     with pytest.raises(ValueError, match="NAME.safetensors"):
         loaded.save(tmp_path / "c.pt")
     with pytest.raises(ValueError, match="carries its policy.*budget"):

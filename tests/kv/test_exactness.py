@@ -193,7 +193,7 @@ def test_rolling_ignores_absolute_positions(family):
     model = tiny_model(family)
     ids = torch.randint(3, VOCAB, (1, 300))
     runs = []
-    for offset in (0, 5000):
+    for offset in (0, 5000, 3_000_000):  # at 3M the model's fp32 angles are off by up to 0.1 rad: exact here still
         cache = EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=8)
         logits = []
         with torch.no_grad():
@@ -202,6 +202,34 @@ def test_rolling_ignores_absolute_positions(family):
                 logits.append(model(input_ids=ids[:, t:t + 25], position_ids=positions, **cache_kwargs(cache)).logits)
         runs.append(torch.cat(logits, dim=1))
     assert (runs[0] - runs[1]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt_neox"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_rolling_keys_held_at_their_ordinal_equal_keys_turned_every_step(family, padded):
+    """Streaming under rolling positions holds keys turned to their token ordinal and turns only the query (twice:
+    recent run, sinks); the older way, kept for quantized caches, holds keys unrotated and turns all of them to their
+    rank every step. Both give the same logits: chunks, decode steps, left padding, past the budget."""
+    model = tiny_model(family)
+    lengths = [30, 22, 9] if padded else [30, 30, 30]
+    ids, mask = _padded_batch(lengths, 30)
+    runs = []
+    for at_ordinal in (True, False):
+        cache = EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=8)
+        for layer in cache.layers:
+            assert layer.keys_at_index
+            layer.keys_at_index = at_ordinal
+        runs.append(_run_chunks(model, cache, ids, mask, [8, 8, 6] + [1] * 8))
+    assert (runs[0] - runs[1]).abs().max() <= TOL
+
+
+def test_rolling_keys_turned_every_step_where_held_otherwise():
+    """Quantized K/V (keys quantized unrotated) and attention policies (no single recent run) keep the older way."""
+    model = tiny_model("llama")
+    assert not any(layer.keys_at_index for layer in EvictionCache(model, _policy("streaming", 12), kv_bits=8).layers)
+    assert not any(layer.keys_at_index for layer in EvictionCache(model, _policy("streaming-h2o", 12)).layers)
+    assert not any(layer.keys_at_index for layer in EvictionCache(model, _policy("streaming", 12),
+                                                                  positions="original").layers)
 
 
 @pytest.mark.parametrize("name", ["full", "window", "h2o"])
