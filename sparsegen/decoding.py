@@ -87,11 +87,16 @@ class DecodeStep:
         if not self.compiled or not getattr(cache, "steady", False):
             return self.eager(cache, token, position)
         self.compiled_steps += 1
-        if not self.graphs:
-            return self._run(cache, token, position)
-        for tensor in cache.step_state():
-            torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
-        return self._run(cache, token, position).clone()  # the graph's output memory is its next replay's
+        if self.graphs:
+            for tensor in cache.step_state():
+                torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
+        cache.caller_counts_length = True
+        try:
+            logits = self._run(cache, token, position)
+        finally:
+            cache.caller_counts_length = False
+        cache.length += 1
+        return logits.clone() if self.graphs else logits  # a CUDA graph's output memory is its next replay's
 
     def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
         """Run one step under dynamo's capture (no compiler) and count the graph breaks it meets: 0 means the step

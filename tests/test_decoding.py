@@ -30,8 +30,9 @@ def _steady_after_each_step(name: str, family: str = "llama", budget: int | None
 
 
 def test_a_bounded_cache_is_steady_once_every_layer_holds_its_budget():
-    assert _steady_after_each_step("streaming") == [False] * 3 + [True] * 5  # 6 prompt tokens, budget 10
-    assert _steady_after_each_step("h2o", "gemma3") == [False] * 3 + [True] * 5  # sliding layers fill first
+    # 6 prompt tokens, budget 10: full after 4 steps, steady from the first eviction (the 5th step) on
+    assert _steady_after_each_step("streaming") == [False] * 4 + [True] * 4
+    assert _steady_after_each_step("h2o", "gemma3") == [False] * 4 + [True] * 4  # sliding layers fill first
 
 
 def test_a_full_cache_never_is():
@@ -62,5 +63,22 @@ def test_a_compiled_step_runs_only_on_a_steady_cache_and_returns_its_own_logits(
         for _ in range(8):
             logits = step(cache, token, position)
             token, position = logits.argmax(-1), position + 1
-    assert graph_calls == [True] * 4 and step.compiled_steps == 4
+    assert graph_calls == [True] * 3 and step.compiled_steps == 3
+    assert cache.length == 6 + 8  # counted once a step, inside the eager step or, around the graph, by DecodeStep
     assert (logits is not outputs[-1]) == graphs and torch.equal(logits, outputs[-1])  # a graph's output is cloned
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_a_compiled_step_compiles_once(name):
+    """The step's graph reads no Python number that changes from step to step (the cache's length, which
+    transformers' mask code and the step's end read, is counted outside it): one compile serves every steady step."""
+    torch._dynamo.reset()
+    model, cache, token, position = _prefilled(name)
+    step = DecodeStep(model)
+    step.compiled, step._run = True, torch.compile(step.eager, fullgraph=True, backend="eager")
+    torch._dynamo.utils.counters.clear()
+    with torch.inference_mode():
+        for _ in range(8):
+            token, position = step(cache, token, position).argmax(-1), position + 1
+    assert step.compiled_steps == 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert cache.length == 6 + 8

@@ -296,7 +296,9 @@ class EvictionLayer(CacheLayerMixin):
 
     @property
     def steady(self) -> bool:
-        return self.is_initialized and self.slot_budget is not None and self.used == self.slot_budget
+        """Full to its budget, having held one token more before (a decode step's ``peak_tokens`` stays put)."""
+        budget = self.slot_budget
+        return self.is_initialized and budget is not None and self.used == budget and self.peak_tokens > budget
 
     @property
     def slot_budget(self) -> int | None:
@@ -507,6 +509,9 @@ class EvictionCache(Cache):
         self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
         self.seen: torch.Tensor | None = None  # real tokens per sequence
         self.padded = False  # whether any padding was fed: until then every held slot of every row is real
+        # set by a compiled ``DecodeStep`` around its call: it counts ``length`` itself, outside the graph (a Python
+        # number the graph would guard on, recompiling at the next step)
+        self.caller_counts_length = False
         self.row_capacity = 1  # rows a stacked cache keeps storage for
         self.exact_rows = False  # a stacked cache holds storage for its rows only (reallocated as they come and go)
         self._workspace: torch.Tensor | None = None
@@ -568,13 +573,15 @@ class EvictionCache(Cache):
     def end_step(self, q: int) -> None:
         if self.step is not None:
             self.seen.copy_(self.step.seen)  # in place: a decode step's state stays at fixed addresses (CUDA graphs)
-            self.length += q
+            if not self.caller_counts_length:
+                self.length += q
         self.step = None
 
     @property
     def steady(self) -> bool:
-        """Whether a decode step leaves every shape as it finds it: each layer bounded and full to its budget (a
-        step adds one slot and evicts one). What one CUDA graph can replay step after step."""
+        """Whether a decode step leaves every shape and count as it finds it: each layer bounded and full to its
+        budget (a step adds one slot and evicts one), past its first eviction. What one compiled graph (one CUDA
+        graph) serves step after step."""
         return self.seen is not None and all(layer.steady for layer in self.layers)
 
     def step_state(self) -> list[torch.Tensor]:
@@ -584,6 +591,11 @@ class EvictionCache(Cache):
     # --- what transformers asks of a cache ---
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Where transformers' mask starts its queries: unused (sparsegen's attention builds its own mask from the
+        slots), so a constant, not the length: a compiled decode step read the length and recompiled on the next."""
+        return 0
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         if not isinstance(query_length, int):  # older transformers pass cache_position
