@@ -82,3 +82,20 @@ def test_a_compiled_step_compiles_once(name):
             token, position = step(cache, token, position).argmax(-1), position + 1
     assert step.compiled_steps == 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert cache.length == 6 + 8
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_the_compiled_step_writes_the_cache_in_place(name):
+    """Inductor's code for a steady step allocates nothing the size of a layer's K/V: the step's one write per
+    buffer (the new token into the slot it evicts) is done in place, not by copying the cache (it was, four times a
+    step, before the write was made single and inductor's reordering for locality turned off)."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    torch._dynamo.reset()
+    model, cache, token, position = _prefilled(name, prompt=12)  # a prompt over the budget of 10: steady
+    step = DecodeStep(model, compile=True)
+    with torch.inference_mode(), fresh_cache():
+        _, code = run_and_get_code(step, cache, token, position)
+    keys = cache.layers[0].keys
+    assert step.compiled_steps == 1 and f"empty_strided_cpu({tuple(keys.shape)}" not in "".join(code)
+    assert f"empty_strided_cpu({tuple(keys.shape[:3])}" in "".join(code)  # (the test sees allocations: index's)

@@ -69,7 +69,17 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         return stepwise_attention(cache, layer, query, key, value, scaling, sliding_window)
     step = cache.step
     batch, q_heads, q, _ = query.shape
-    total = key.shape[2]
+    # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
+    # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
+    few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
+    # a steady decode step's own K/V wait beside the held slots (``EvictionLayer.incoming``): grouped matmuls read
+    # both; where one tensor is needed (SDPA, keys turned to their ranks), they are joined (a copy)
+    incoming = layer.incoming
+    if incoming is not None and not (few_queries_on_cpu and (layer.keys_at_index or not cache.rolling)):
+        key, value = torch.cat((key, incoming[0]), dim=2), torch.cat((value, incoming[1]), dim=2)
+        incoming = None
+    held = key.shape[2]
+    total = held + (q if incoming is not None else 0)
     start = total - q
     device = query.device
     valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
@@ -97,9 +107,6 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         in_window = query_index - (key_index if view is None else key_index[:, :1]) < sliding_window
         mask = in_window if mask is None else mask & in_window
     value_dim = value.shape[-1]
-    # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
-    # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
-    few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
     sink_query = None
     if layer.keys_at_index:
         # keys are held turned to their token ordinal, so a query turned to its own ordinal sees every recent key at
@@ -163,11 +170,12 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
 
     if layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
-        if sink_query is None:
-            scores = _scores(query, key, scaling)
-        else:  # both query frames in one pass over the keys; each slot takes its own frame's logit
-            both = _scores(torch.cat((query, sink_query), dim=2), key, scaling)
-            scores = torch.where(sink_slot[:, :, None], both[:, :, :, q:], both[:, :, :, :q])
+        queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)  # both frames in one pass
+        scores = _scores(queries, key, scaling)
+        if incoming is not None:
+            scores = torch.cat((scores, _scores(queries, incoming[0], scaling)), dim=-1)
+        if sink_query is not None:  # each slot takes its own frame's logit
+            scores = torch.where(sink_slot[:, :, None], scores[:, :, :, q:], scores[:, :, :, :q])
         if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
             scores.masked_fill_(~mask[:, :, None], -torch.inf)
         probs = torch.softmax(scores, dim=-1)
@@ -176,7 +184,10 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
             real = None if unmasked else step.new_valid[:, None, None, :, None]
             observe(layer.policy, layer.attention[:, :, :total], probs, visible, real, step.new_index)
         grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
-        out = (grouped @ value).view(batch, q_heads, q, -1)
+        out = grouped[..., :held] @ value
+        if incoming is not None:
+            out = out + grouped[..., held:] @ incoming[1]
+        out = out.view(batch, q_heads, q, -1)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     layer.evict(step.seen)

@@ -88,6 +88,11 @@ class EvictionLayer(CacheLayerMixin):
         self.keys_at_index = (cache.rolling and rotary is not None and view is not None
                               and cache.quantization is None and not policy.shares_slots and rotary.exact)
         self.sinks = view[0] if self.keys_at_index else 0  # (kept when ``stop_evicting`` lifts the budget)
+        # whether a steady decode step may leave its new K/V out of the slots until eviction (``incoming``): not where
+        # the policy reads held K/V (they must be in the slots) or they are quantized or shared between heads
+        self.places_incoming = not (policy.needs_keys or policy.needs_values or policy.memo_width
+                                    or cache.quantization is not None or policy.shares_slots)
+        self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None
         for name in BUFFERS + ROW_STATE:
             setattr(self, name, None)
 
@@ -248,7 +253,12 @@ class EvictionLayer(CacheLayerMixin):
         start, end = self.used, self.used + q
         if end > self.keys.shape[2]:
             self._grow(end)
-        self.store(start, end, key_states, value_states)
+        # a steady decode step keeps its token's K/V apart until eviction writes them into the slot it frees: one
+        # write per buffer a step (a compiled step that wrote the spare slot, then moved it, copied the whole cache)
+        self.incoming = (key_states, value_states) if q == 1 and self.places_incoming and start == self.slot_budget \
+            and not self.cache.padded else None
+        if self.incoming is None:
+            self.store(start, end, key_states, value_states)
         self.index[:, :, start:end] = new_index[:, None, :]
         self.valid[:, :, start:end] = new_valid[:, None, :]
         if self.head is not None:
@@ -259,6 +269,8 @@ class EvictionLayer(CacheLayerMixin):
             self.memo[:, :, start:end] = torch.nan
         self.used, self.pending = end, q
         self.peak_tokens = max(self.peak_tokens, end)
+        if self.incoming is not None:  # attention reads the held slots and ``incoming``
+            return self.keys[:, :, :start], self.values[:, :, :start]
         # the call's own tokens are attended in full precision
         keys, values = self.held(end) if self.quantization is None else self.held(start, key_states, value_states)
         if self.memo is not None:
@@ -390,9 +402,13 @@ class EvictionLayer(CacheLayerMixin):
         """Every row is one token over its budget, its newest in slot ``newest``: move that token's state into the
         row's ``slot`` (a copy onto itself where the newest is the one evicted) and free ``newest``. A decode step's
         eviction in one copy per buffer; ``_compact`` would do the same with a search for holes and movers."""
-        for _, buf in self.buffers():
-            newest_state = buf[:, :, newest:newest + 1].clone()
-            buf.scatter_(2, slot.view(*slot.shape, *(1,) * (buf.dim() - 3)).expand_as(newest_state), newest_state)
+        batch, heads = slot.shape[:2]
+        rows = (torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :],
+                slot[..., 0])
+        incoming = dict(zip(("keys", "values"), self.incoming or ()))
+        for name, buf in self.buffers():
+            buf[rows] = incoming[name][:, :, 0] if name in incoming else buf[:, :, newest].clone()
+        self.incoming = None
         self.valid[:, :, newest] = False
         self.used = newest
 
