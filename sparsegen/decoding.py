@@ -7,6 +7,7 @@ and ``bench`` all decode through these, so what ``bench`` times is what users ru
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -75,6 +76,7 @@ class DecodeStep:
         self.model, self.compiled = model, compile
         self.graphs = compile and next(model.parameters()).device.type == "cuda"
         self.compiled_steps = 0  # steps that ran the compiled step (only a steady cache's do)
+        self.compile_seconds: float | None = None  # the first compiled step's wall time: the compile (CUDA: + capture)
         self._run = self.eager
         if compile:
             # inductor's reordering for locality moved a layer's one cache write (the evicted slot's new K/V) above
@@ -95,10 +97,13 @@ class DecodeStep:
             for tensor in cache.step_state():
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
         cache.caller_counts_length = True
+        started = time.perf_counter()
         try:
             logits = self._run(cache, token, position)
         finally:
             cache.caller_counts_length = False
+        if self.compile_seconds is None:
+            self.compile_seconds = time.perf_counter() - started
         cache.length += 1
         return logits.clone() if self.graphs else logits  # a CUDA graph's output memory is its next replay's
 

@@ -322,13 +322,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         if index in (setup.warmup, steps - 1):
             attended.append(_held_tokens(cache) + 1)
         started = timer.start()
-        if index == 0:
-            synchronize(device)
-            first_started = time.perf_counter()
         step()
-        if index == 0:
-            synchronize(device)
-            first_step_seconds = time.perf_counter() - first_started  # under --compile: the compile
         if index >= setup.warmup:
             timer.stop(started)
         mlp_timer.step(index >= setup.warmup)
@@ -344,7 +338,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     return {
         "host_syncs_per_token": syncs.count / SYNC_STEPS, "host_sync_ops": dict(syncs.ops),
         "compiled_share": compiled_share,  # of the timed steps (CUDA graphs replay only a steady cache's steps)
-        "first_step_seconds": first_step_seconds,
+        "compile_seconds": decode.compile_seconds,  # the first compiled step's wall time (None: none compiled)
         "graph_breaks": decode.graph_breaks(cache, token, position),
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
