@@ -68,7 +68,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     if cache.stepwise and query.shape[2] > 1 and layer.policy.budget is not None and layer.policy.query_view() is None:
         return stepwise_attention(cache, layer, query, key, value, scaling, sliding_window)
     step = cache.step
-    batch, q_heads, q, _ = query.shape
+    q = query.shape[2]
     # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
     # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
     few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
@@ -78,27 +78,46 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     if incoming is not None and not (few_queries_on_cpu and (layer.keys_at_index or not cache.rolling)):
         key, value = torch.cat((key, incoming[0]), dim=2), torch.cat((value, incoming[1]), dim=2)
         incoming = None
-    held = key.shape[2]
-    total = held + (q if incoming is not None else 0)
-    start = total - q
-    device = query.device
+    total = key.shape[2] + (q if incoming is not None else 0)
+    view = layer.query_view()
+    mask, query_slot = _visibility(cache, layer, q, total, view, sliding_window)
+    value_dim = value.shape[-1]
+    sink_query = sink_slot = None
+    if layer.keys_at_index:
+        query, sink_query, sink_slot = _index_frame_queries(cache, layer, query, total, query_slot)
+        if sink_query is not None and not few_queries_on_cpu:  # SDPA: the two frames side by side, one product
+            query, key, value = _side_by_side(query, sink_query, key, key, value, sink_slot[:, :, 0, :, None])
+            sink_query = None
+    elif cache.rolling and view is not None and q > 1:
+        query, key, value = _rolling_chunk_frames(cache, layer, query, key, value, total, view, query_slot)
+    elif cache.rolling:
+        query, key = _rank_frames(cache, layer, query, key, total, view)
+    if layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
+        out = _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, incoming, mask, scaling)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    layer.evict(step.seen)
+    return out[..., :value_dim].transpose(1, 2).contiguous()
+
+
+def _visibility(cache, layer, q: int, total: int, view, sliding_window: int | None):
+    """Which of the ``total`` slots each query sees, ``[B, 1 or Hkv, q, T]`` (None: all of them, a decode step of
+    rows never padded, where every held slot is real and an order policy kept its window), and under rolling
+    positions each query's rank among them ``[B, 1, q]`` (None where the mask is)."""
+    step, device = cache.step, layer.valid.device
     valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
     key_index = layer.index[:, :, None, :total]  # [B, Hkv, 1, T]
     query_index = step.new_index[:, None, :, None]  # [B, 1, q, 1]
-    view = layer.query_view()
-    # a decode step of rows never padded: every held slot is real and visible (an order policy kept its window)
-    unmasked = q == 1 and not cache.padded
-    if unmasked:
-        mask = None
-    else:
+    mask = query_slot = None
+    if q > 1 or cache.padded:
+        start = total - q
         slot = torch.arange(total, device=device)
         row = torch.arange(q, device=device)
         causal = (slot[None, :] < start) | (slot[None, :] - start <= row[:, None])  # [q, T]
         mask = valid[:, :1, None, :] & causal  # [B, 1, q, T]
         if view is not None and q > 1:
             sinks, recent = view
-            sink_column = key_index[:, :1] < sinks
-            mask = mask & ((key_index[:, :1] >= query_index - recent) | sink_column)
+            mask = mask & ((key_index[:, :1] >= query_index - recent) | (key_index[:, :1] < sinks))
         if cache.rolling:
             query_slot = (mask.sum(-1) - 1).clamp(min=0)  # [B, 1, q]: the rolling position of each query
         mask = mask | (slot[None, :] == (start + row)[:, None]) & ~step.new_valid[:, None, :, None]  # pads: themselves
@@ -106,92 +125,109 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         # an order policy holds the same tokens in every head: one mask for all, which SDPA takes
         in_window = query_index - (key_index if view is None else key_index[:, :1]) < sliding_window
         mask = in_window if mask is None else mask & in_window
-    value_dim = value.shape[-1]
-    sink_query = None
-    if layer.keys_at_index:
-        # keys are held turned to their token ordinal, so a query turned to its own ordinal sees every recent key at
-        # its rolling distance already; the sinks (rank = ordinal) need the query at its rolling rank instead
-        # (an order policy's held count, so each query's rank, follows from its sinks and budget alone)
-        rotary, model_query = layer.rotary, query
-        query = rotary.turn(model_query, step.positions, step.new_index[:, None, :], step.memo)
-        if layer.sinks:
-            rank = valid[:, :1].sum(-1, keepdim=True) - 1 if unmasked else query_slot  # [B, 1, q]
-            sink_query = rotary.turn(model_query, step.positions, rank, step.memo, (layer.sinks, layer.policy.budget))
-            sink_slot = key_index[:, :1] < layer.sinks  # [B, 1, 1, T]
-            if not few_queries_on_cpu:  # SDPA: both frames side by side in one product, as in the branch below
-                query, sink_query = torch.cat((query, sink_query), dim=-1), None
-                sink_slot = sink_slot[:, :, 0, :, None]
-                key = torch.cat((key.masked_fill(sink_slot, 0), key.masked_fill(~sink_slot, 0)), dim=-1)
-                value = F.pad(value, (0, key.shape[-1] - value_dim))
-    elif cache.rolling and view is not None and q > 1:
-        # each query's own rolling positions: recent keys at their distance in the stream, sinks at slots
-        # 0..sinks-1 and the query at (tokens it sees - 1); positions measured from a base near the chunk.
-        # Both position frames in one product: query = [q_near, q_far], a recent key = [k_near, 0], a sink
-        # key = [0, k_far], so one fused attention call computes every query's logits in its own frame.
-        # the recent keys a query sees lie within `total` tokens before the chunk, so every position below is under
-        # `bound` (sinks' near and others' far positions are masked out: clamped) and the angles come from a table
-        rotary, bound = layer.rotary, total + q + 2
-        raw_query = rotary.unrotate(query, step.positions, step.memo)
-        base = step.new_index.min(-1).values - min(recent, total) - 1
-        query = rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :], bound=bound)
-        near_key = rotary.rotate(key, (layer.index[:, :, :total] - base[:, None, None]).clamp(0, bound - 1),
-                                 bound=bound)
-        if sinks:
-            sink_slot = sink_column[:, :, 0, :, None]  # [B, 1, T, 1]
-            far_key = rotary.rotate(key, layer.index[:, :, :total].clamp(0, bound - 1),
-                                    bound=bound).masked_fill_(~sink_slot, 0)
-            query = torch.cat((query, rotary.rotate(raw_query, query_slot, bound=bound)), dim=-1)
-            key = torch.cat((near_key.masked_fill_(sink_slot, 0), far_key), dim=-1)
-            value = F.pad(value, (0, key.shape[-1] - value_dim))  # equal q/k/v widths keep SDPA on its fused kernel
+    return mask, query_slot
+
+
+def _index_frame_queries(cache, layer, query, total: int, query_slot: torch.Tensor | None):
+    """Keys held turned to their token ordinal (``EvictionLayer.keys_at_index``): a query turned to its own ordinal
+    sees every recent key at its rolling distance already; the sinks (rank = ordinal) need the query at its rolling
+    rank instead. The query in both frames (the second None without sinks) and which slots are sinks ``[B, 1, 1, T]``.
+    An order policy's held count, so each query's rank, follows from its sinks and budget alone: one turn a step."""
+    step, rotary = cache.step, layer.rotary
+    at_index = rotary.turn(query, step.positions, step.new_index[:, None, :], step.memo)
+    if not layer.sinks:
+        return at_index, None, None
+    rank = layer.valid[:, :1, :total].sum(-1, keepdim=True) - 1 if query_slot is None else query_slot  # [B, 1, q]
+    at_rank = rotary.turn(query, step.positions, rank, step.memo, (layer.sinks, layer.policy.budget))
+    return at_index, at_rank, layer.index[:, :1, None, :total] < layer.sinks
+
+
+def _side_by_side(query, sink_query, near_key, far_key, value, sink_slot: torch.Tensor):
+    """Two position frames in one attention product: query = [q_near, q_far], a recent key = [k_near, 0], a sink key
+    = [0, k_far] (``sink_slot`` ``[B, 1, T, 1]``), values padded to the same width (equal q/k/v widths keep SDPA on
+    its fused kernel), so one fused call computes every query's logits in its own frame."""
+    query = torch.cat((query, sink_query), dim=-1)
+    key = torch.cat((near_key.masked_fill(sink_slot, 0), far_key.masked_fill(~sink_slot, 0)), dim=-1)
+    return query, key, F.pad(value, (0, key.shape[-1] - value.shape[-1]))
+
+
+def _rolling_chunk_frames(cache, layer, query, key, value, total: int, view: tuple[int, int], query_slot):
+    """Un-rotated keys of an order policy under a chunk (rolling positions): each query's own rolling positions,
+    recent keys at their distance in the stream, sinks at slots 0..sinks-1 and the query at (tokens it sees - 1);
+    positions measured from a base near the chunk, both frames side by side. The recent keys a query sees lie within
+    ``total`` tokens before the chunk, so every position is under ``bound`` (sinks' near and others' far positions
+    are masked out: clamped) and the angles come from a table."""
+    step, rotary = cache.step, layer.rotary
+    sinks, recent = view
+    bound = total + query.shape[2] + 2
+    raw_query = rotary.unrotate(query, step.positions, step.memo)
+    base = step.new_index.min(-1).values - min(recent, total) - 1
+    index = layer.index[:, :, :total]
+    query = rotary.rotate(raw_query, (step.new_index - base[:, None])[:, None, :], bound=bound)
+    near_key = rotary.rotate(key, (index - base[:, None, None]).clamp(0, bound - 1), bound=bound)
+    if not sinks:
+        return query, near_key, value
+    far_key = rotary.rotate(key, index.clamp(0, bound - 1), bound=bound)
+    sink_query = rotary.rotate(raw_query, query_slot, bound=bound)
+    return _side_by_side(query, sink_query, near_key, far_key, value, (index[:, :1] < sinks)[..., None])
+
+
+def _rank_frames(cache, layer, query, key, total: int, view):
+    """Un-rotated keys under rolling positions, one token a row (or a chunk of a policy with no order view): every
+    held key and each query turned to its rank among the held tokens."""
+    step = cache.step
+    rotary, bound = layer.rotary, layer.keys.shape[2]
+    valid = layer.valid[:, :, :total]
+
+    def rank_angles():
+        held_before = valid[:, 0, :total - query.shape[2]].sum(-1)
+        query_slots = (held_before[:, None] + step.new_valid.long().cumsum(-1) - 1).clamp(min=0)
+        if view is not None:  # every head holds the same tokens
+            ranks = slot_ranks(layer.index[:, :1, :total], valid[:, :1], sinks=view[0])
         else:
-            key = near_key
-    elif cache.rolling:
-        rotary, bound = layer.rotary, layer.keys.shape[2]
+            ranks = slot_ranks(layer.index[:, :, :total], valid)
+        return rotary.cos_sin(key, ranks, bound), rotary.cos_sin(query, query_slots[:, None, :], bound)
 
-        def rank_angles():
-            held_before = valid[:, 0, :start].sum(-1)
-            query_slots = (held_before[:, None] + step.new_valid.long().cumsum(-1) - 1).clamp(min=0)
-            if view is not None:  # every head holds the same tokens
-                ranks = slot_ranks(layer.index[:, :1, :total], valid[:, :1], sinks=view[0])
-            else:
-                ranks = slot_ranks(layer.index[:, :, :total], valid)
-            return rotary.cos_sin(key, ranks, bound), rotary.cos_sin(query, query_slots[:, None, :], bound)
+    # an order policy lays out every layer's slots alike: one computation per step serves all layers that
+    # share the policy and the rotary embedding
+    memo_key = ("ranks", total, view, id(rotary))
+    angles = step.memo.get(memo_key) if view is not None else None
+    if angles is None:
+        angles = rank_angles()
+        if view is not None:
+            step.memo[memo_key] = angles
+    key_angles, query_angles = angles
+    key = rotary.rotate(key, None, angles=key_angles, out=cache.workspace(key.shape, key))
+    query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
+    return query, key
 
-        # an order policy lays out every layer's slots alike: one computation per step serves all layers that
-        # share the policy and the rotary embedding
-        memo_key = ("ranks", total, view, id(rotary))
-        angles = step.memo.get(memo_key) if view is not None else None
-        if angles is None:
-            angles = rank_angles()
-            if view is not None:
-                step.memo[memo_key] = angles
-        key_angles, query_angles = angles
-        key = rotary.rotate(key, None, angles=key_angles, out=cache.workspace(key.shape, key))
-        query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
 
-    if layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
-        queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)  # both frames in one pass
-        scores = _scores(queries, key, scaling)
-        if incoming is not None:
-            scores = torch.cat((scores, _scores(queries, incoming[0], scaling)), dim=-1)
-        if sink_query is not None:  # each slot takes its own frame's logit
-            scores = torch.where(sink_slot[:, :, None], scores[:, :, :, q:], scores[:, :, :, :q])
-        if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
-            scores.masked_fill_(~mask[:, :, None], -torch.inf)
-        probs = torch.softmax(scores, dim=-1)
-        if layer.attention is not None:
-            visible = total if mask is None else mask.sum(-1)[:, :, None, :, None]  # keys each query sees
-            real = None if unmasked else step.new_valid[:, None, None, :, None]
-            observe(layer.policy, layer.attention[:, :, :total], probs, visible, real, step.new_index)
-        grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
-        out = grouped[..., :held] @ value
-        if incoming is not None:
-            out = out + grouped[..., held:] @ incoming[1]
-        out = out.view(batch, q_heads, q, -1)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    layer.evict(step.seen)
-    return out[..., :value_dim].transpose(1, 2).contiguous()
+def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, incoming, mask, scaling: float):
+    """Attention by grouped matmuls, fp32 scores: what a policy that observes attention needs, and what one or a few
+    queries run fastest on a CPU. ``sink_query``: the query in the sinks' frame (``sink_slot`` ``[B, 1, 1, T]``),
+    both frames scored in one pass over the keys; ``incoming``: the new token's K/V, beside ``key``/``value``."""
+    step = cache.step
+    batch, q_heads, q, _ = query.shape
+    held = key.shape[2]
+    total = held + (q if incoming is not None else 0)
+    queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)
+    scores = _scores(queries, key, scaling)
+    if incoming is not None:
+        scores = torch.cat((scores, _scores(queries, incoming[0], scaling)), dim=-1)
+    if sink_query is not None:  # each slot takes its own frame's logit
+        scores = torch.where(sink_slot[:, :, None], scores[:, :, :, q:], scores[:, :, :, :q])
+    if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
+        scores.masked_fill_(~mask[:, :, None], -torch.inf)
+    probs = torch.softmax(scores, dim=-1)
+    if layer.attention is not None:
+        visible = total if mask is None else mask.sum(-1)[:, :, None, :, None]  # keys each query sees
+        real = None if q == 1 and not cache.padded else step.new_valid[:, None, None, :, None]
+        observe(layer.policy, layer.attention[:, :, :total], probs, visible, real, step.new_index)
+    grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
+    out = grouped[..., :held] @ value
+    if incoming is not None:
+        out = out + grouped[..., held:] @ incoming[1]
+    return out.view(batch, q_heads, q, -1)
 
 
 def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real: torch.Tensor | None = None,
