@@ -82,8 +82,9 @@ class DecodeStep:
             # inductor's reordering for locality moved a layer's one cache write (the evicted slot's new K/V) above
             # the attention that reads the cache, so the write could not be done in place: each step copied every
             # layer's K and V (measured: 4 copies of the cache a step). Without it the write is in place.
-            options = {"reorder_for_locality": False, "triton.cudagraphs": self.graphs}  # (cudagraphs:
-            self._run = torch.compile(self.eager, fullgraph=True, options=options)  # mode="reduce-overhead")
+            # (``triton.cudagraphs`` is what mode="reduce-overhead" sets; a mode and options cannot both be given.)
+            options = {"reorder_for_locality": False, "triton.cudagraphs": self.graphs}
+            self._run = torch.compile(self.eager, fullgraph=True, options=options)
 
     def eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The step uncompiled (what the compiled step traces)."""

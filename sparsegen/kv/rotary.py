@@ -143,8 +143,8 @@ class Rotary:
              memo_key: tuple = ()) -> torch.Tensor:
         """``x[B, H, q, D]`` as the model rotated it (to ``positions[B, q]``) turned to ``index[B, 1, q]`` instead, in
         one rotation: by the exact angle at ``index`` less the model's own at ``positions`` (from the cos/sin the
-        model used, so its rotation is undone exactly). ``memo``: a dict shared by the layers of one step, where the angles
-        are kept under ``memo_key`` (``index`` must be the same for every layer that passes it)."""
+        model used, so its rotation is undone exactly). ``memo``: a dict shared by the layers of one step, where the
+        angles are kept under ``memo_key`` (``index`` must be the same for every layer that passes it)."""
         key = ("turn", self.layer_type, *memo_key)
         angles = None if memo is None else memo.get(key)
         if angles is None:
