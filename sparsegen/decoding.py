@@ -63,19 +63,18 @@ class DecodeStep:
     rows of a server's batch included.
 
     ``compile=True``: ``torch.compile(fullgraph=True)`` of the whole step (one graph: model, cache update,
-    eviction), run on a ``steady`` cache only (every layer full to its budget: a step adds a slot and evicts one, so
-    every shape stays): compiled once per (batch, slots) shape. A cache still filling, or ``full``'s (one slot more
-    every step), decodes eagerly: its held count is a Python number the graph would specialise on, so each step
-    would recompile (and, after one, dynamo turns the count symbolic: minutes of compiling on a small CPU).
-    On CUDA, ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token,
-    with the cache's state marked static (it is updated in place). Eager otherwise, for debugging and for caches
-    whose step reads the host (quantized K/V, Ada-KV, LagKV): those compile with graph breaks, which bench
-    reports."""
+    eviction), run in fixed shapes (``EvictionCache.fixed_shape_step``: each layer attends over its budget's slots,
+    or a ``full`` cache's allocation, free ones masked, and writes the token into a free slot or the one it evicts),
+    so one compile per (batch, slots) shape serves every step, filling or evicting. On CUDA,
+    ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token, with the
+    cache's state marked static (it is updated in place). Eager where a cache cannot take a fixed step (padded rows
+    of a server's batch, quantized K/V, heads sharing slots, a policy that reads the host, a ``full`` cache out of
+    slots), and with ``compile=False``, for debugging."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):
         self.model, self.compiled = model, compile
         self.graphs = compile and next(model.parameters()).device.type == "cuda"
-        self.compiled_steps = 0  # steps that ran the compiled step (only a steady cache's do)
+        self.compiled_steps = 0  # steps that ran the compiled step
         self.compile_seconds: float | None = None  # the first compiled step's wall time: the compile (CUDA: + capture)
         self._run = self.eager
         if compile:
@@ -91,27 +90,37 @@ class DecodeStep:
         return forward(self.model, cache, token[:, None], position[:, None], last=True)
 
     def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        if not self.compiled or not getattr(cache, "steady", False):
+        return self._fixed(cache, token, position, self._run)
+
+    def uncompiled(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The same step as ``__call__``, fixed-shape where that one is, run eagerly (``bench`` counts its host
+        syncs: dynamo does not run under the counting dispatch mode)."""
+        return self._fixed(cache, token, position, self.eager)
+
+    def _fixed(self, cache, token: torch.Tensor, position: torch.Tensor, run) -> torch.Tensor:
+        if not self.compiled or not cache.fits_fixed_step():
             return self.eager(cache, token, position)
-        self.compiled_steps += 1
-        if self.graphs:
+        compiled = run != self.eager
+        if self.graphs and compiled:
             for tensor in cache.step_state():
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
-        cache.caller_counts_length = True
         started = time.perf_counter()
-        try:
-            logits = self._run(cache, token, position)
-        finally:
-            cache.caller_counts_length = False
-        if self.compile_seconds is None:
-            self.compile_seconds = time.perf_counter() - started
-        cache.length += 1
-        return logits.clone() if self.graphs else logits  # a CUDA graph's output memory is its next replay's
+        with cache.fixed_shape_step():
+            logits = run(cache, token, position)
+        if compiled:
+            self.compiled_steps += 1
+            if self.compile_seconds is None:
+                self.compile_seconds = time.perf_counter() - started
+        return logits.clone() if self.graphs and compiled else logits  # a CUDA graph's output memory is its next replay's
 
     def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
-        """Run one step under dynamo's capture (no compiler) and count the graph breaks it meets: 0 means the step
-        compiles as one graph."""
-        return torch._dynamo.explain(self.eager)(cache, token, position).graph_break_count
+        """Run one step (the fixed-shape one, where ``__call__`` would) under dynamo's capture, no compiler, and
+        count the graph breaks it meets: 0 means the step compiles as one graph."""
+        explain = torch._dynamo.explain(self.eager)
+        if self.compiled and cache.fits_fixed_step():
+            with cache.fixed_shape_step():
+                return explain(cache, token, position).graph_break_count
+        return explain(cache, token, position).graph_break_count
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,

@@ -1,42 +1,85 @@
-"""The decode step's bookkeeping for CUDA graphs, checked on the CPU: when a cache is steady (a step leaves its
-shapes as it found them), that a step updates the cache's state in place, and that a graph step runs only on a
-steady cache and hands back its own copy of the logits. (Replaying on a GPU: tests/test_cuda.py.)"""
+"""The decode step: which caches take a fixed-shape step, that it leaves the same logits, kept tokens and counts as
+the eager step (the reference: slots held so far plus the new one, then eviction), filling and evicting, that it is
+one graph compiled once for all of them, updates the cache's state in place and hands back its own logits (what CUDA
+graphs need; replaying on a GPU: tests/test_cuda.py)."""
 
 import pytest
 import torch
 
 from sparsegen.decoding import DecodeStep, prefill
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv.policies import POLICIES
 from tests.kv.families import VOCAB, tiny_model
 
+BUDGET, PROMPT, STEPS = 10, 6, 8  # the budget fills at the 4th step: steps before and after
+FIXED = sorted(name for name, cls in POLICIES.items() if not cls.shares_slots and not cls.reads_host)
 
-def _prefilled(name: str, family: str = "llama", budget: int | None = 10, prompt: int = 6):
+
+def _prefilled(name: str, family: str = "llama", budget: int | None = BUDGET, prompt: int = PROMPT,
+               **cache_options):
     model = tiny_model(family)
-    cache = EvictionCache(model, make_policy(name, budget), chunk_size=8)
+    cache = EvictionCache(model, make_policy(name, budget), chunk_size=8, **cache_options)
     ids = torch.randint(3, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         token = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1)
-    return model, cache, token, torch.full((2,), prompt)
+        position = torch.full((2,), prompt)  # (an inference tensor, as the steps' next positions are)
+    return model, cache, token, position
 
 
-def _steady_after_each_step(name: str, family: str = "llama", budget: int | None = 10) -> list[bool]:
-    model, cache, token, position = _prefilled(name, family, budget)
-    step, steady = DecodeStep(model), []
+def _fixed_as_compiled(model) -> DecodeStep:
+    """A DecodeStep that takes the fixed-shape path as ``compile=True`` does, with the eager step as its "graph"."""
+    step = DecodeStep(model)
+    step.compiled, step._run = True, lambda *args: step.eager(*args)
+    return step
+
+
+def _decode(step: DecodeStep, model, cache, token, position, steps: int = STEPS) -> torch.Tensor:
+    logits = []
     with torch.inference_mode():
-        for _ in range(8):
-            token, position = step(cache, token, position).argmax(-1), position + 1
-            steady.append(cache.steady)
-    return steady
+        for _ in range(steps):
+            out = step(cache, token, position)
+            logits.append(out)
+            token, position = out.argmax(-1), position + 1
+    return torch.stack(logits)
 
 
-def test_a_bounded_cache_is_steady_once_every_layer_holds_its_budget():
-    # 6 prompt tokens, budget 10: full after 4 steps, steady from the first eviction (the 5th step) on
-    assert _steady_after_each_step("streaming") == [False] * 4 + [True] * 4
-    assert _steady_after_each_step("h2o", "gemma3") == [False] * 4 + [True] * 4  # sliding layers fill first
+def _kept(layer) -> torch.Tensor:
+    return torch.where(layer.valid[..., :layer.used], layer.index[..., :layer.used], -1).sort(-1).values
 
 
-def test_a_full_cache_never_is():
-    assert _steady_after_each_step("full", budget=None) == [False] * 8
+@pytest.mark.parametrize("name, family", [(name, "llama") for name in FIXED] + [("h2o", "gemma3"),
+                                                                                ("streaming", "gemma3"),
+                                                                                ("streaming", "gpt_neox")])
+def test_a_fixed_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, family):
+    budget = None if name == "full" else BUDGET
+    room = {"expected_length": PROMPT + STEPS + 1} if name == "full" else {}
+    model, reference, token, position = _prefilled(name, family, budget, **room)
+    _, fixed, _, _ = _prefilled(name, family, budget, **room)
+    step = _fixed_as_compiled(model)
+    expected = _decode(DecodeStep(model), model, reference, token, position)
+    torch.testing.assert_close(_decode(step, model, fixed, token, position), expected, rtol=1e-5, atol=1e-5)
+    assert step.compiled_steps == STEPS  # every step fixed: filling, then evicting
+    assert fixed.length == reference.length == PROMPT + STEPS and torch.equal(fixed.seen, reference.seen)
+    for ours, theirs in zip(fixed.layers, reference.layers):
+        assert (ours.used, ours.peak_tokens) == (theirs.used, theirs.peak_tokens)
+        assert torch.equal(_kept(ours), _kept(theirs))
+
+
+def test_which_caches_take_a_fixed_step():
+    def fits(name, budget=BUDGET, prompt=PROMPT, **options):
+        return _prefilled(name, budget=budget, prompt=prompt, **options)[1].fits_fixed_step()
+
+    assert fits("streaming") and fits("h2o") and fits("full", None, expected_length=PROMPT + 2)
+    assert not fits("full", None, prompt=63)  # 64 slots: none free beside the spare (it grows, eagerly)
+    assert not fits("adakv") and not fits("lagkv") and not fits("streaming", kv_bits=4)
+    model, cache, _, _ = _prefilled("h2o")
+    cache.padded = True  # (a server's stacked batch)
+    assert not cache.fits_fixed_step()
+
+
+def test_a_bounded_cache_gets_its_spare_slot_before_its_first_fixed_step():
+    _, cache, _, _ = _prefilled("streaming", budget=100)  # 6 tokens: 64 slots allocated
+    assert cache.layers[0].keys.shape[2] == 64 and cache.fits_fixed_step() and cache.layers[0].keys.shape[2] > 100
 
 
 def test_a_step_updates_the_tokens_seen_in_place():
@@ -48,51 +91,48 @@ def test_a_step_updates_the_tokens_seen_in_place():
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_a_compiled_step_runs_only_on_a_steady_cache_and_returns_its_own_logits(graphs):
+def test_a_compiled_step_returns_its_own_logits(graphs):
     model, cache, token, position = _prefilled("streaming")
-    step, graph_calls, outputs = DecodeStep(model), [], []
-    step.compiled, step.graphs = True, graphs  # as with compile=True on CPU / CUDA; the "graph" is the eager step
+    step, outputs = _fixed_as_compiled(model), []
+    step.graphs = graphs  # as with compile=True on CPU / CUDA; the "graph" is the eager step
 
     def graph(*args):
-        graph_calls.append(cache.steady)
+        assert cache.fixed_step
         outputs.append(step.eager(*args))
         return outputs[-1]
 
     step._run = graph
+    token = _decode(step, model, cache, token, position, STEPS - 1)[-1].argmax(-1)
     with torch.inference_mode():
-        for _ in range(8):
-            logits = step(cache, token, position)
-            token, position = logits.argmax(-1), position + 1
-    assert graph_calls == [True] * 3 and step.compiled_steps == 3
-    assert cache.length == 6 + 8  # counted once a step, inside the eager step or, around the graph, by DecodeStep
+        logits = step(cache, token, position + STEPS - 1)
+    assert len(outputs) == STEPS and cache.length == PROMPT + STEPS  # counted once a step, around the graph
     assert (logits is not outputs[-1]) == graphs and torch.equal(logits, outputs[-1])  # a graph's output is cloned
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o"])
+@pytest.mark.parametrize("name", ["streaming", "h2o", "full"])
 def test_a_compiled_step_compiles_once(name):
-    """The step's graph reads no Python number that changes from step to step (the cache's length, which
-    transformers' mask code and the step's end read, is counted outside it): one compile serves every steady step."""
+    """The step's graph reads no Python number that changes from step to step (the cache's length and the layers'
+    held counts are kept outside it): one compile serves every step, filling and evicting (``full``: filling)."""
     torch._dynamo.reset()
-    model, cache, token, position = _prefilled(name)
-    step = DecodeStep(model)
-    step.compiled, step._run = True, torch.compile(step.eager, fullgraph=True, backend="eager")
+    model, cache, token, position = _prefilled(name, budget=None if name == "full" else BUDGET,
+                                               expected_length=PROMPT + STEPS + 1)
+    step = _fixed_as_compiled(model)
+    step._run = torch.compile(step.eager, fullgraph=True, backend="eager")
     torch._dynamo.utils.counters.clear()
-    with torch.inference_mode():
-        for _ in range(8):
-            token, position = step(cache, token, position).argmax(-1), position + 1
-    assert step.compiled_steps == 3 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    assert cache.length == 6 + 8
+    _decode(step, model, cache, token, position)
+    assert step.compiled_steps == STEPS and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert cache.length == PROMPT + STEPS
 
 
 @pytest.mark.parametrize("name", ["streaming", "h2o"])
 def test_the_compiled_step_writes_the_cache_in_place(name):
-    """Inductor's code for a steady step allocates nothing the size of a layer's K/V: the step's one write per
-    buffer (the new token into the slot it evicts) is done in place, not by copying the cache (it was, four times a
-    step, before the write was made single and inductor's reordering for locality turned off)."""
+    """Inductor's code for a step allocates nothing the size of a layer's K/V: the step's one write per buffer (the
+    new token into the slot it takes) is done in place, not by copying the cache (it was, four times a step, before
+    the write was made single and inductor's reordering for locality turned off)."""
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
     torch._dynamo.reset()
-    model, cache, token, position = _prefilled(name, prompt=12)  # a prompt over the budget of 10: steady
+    model, cache, token, position = _prefilled(name, prompt=12)  # a prompt over the budget of 10: evicting
     step = DecodeStep(model, compile=True)
     with torch.inference_mode(), fresh_cache():
         _, code = run_and_get_code(step, cache, token, position)

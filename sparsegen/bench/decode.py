@@ -197,8 +197,14 @@ def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, conte
     return cache
 
 
-def _held_tokens(cache) -> int:
-    return max(cache.held_tokens()) if isinstance(cache, EvictionCache) else cache.get_seq_length()
+def _attended_tokens(cache, compiled: bool) -> int:
+    """Slots a step reads, its own token's included: a fixed-shape step's fixed slots (the free ones too), else the
+    held ones."""
+    if not isinstance(cache, EvictionCache):
+        return cache.get_seq_length() + 1
+    if compiled and cache.fits_fixed_step():
+        return max(layer.fixed_slots for layer in cache.layers) + 1
+    return max(cache.held_tokens()) + 1
 
 
 def _peak_kv_bytes(cache, setup: Setup, batch: int) -> int:
@@ -315,12 +321,12 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         token = run(cache, token, position).argmax(-1)
         position = position + 1
 
-    attended = []  # held tokens plus the new one, at the first and the last timed step
+    attended = []  # slots a step reads, at the first and the last timed step
     for index in range(steps):
         if index == setup.warmup:
             compiled_before = decode.compiled_steps
         if index in (setup.warmup, steps - 1):
-            attended.append(_held_tokens(cache) + 1)
+            attended.append(_attended_tokens(cache, setup.compiled))
         started = timer.start()
         step()
         if index >= setup.warmup:
@@ -331,13 +337,13 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     mlp_ms = mlp_timer.close()  # its hooks call the host clock: a graph break, and not part of the step
     # counted on steps after the timed ones (counting costs time); off CUDA by a dispatch mode, under which dynamo
     # does not run: there the eager step's code is counted (a compiled fullgraph step cannot hold a sync of its own)
-    counted = decode.eager if setup.compiled and device.type != "cuda" else decode
+    counted = decode.uncompiled if setup.compiled and device.type != "cuda" else decode
     with count_syncs(device) as syncs:
         for _ in range(SYNC_STEPS):
             step(counted)
     return {
         "host_syncs_per_token": syncs.count / SYNC_STEPS, "host_sync_ops": dict(syncs.ops),
-        "compiled_share": compiled_share,  # of the timed steps (CUDA graphs replay only a steady cache's steps)
+        "compiled_share": compiled_share,  # of the timed steps (the others ran eagerly: see DecodeStep)
         "compile_seconds": decode.compile_seconds,  # the first compiled step's wall time (None: none compiled)
         "graph_breaks": decode.graph_breaks(cache, token, position),
         "prefill_seconds": prefill_seconds,

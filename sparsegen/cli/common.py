@@ -35,9 +35,9 @@ def model_args(p: argparse.ArgumentParser, positional: bool = False, more: str =
 
 def compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
-                   help="run the decode step through torch.compile (one graph: model, cache update, eviction) once "
-                        "the cache is steady (full to its budget; a filling or full cache decodes eagerly); the first "
-                        "such step compiles (about a minute on a small CPU), and again when the batch changes")
+                   help="run the decode step through torch.compile (one graph: model, cache update, eviction) in "
+                        "fixed shapes (each layer's budget of slots, or a full cache's allocation); the first step "
+                        "compiles (about a minute on a small CPU), and again when the batch or the slots change")
 
 
 def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:

@@ -102,7 +102,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
 
 def _visibility(cache, layer, q: int, total: int, view, sliding_window: int | None):
     """Which of the ``total`` slots each query sees, ``[B, 1 or Hkv, q, T]`` (None: all of them, a decode step of
-    rows never padded, where every held slot is real and an order policy kept its window), and under rolling
+    rows never padded, not fixed-shape, where every held slot is real and an order policy kept its window), and under rolling
     positions each query's rank among them ``[B, 1, q]`` (None where the mask is)."""
     step, device = cache.step, layer.valid.device
     valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
@@ -121,6 +121,8 @@ def _visibility(cache, layer, q: int, total: int, view, sliding_window: int | No
         if cache.rolling:
             query_slot = (mask.sum(-1) - 1).clamp(min=0)  # [B, 1, q]: the rolling position of each query
         mask = mask | (slot[None, :] == (start + row)[:, None]) & ~step.new_valid[:, None, :, None]  # pads: themselves
+    elif cache.fixed_step:  # the layer's fixed slots, some perhaps free (every head holds as many)
+        mask = valid[:, :1, None, :]
     if sliding_window is not None:
         # an order policy holds the same tokens in every head: one mask for all, which SDPA takes
         in_window = query_index - (key_index if view is None else key_index[:, :1]) < sliding_window

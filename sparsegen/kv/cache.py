@@ -23,6 +23,7 @@ import math
 import sys
 import weakref
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -250,13 +251,16 @@ class EvictionLayer(CacheLayerMixin):
                                         for x in (key_states, value_states))
             new_index, new_valid = new_index.repeat(1, heads), new_valid.repeat(1, heads)
         q = key_states.shape[-2]
-        start, end = self.used, self.used + q
+        fixed = self.cache.fixed_step
+        start = self.fixed_slots if fixed else self.used  # a fixed step's token waits in the spare slot
+        end = start + q
         if end > self.keys.shape[2]:
             self._grow(end)
-        # a steady decode step keeps its token's K/V apart until eviction writes them into the slot it frees: one
-        # write per buffer a step (a compiled step that wrote the spare slot, then moved it, copied the whole cache)
-        self.incoming = (key_states, value_states) if q == 1 and self.places_incoming and start == self.slot_budget \
-            and not self.cache.padded else None
+        # a decode step over a full budget (or a fixed step) keeps its token's K/V apart until eviction writes them
+        # into the slot it frees: one write per buffer a step (a compiled step that wrote the spare slot, then moved
+        # it, copied the whole cache)
+        self.incoming = (key_states, value_states) if q == 1 and self.places_incoming and not self.cache.padded \
+            and (fixed or start == self.slot_budget) else None
         if self.incoming is None:
             self.store(start, end, key_states, value_states)
         self.index[:, :, start:end] = new_index[:, None, :]
@@ -268,7 +272,8 @@ class EvictionLayer(CacheLayerMixin):
         if self.memo is not None:
             self.memo[:, :, start:end] = torch.nan
         self.used, self.pending = end, q
-        self.peak_tokens = max(self.peak_tokens, end)
+        if not fixed:  # (a fixed step's caller counts: a number read here would be one the graph specialises on)
+            self.peak_tokens = max(self.peak_tokens, end)
         if self.incoming is not None:  # attention reads the held slots and ``incoming``
             return self.keys[:, :, :start], self.values[:, :, :start]
         # the call's own tokens are attended in full precision
@@ -307,10 +312,13 @@ class EvictionLayer(CacheLayerMixin):
         return min(most, max(first_chunk, self.cache.expected_length, 64) * self.fan)
 
     @property
-    def steady(self) -> bool:
-        """Full to its budget, having held one token more before (a decode step's ``peak_tokens`` stays put)."""
-        budget = self.slot_budget
-        return self.is_initialized and budget is not None and self.used == budget and self.peak_tokens > budget
+    def fixed_slots(self) -> int | None:
+        """Slots a fixed-shape decode step (``EvictionCache.fixed_step``) attends over, some perhaps free: a bounded
+        policy's budget, an unbounded one's allocation less the spare slot where the step's token waits. None where
+        no such step runs (no storage yet, heads sharing slots, a policy that reads the host to choose)."""
+        if not self.is_initialized or self.fan > 1 or self.policy.reads_host:
+            return None
+        return self.slot_budget if self.policy.budget is not None else self.keys.shape[2] - 1
 
     @property
     def slot_budget(self) -> int | None:
@@ -341,6 +349,9 @@ class EvictionLayer(CacheLayerMixin):
         reductions; a longer step sorts by (priority, index).
         """
         self.pending = 0
+        if self.cache.fixed_step:
+            self._overwrite(self.free_or_lowest_slot(seen), newest=self.fixed_slots)
+            return
         budget = self.slot_budget
         if budget is None:
             return
@@ -398,6 +409,15 @@ class EvictionLayer(CacheLayerMixin):
         candidates = (priority == priority.min(-1, keepdim=True).values) & evictable
         return view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
 
+    def free_or_lowest_slot(self, seen: torch.Tensor) -> torch.Tensor:
+        """Where a fixed step's token goes (``[batch, heads, 1]``): the first free one of the fixed slots (unpadded
+        rows hold theirs in slots 0, 1, ...), or, where none is free, the slot of the lowest-priority token."""
+        slots = self.fixed_slots
+        held = self.valid[:, :, :slots].sum(-1, keepdim=True)
+        if self.policy.budget is None:
+            return held
+        return torch.where(held < slots, held, self.lowest_slot(self.view(seen)))
+
     def _overwrite(self, slot: torch.Tensor, newest: int) -> None:
         """Every row is one token over its budget, its newest in slot ``newest``: move that token's state into the
         row's ``slot`` (a copy onto itself where the newest is the one evicted) and free ``newest``. A decode step's
@@ -449,7 +469,7 @@ class EvictionLayer(CacheLayerMixin):
         return self.cache.length
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.used + query_length, 0
+        return (self.fixed_slots if self.cache.fixed_step else self.used) + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -525,9 +545,9 @@ class EvictionCache(Cache):
         self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
         self.seen: torch.Tensor | None = None  # real tokens per sequence
         self.padded = False  # whether any padding was fed: until then every held slot of every row is real
-        # set by a compiled ``DecodeStep`` around its call: it counts ``length`` itself, outside the graph (a Python
-        # number the graph would guard on, recompiling at the next step)
-        self.caller_counts_length = False
+        # a fixed-shape decode step is running (``fixed_shape_step``): every layer attends over its ``fixed_slots``
+        # and writes the token into one of them; the counts (``length``, ``used``) are kept outside the step
+        self.fixed_step = False
         self.row_capacity = 1  # rows a stacked cache keeps storage for
         self.exact_rows = False  # a stacked cache holds storage for its rows only (reallocated as they come and go)
         self._workspace: torch.Tensor | None = None
@@ -589,16 +609,40 @@ class EvictionCache(Cache):
     def end_step(self, q: int) -> None:
         if self.step is not None:
             self.seen.copy_(self.step.seen)  # in place: a decode step's state stays at fixed addresses (CUDA graphs)
-            if not self.caller_counts_length:
+            if not self.fixed_step:
                 self.length += q
         self.step = None
 
-    @property
-    def steady(self) -> bool:
-        """Whether a decode step leaves every shape and count as it finds it: each layer bounded and full to its
-        budget (a step adds one slot and evicts one), past its first eviction. What one compiled graph (one CUDA
-        graph) serves step after step."""
-        return self.seen is not None and all(layer.steady for layer in self.layers)
+    def fits_fixed_step(self) -> bool:
+        """Whether the next decode step can be fixed-shape (``fixed_shape_step``), giving a bounded layer its spare slot
+        if it has none yet: rows unpadded, K/V unquantized, every layer with fixed slots and, if unbounded, one free."""
+        if self.seen is None or self.padded or self.quantization is not None:
+            return False
+        for layer in self.layers:
+            slots = layer.fixed_slots
+            if slots is None or layer.used + (layer.policy.budget is None) > slots:
+                return False
+        for layer in self.layers:
+            if layer.keys.shape[2] <= layer.fixed_slots:
+                layer._grow(layer.fixed_slots + 1)
+        return True
+
+    @contextmanager
+    def fixed_shape_step(self):
+        """Run one decode step (one token per row) in fixed shapes: each layer attends over its ``fixed_slots``
+        (free ones masked) and writes the token into a free slot or the one it evicts, so every step, filling or
+        evicting, has the same shapes and reads no count that changes: what one compiled graph (one CUDA graph)
+        serves step after step. The counts are kept here, outside the step. Needs ``fits_fixed_step()``."""
+        before = [layer.used for layer in self.layers]
+        self.fixed_step = True
+        try:
+            yield
+        finally:
+            self.fixed_step = False
+        self.length += 1
+        for layer, used in zip(self.layers, before):
+            layer.used = min(used + 1, layer.fixed_slots)
+            layer.peak_tokens = max(layer.peak_tokens, used + 1)
 
     def step_state(self) -> list[torch.Tensor]:
         """Every tensor a decode step updates in place: the layers' slots and row state, and the tokens seen."""
@@ -616,7 +660,7 @@ class EvictionCache(Cache):
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         if not isinstance(query_length, int):  # older transformers pass cache_position
             query_length = query_length.shape[-1]
-        return self.layers[layer_idx].used + query_length, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def reset(self) -> None:
         """Empty the cache and give its memory back (every buffer is let go, not zeroed)."""

@@ -55,6 +55,8 @@ class Policy:
 
     history: int | None = None  # count only the latest `history` queries' attention (None: all of them)
     memo_width: ClassVar[int] = 0  # numbers per token the policy keeps in ``TokenView.memo`` (0: none)
+    # its decode step reads device values on the host to choose (so it cannot be compiled as one graph)
+    reads_host: ClassVar[bool] = False
 
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:

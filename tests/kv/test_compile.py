@@ -10,8 +10,9 @@ from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
+from tests.kv.test_host_syncs import READING, SHARED_SLOTS
 
-STILL_READING = {"adakv", "lagkv"}  # as tests/kv/test_host_syncs.py counts
+STILL_READING = SHARED_SLOTS | READING
 
 
 @pytest.mark.parametrize("name", ["full", "streaming", "h2o"])
@@ -42,11 +43,12 @@ def test_a_decode_step_is_one_graph_and_compiles_to_the_eager_step(name):
 
 
 def _breaks(name: str, kv_bits=None, family: str = "llama") -> int:
-    """Graph breaks dynamo meets capturing a steady decode step (the budget full, evicting) of ``DecodeStep``."""
+    """Graph breaks dynamo meets capturing the decode step ``DecodeStep(compile=True)`` runs (fixed-shape where the
+    cache takes one), past the budget (evicting)."""
     model = tiny_model(family)
     cache = EvictionCache(model, make_policy(name, None if name == "full" else 10), chunk_size=8, kv_bits=kv_bits)
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    step = DecodeStep(model)
+    step = DecodeStep(model, compile=True)
     with torch.inference_mode():
         token = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1)
         return step.graph_breaks(cache, token, torch.full((2,), 12))

@@ -11,8 +11,10 @@ from sparsegen.kv.policies import POLICIES
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 
-SHARED_SLOTS = {"adakv"}  # heads share a row of slots and hold different counts: their step still reads counts
-READING = {"lagkv"}  # scores a partition once it is complete: whether one is due, and how many, is read
+# heads share a row of slots and hold different counts: their step still reads counts (Ada-KV)
+SHARED_SLOTS = {name for name, cls in POLICIES.items() if cls.shares_slots}
+# LagKV scores a partition once it is complete: whether one is due, and how many, is read
+READING = {name for name, cls in POLICIES.items() if cls.reads_host}
 
 
 def _decode_syncs(family: str, name: str, kv_bits=None) -> list[int]:

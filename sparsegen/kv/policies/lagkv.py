@@ -19,6 +19,7 @@ class LagKV(Policy):
 
     name = "lagkv"
     memo_width = 2  # exp(spread - the partition's largest) of the key and of the value
+    reads_host = True  # whether a partition is due, and how many are
 
     def __init__(self, budget: int, sinks: int = 4, lag: int | None = None):
         super().__init__(budget)
