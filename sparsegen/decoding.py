@@ -6,14 +6,20 @@ and ``bench`` all decode through these, so what ``bench`` times is what users ru
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
 from sparsegen.models.compat import cache_kwargs
 
+# graphs the one compiled step may hold (one per model, policy kind and (batch, slots) shape; past it dynamo fails
+# loudly, fullgraph); dynamo's default, 8, is less than one bench run of a few policies over a few contexts needs
+COMPILED_SHAPES = 128
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
 
 
@@ -75,19 +81,16 @@ class DecodeStep:
         self.model, self.compiled = model, compile
         self.graphs = compile and next(model.parameters()).device.type == "cuda"
         self.compiled_steps = 0  # steps that ran the compiled step
-        self.compile_seconds: float | None = None  # the first compiled step's wall time: the compile (CUDA: + capture)
+        # the first compiled step's wall time: the compile (CUDA: + capture), unless this process has compiled the
+        # step for these shapes already (every DecodeStep shares the compiled step's graphs)
+        self.compile_seconds: float | None = None
         self._run = self.eager
         if compile:
-            # inductor's reordering for locality moved a layer's one cache write (the evicted slot's new K/V) above
-            # the attention that reads the cache, so the write could not be done in place: each step copied every
-            # layer's K and V (measured: 4 copies of the cache a step). Without it the write is in place.
-            # (``triton.cudagraphs`` is what mode="reduce-overhead" sets; a mode and options cannot both be given.)
-            options = {"reorder_for_locality": False, "triton.cudagraphs": self.graphs}
-            self._run = torch.compile(self.eager, fullgraph=True, options=options)
+            self._run = partial(_compiled_step(self.graphs), model)
 
     def eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The step uncompiled (what the compiled step traces)."""
-        return forward(self.model, cache, token[:, None], position[:, None], last=True)
+        return _step(self.model, cache, token, position)
 
     def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return self._fixed(cache, token, position, self._run)
@@ -106,21 +109,60 @@ class DecodeStep:
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
         started = time.perf_counter()
         with cache.fixed_shape_step():
-            logits = run(cache, token, position)
+            logits = run(cache, _unit_stride(token), _unit_stride(position))
         if compiled:
             self.compiled_steps += 1
             if self.compile_seconds is None:
                 self.compile_seconds = time.perf_counter() - started
-        return logits.clone() if self.graphs and compiled else logits  # a CUDA graph's output memory is its next replay's
+        return logits.clone() if self.graphs and compiled else logits  # (a CUDA graph's output is its next replay's)
 
     def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
-        """Run one step (the fixed-shape one, where ``__call__`` would) under dynamo's capture, no compiler, and
-        count the graph breaks it meets: 0 means the step compiles as one graph."""
-        explain = torch._dynamo.explain(self.eager)
-        if self.compiled and cache.fits_fixed_step():
-            with cache.fixed_shape_step():
-                return explain(cache, token, position).graph_break_count
-        return explain(cache, token, position).graph_break_count
+        """Run one step (the fixed-shape one, where ``__call__`` would) under dynamo's capture with a backend that only
+        counts graphs, and count the graph breaks it meets: 0 means the step compiles as one graph. (Not
+        ``torch._dynamo.explain``: it resets dynamo, so every compiled step would be traced again after it.)"""
+        graphs = []
+
+        def count(graph: torch.fx.GraphModule, example_inputs) -> Callable:
+            graphs.append(graph)
+            return graph.forward
+
+        probe = torch.compile(_probe, backend=count)
+        try:
+            if self.compiled and cache.fits_fixed_step():
+                with cache.fixed_shape_step():
+                    probe(self.model, cache, _unit_stride(token), _unit_stride(position))
+            else:
+                probe(self.model, cache, token, position)
+        finally:
+            torch._dynamo.reset_code(_probe.__code__)
+        return len(graphs) - 1
+
+
+def _step(model: torch.nn.Module, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    return forward(model, cache, token[:, None], position[:, None], last=True)
+
+
+def _probe(model: torch.nn.Module, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """``_step`` under another name: what ``DecodeStep.graph_breaks`` captures, leaving ``_step``'s graphs alone."""
+    return _step(model, cache, token, position)
+
+
+@functools.cache
+def _compiled_step(graphs: bool):
+    """``_step`` through ``torch.compile``, one for every ``DecodeStep``: its graphs (guarded by model and cache
+    shapes) serve every step and every cache alike (a compile per ``DecodeStep`` traced the model again: a minute for
+    SmolLM2 on this CPU). Inductor's reordering for locality moved a layer's one cache write (the evicted slot's new
+    K/V) above the attention that reads the cache, so the write could not be done in place: each step copied every
+    layer's K and V (measured: 4 copies of the cache a step); without it the write is in place.
+    (``triton.cudagraphs`` is what mode="reduce-overhead" sets; a mode and options cannot both be given.)"""
+    options = {"reorder_for_locality": False, "triton.cudagraphs": graphs}
+    return torch.compile(_step, fullgraph=True, options=options, recompile_limit=COMPILED_SHAPES)
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B]`` with stride 1: dynamo guards on strides, even of one row, and a column of a prompt's ids has the
+    prompt's length as its stride (each new length compiled the step anew)."""
+    return x if x.stride() == (1,) else x.clone(memory_format=torch.contiguous_format)
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,

@@ -175,51 +175,26 @@ def generate(
     ``CompressedContext.load``): the compression is then done once for many questions, under its own policy.
     ``evict_after_context=False``: nothing is evicted after the context (kvpress's exact protocol: the cache grows by
     the question and the answer); by default the budget holds through them.
+
+    (Over 80 lines for its 27 documented arguments; the work is in the helpers below and ``generate_tokens``.)
     """
     device = next(model.parameters()).device
     first_chunk, cache, context_tokens = None, None, 0
     if context is not None or question is not None:
-        compressed = isinstance(context, CompressedContext)
-        if prompts is not None or not (compressed or isinstance(context, str) and context) \
-                or not (isinstance(question, str) and question):
-            raise ValueError("give prompts, or a context (text or a CompressedContext) and a non-empty question "
-                             "(kvpress's protocol), not both")
         if speculative is not None:
             raise ValueError("speculative decoding takes prompts, not a context and a question")
-        question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
-        if compressed:
-            given = {"policy": policy != "full", "budget": budget, "sinks": sinks, "recent": recent, "heavy": heavy,
-                     "history": history, "positions": positions, "kv_bits": kv_bits}
-            if any(value not in (None, False) for value in given.values()):
-                raise ValueError("a compressed context carries its policy, budget, positions and kv_bits: drop "
-                                 f"{', '.join(k for k, v in given.items() if v not in (None, False))}")
-            cache, context_tokens = context.cache(model), context.tokens
-            policy, ids, prompts = cache.policy, torch.tensor([question_ids], device=device), [question]
-        else:
-            context_ids = tokenizer(context)["input_ids"]
-            ids = torch.tensor([context_ids + question_ids], device=device)
-            prompts, first_chunk = [context + question], len(context_ids)
+        given = {"policy": policy != "full", "budget": budget, "sinks": sinks, "recent": recent, "heavy": heavy,
+                 "history": history, "positions": positions, "kv_bits": kv_bits}
+        ids, prompts, first_chunk, cache = _context_inputs(model, tokenizer, prompts, context, question, given)
+        if cache is not None:
+            policy, context_tokens = cache.policy, context.tokens
         mask = torch.ones_like(ids)
     else:
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-            raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
-        prompts = list(prompts)
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-        ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        ids, mask, prompts = _prompt_inputs(tokenizer, prompts, device)
     if not isinstance(policy, Policy):
         policy = make_policy(policy, budget, input_length=first_chunk or ids.shape[1], sinks=sinks, recent=recent,
                              heavy=heavy, history=history)
-    speculation = None
-    if speculative is not None:
-        if kv_bits is not None:
-            raise ValueError("speculative decoding verifies with the model's own full cache: drop kv_bits")
-        if policy.budget is not None:
-            raise ValueError("speculative decoding verifies with the full cache: leave the policy at 'full' (the "
-                             "draft cache takes its policy from speculative, e.g. 'streaming:512')")
-        speculation = Speculation(draft_policy(speculative, ids.shape[1]), draft_tokens, positions, draft_model)
-    elif draft_model is not None:
-        raise ValueError("draft_model drafts for speculative decoding: give speculative too, e.g. 'streaming:512'")
+    speculation = _speculation(speculative, policy, kv_bits, draft_tokens, positions, draft_model, ids.shape[1])
     text = Detokenizer(tokenizer)
 
     def stream_text(new: torch.Tensor, counts: torch.Tensor) -> None:
@@ -236,12 +211,10 @@ def generate(
         new, counts, stats, prefill_seconds, decode_seconds = speculative_tokens(model, ids, mask, speculation,
                                                                                  compile=compile, **common)
     else:
-        new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(model, ids, mask, policy, positions,
-                                                                              kv_bits=kv_bits, compile=compile,
-                                                                              first_chunk=first_chunk, cache=cache,
-                                                                              hold_after_first=not evict_after_context
-                                                                              and context is not None,
-                                                                              **common)
+        hold = not evict_after_context and context is not None
+        new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(
+            model, ids, mask, policy, positions, kv_bits=kv_bits, compile=compile, first_chunk=first_chunk,
+            cache=cache, hold_after_first=hold, **common)
     if on_text is not None and (tail := text.flush()):
         on_text(tail)
     return Generation(
@@ -249,6 +222,50 @@ def generate(
         new_tokens=counts.tolist(), prompt_tokens=(mask.sum(-1) + context_tokens).tolist(),
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=stats,
     )
+
+
+def _prompt_inputs(tokenizer, prompts, device: torch.device):
+    """Prompts' ids and mask, left-padded to one length, and the prompts as a list."""
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device), list(prompts)
+
+
+def _context_inputs(model, tokenizer, prompts, context, question, given: dict):
+    """kvpress's protocol's inputs: the ids to feed, the prompt as reported, where the context ends (None for a
+    compressed context, whose cache is returned, holding it)."""
+    compressed = isinstance(context, CompressedContext)
+    if prompts is not None or not (compressed or isinstance(context, str) and context) \
+            or not (isinstance(question, str) and question):
+        raise ValueError("give prompts, or a context (text or a CompressedContext) and a non-empty question "
+                         "(kvpress's protocol), not both")
+    device = next(model.parameters()).device
+    question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+    if compressed:
+        if any(value not in (None, False) for value in given.values()):
+            raise ValueError("a compressed context carries its policy, budget, positions and kv_bits: drop "
+                             f"{', '.join(k for k, v in given.items() if v not in (None, False))}")
+        return torch.tensor([question_ids], device=device), [question], None, context.cache(model)
+    context_ids = tokenizer(context)["input_ids"]
+    return torch.tensor([context_ids + question_ids], device=device), [context + question], len(context_ids), None
+
+
+def _speculation(speculative, policy: Policy, kv_bits, draft_tokens, positions, draft_model,
+                 length: int) -> Speculation | None:
+    """What speculative decoding was asked for, checked against the rest of the call."""
+    if speculative is None:
+        if draft_model is not None:
+            raise ValueError("draft_model drafts for speculative decoding: give speculative too, e.g. "
+                             "'streaming:512'")
+        return None
+    if kv_bits is not None:
+        raise ValueError("speculative decoding verifies with the model's own full cache: drop kv_bits")
+    if policy.budget is not None:
+        raise ValueError("speculative decoding verifies with the full cache: leave the policy at 'full' (the draft "
+                         "cache takes its policy from speculative, e.g. 'streaming:512')")
+    return Speculation(draft_policy(speculative, length), draft_tokens, positions, draft_model)
 
 
 @torch.inference_mode()

@@ -208,57 +208,37 @@ def speculative_tokens(
     fixed = draft_length(speculation.draft_tokens)
     drafter = speculation.model if speculation.model is not None else model
     _check_vocabularies(model, drafter)
-    device = ids.device
-    batch, length = ids.shape
-    room = length + max_new_tokens + MOST_DRAFT_TOKENS + 1
-    target = EvictionCache(model, Full(), chunk_size=chunk_size, expected_length=room, rollback=MOST_DRAFT_TOKENS)
-    draft = EvictionCache(drafter, speculation.policy, positions=speculation.positions, chunk_size=chunk_size,
-                          expected_length=room, rollback=MOST_DRAFT_TOKENS)
+    device, batch = ids.device, ids.shape[0]
+    room = ids.shape[1] + max_new_tokens + MOST_DRAFT_TOKENS + 1  # slots: what a full row can hold, drafts included
+    target, draft = (EvictionCache(m, policy, positions=positions, chunk_size=chunk_size, expected_length=room,
+                                   rollback=MOST_DRAFT_TOKENS)
+                     for m, policy, positions in [(model, Full(), None),
+                                                  (drafter, speculation.policy, speculation.positions)])
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
     draft_step = DecodeStep(drafter, compile)
-
     t0 = _synchronized(device)
     logits = prefill(model, target, ids, mask, chunk_size, progress)
     prefill(drafter, draft, ids, mask, chunk_size, progress)
     prefill_seconds = _synchronized(device) - t0
-
     t0 = time.perf_counter()
     rows = torch.arange(batch, device=device)
     fed = mask.sum(-1)  # real tokens in both caches per row: the position of the pending token
     pending = next_token(logits, temperature, top_p, generator)  # the target's latest token, in neither cache yet
-    carried = torch.zeros(batch, dtype=torch.bool, device=device)  # rows whose last accepted draft the draft cache
-    # has not seen (it drafted it, never fed it)
-    last_draft = pending
-    out = Output(pending.tolist(), max_new_tokens, eos_id)
-    counters = _Counters()
+    # rows whose last accepted draft the draft cache has not seen (it drafted it, never fed it)
+    carried, last_draft = torch.zeros(batch, dtype=torch.bool, device=device), pending
+    out, counters = Output(pending.tolist(), max_new_tokens, eos_id), _Counters()
     k = fixed if fixed != "auto" else FIRST_AUTO_DRAFT
     while not out.done():
         if on_token is not None:
             on_token(*out.tensors(pad_id, device))
         k_round = min(k, out.most_needed() - 1)
         t1 = _synchronized(device)
-        drafts, draft_probs = [], []
-        token = pending
-        for i in range(k_round):
-            if i == 0 and bool(carried.any()):  # the carried draft and the pending token in one call
-                every = bool(carried.all())
-                logits = forward(
-                    drafter, draft, torch.stack([last_draft, pending], 1), torch.stack([fed - 1, fed], 1),
-                    None if every else torch.cat([torch.ones(batch, draft.length, dtype=torch.long, device=device),
-                                                  carried.long()[:, None], torch.ones_like(fed)[:, None]], 1),
-                    last=True)
-            else:
-                logits = draft_step(draft, token, fed + i)
-            token, probs = draft_token(logits, temperature, top_p, generator)
-            drafts.append(token)
-            if probs is not None:
-                draft_probs.append(probs)
+        drafted, draft_probs = _draft(drafter, draft, draft_step, k_round, pending, last_draft, carried, fed,
+                                      (temperature, top_p, generator))
         t2 = _synchronized(device)
-        drafted = torch.stack(drafts, 1) if drafts else pending.new_empty(batch, 0)
         logits = forward(model, target, torch.cat([pending[:, None], drafted], 1),
                          fed[:, None] + torch.arange(k_round + 1, device=device))
-        accepted, bonus = accept(drafted, torch.stack(draft_probs, 1) if draft_probs else None, logits, temperature,
-                                 top_p, generator)
+        accepted, bonus = accept(drafted, draft_probs, logits, temperature, top_p, generator)
         t3 = _synchronized(device)
         # both caches keep the pending token and the accepted drafts; the draft cache was never fed the last draft
         target.forget_last(k_round - accepted)
@@ -268,8 +248,7 @@ def speculative_tokens(
             last_draft = drafted[rows, -1]
         counters.add(accepted, k_round, out.active(), t2 - t1, t3 - t2)
         out.extend(drafted.tolist(), accepted.tolist(), bonus.tolist())
-        fed = fed + accepted + 1
-        pending = bonus
+        fed, pending = fed + accepted + 1, bonus
         if fixed == "auto":
             k = best_draft_length(counters.acceptance(), counters.draft_seconds / max(counters.draft_steps, 1),
                                   counters.verify_seconds / counters.rounds)
@@ -279,6 +258,33 @@ def speculative_tokens(
         on_token(new, counts)
     stats = {**target.stats(), "draft_cache": draft.stats(), "speculation": counters.report(speculation.draft_tokens)}
     return new, counts, stats, prefill_seconds, decode_seconds
+
+
+def _draft(drafter: torch.nn.Module, draft: EvictionCache, draft_step: DecodeStep, k: int, pending: torch.Tensor,
+           last_draft: torch.Tensor, carried: torch.Tensor, fed: torch.Tensor,
+           sampling: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One round's ``k`` drafts ``[B, k]`` from the draft cache, after the ``pending`` token, and (sampling) their
+    distributions ``[B, k, vocab]``. Rows that ``carried`` their last accepted draft (drafted, never fed) feed it
+    with the pending token in the round's first call."""
+    batch, device = pending.shape[0], pending.device
+    drafts, draft_probs = [], []
+    token = pending
+    for i in range(k):
+        if i == 0 and bool(carried.any()):  # the carried draft and the pending token in one call
+            every = bool(carried.all())
+            logits = forward(
+                drafter, draft, torch.stack([last_draft, pending], 1), torch.stack([fed - 1, fed], 1),
+                None if every else torch.cat([torch.ones(batch, draft.length, dtype=torch.long, device=device),
+                                              carried.long()[:, None], torch.ones_like(fed)[:, None]], 1),
+                last=True)
+        else:
+            logits = draft_step(draft, token, fed + i)
+        token, probs = draft_token(logits, *sampling)
+        drafts.append(token)
+        if probs is not None:
+            draft_probs.append(probs)
+    drafted = torch.stack(drafts, 1) if drafts else pending.new_empty(batch, 0)
+    return drafted, torch.stack(draft_probs, 1) if draft_probs else None
 
 
 class Output:

@@ -3,10 +3,12 @@ the eager step (the reference: slots held so far plus the new one, then eviction
 one graph compiled once for all of them, updates the cache's state in place and hands back its own logits (what CUDA
 graphs need; replaying on a GPU: tests/test_cuda.py)."""
 
+from functools import partial
+
 import pytest
 import torch
 
-from sparsegen.decoding import DecodeStep, prefill
+from sparsegen.decoding import DecodeStep, _step, prefill
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
 from tests.kv.families import VOCAB, tiny_model
@@ -139,3 +141,20 @@ def test_the_compiled_step_writes_the_cache_in_place(name):
     keys = cache.layers[0].keys
     assert step.compiled_steps == 1 and f"empty_strided_cpu({tuple(keys.shape)}" not in "".join(code)
     assert f"empty_strided_cpu({tuple(keys.shape[:3])}" in "".join(code)  # (the test sees allocations: index's)
+
+
+def test_every_decode_step_shares_the_compiled_graphs_and_counting_breaks_keeps_them():
+    """A new ``DecodeStep`` (a new bench row, a new generate call) finds the step already compiled for its shapes, and
+    counting graph breaks (``torch._dynamo.explain`` resets dynamo) does not throw the graphs away."""
+    first, second = (DecodeStep(tiny_model("llama"), compile=True) for _ in range(2))
+    assert first._run.func is second._run.func
+    torch._dynamo.reset()
+    model, cache, token, position = _prefilled("h2o")
+    step = _fixed_as_compiled(model)
+    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
+    torch._dynamo.utils.counters.clear()
+    with torch.inference_mode():
+        token, position = _decode(step, model, cache, token, position, 2)[-1].argmax(-1), position + 2
+        assert step.graph_breaks(cache, token, position) == 0  # (captured once more, by a counting backend)
+        _decode(step, model, cache, token, position + 1, 2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the step's graph, and the count's

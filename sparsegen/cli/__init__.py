@@ -1,13 +1,13 @@
 """The ``sparsegen`` command line: a thin layer over the library, one module per group of commands (``run``,
-``evaluate``, ``tasks``, ``bench``, ``weights``, ``contextual``, ``serve``, ``bench_serve``, and what they share in
-``common``); each parses, calls the library, and prints."""
+``evaluate``, ``tasks``, ``bench``, ``sweep``, ``weights``, ``contextual``, ``serve``, ``bench_serve``, and what they
+share in ``common``); each parses, calls the library, and prints."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from sparsegen.cli import bench, bench_serve, contextual, evaluate, run, serve, tasks, weights
+from sparsegen.cli import bench, bench_serve, contextual, evaluate, run, serve, sweep, tasks, weights
 from sparsegen.cli.common import Parser
 from sparsegen.cli.tasks import cmd_lm_eval
 
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
                     epilog="sparsegen --plugin FILE.py|MODULE COMMAND ...: import a file or module that registers a "
                            "policy, pruning method or model family first")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (run, evaluate, tasks, bench, weights, contextual, serve, bench_serve):
+    for group in (run, evaluate, tasks, bench, sweep, weights, contextual, serve, bench_serve):
         group.add_parsers(sub)
     return parser
 

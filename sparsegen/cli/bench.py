@@ -1,11 +1,9 @@
-"""Benchmarks: decode speed and memory per policy (bench, with llama.cpp beside it), and grids (sweep)."""
+"""``bench``: decode speed and memory per policy, with llama.cpp beside it."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 from sparsegen.cli.common import (
     budget_args,
@@ -14,7 +12,6 @@ from sparsegen.cli.common import (
     model_args,
     parse_bytes,
     policy_factories,
-    positive_int,
     prompt_args,
     speculative_args,
     weights_arg,
@@ -24,13 +21,12 @@ from sparsegen.cli.common import (
 def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
-    from sparsegen.bench import decode, report
+    from sparsegen.bench import report
     from sparsegen.bench.roofline import measure_bandwidth
     from sparsegen.contextual import Contextual, attach, detach
-    from sparsegen.models import load
-    from sparsegen.models.loading import check_device, load_config, resolve_dtype
-    from sparsegen.models.synthetic import is_random, random_model
-    from sparsegen.speculative import Speculation, draft_length, draft_policy
+    from sparsegen.models.loading import check_device
+    from sparsegen.models.synthetic import is_random
+    from sparsegen.quant.fast import WEIGHTS
 
     contexts, batches = int_list(args.contexts, "contexts"), int_list(args.batch, "batch")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
@@ -47,45 +43,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
                          "window)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    policies = []
-    args.policy = [n for n in names if n not in decode.BASELINES and not n.startswith("speculative:")]
-    factories = dict(policy_factories(args)) if args.policy else {}
-    draft_tokens = draft_length(args.draft_tokens)
-    for name in names:
-        if name == "dense":
-            policies.append((name, lambda: None))
-        elif name == "recompute":
-            policies.append((name, lambda: args.budget))
-        elif name.startswith("speculative:"):
-            spec = name.removeprefix("speculative:")
-            policies.append((name, lambda spec=spec: Speculation(draft_policy(spec), draft_tokens)))
-        else:
-            policies.append((name, factories[name]))
-    for _, make in policies:
-        make()  # bad budgets and splits fail here, before any model is built
+    policies = _bench_policies(args, names)
     device = check_device(args.device)
     bandwidth = measure_bandwidth(device)
     rows, env = [], None
     names_of_models = [m.strip() for m in args.model.split(",") if m.strip()]
     variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
     plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
-    from sparsegen.assemble import put_prompt, restore_weights
-    from sparsegen.quant.fast import WEIGHTS
-
     weight_modes = [w.strip() for w in args.weights.split(",") if w.strip()]
     baselines: dict[str, list[dict]] = {}  # llama.cpp's rows per model
     if not weight_modes or any(w not in WEIGHTS for w in weight_modes):
         raise ValueError(f"--weights takes {', '.join(WEIGHTS)} (comma-separated), got {args.weights!r}")
     for name, weights in [(n, w) for n in names_of_models for w in weight_modes]:
-        tokenizer = None
-        if is_random(name):
-            config = load_config(name)
-            model = random_model(config, device, resolve_dtype(args.dtype, config, device), args.seed)
-        else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
-            needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None or args.text is not None
-            model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
-        restore_weights(model, weights, name)
-        put_prompt(model, tokenizer, args.soft_prompt, args.hard_prompt)
+        model, tokenizer = _bench_load(args, name, weights, device)
         for variant in variants:
             label = name if variant == "none" else f"{name} + {variant}"
             label = label if len(weight_modes) == 1 and weights == "fp32" else f"{label} [{weights}]"
@@ -110,6 +80,50 @@ def cmd_bench(args: argparse.Namespace) -> None:
             json.dump({"environment": env, "rows": rows}, f, indent=2)
     if args.plot:
         report.plot(rows, args.plot, title=f"{args.model} on {env['machine']}, {env['dtype']}")
+
+
+def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[str, object]]:
+    """``(name, make)`` for each row kind named: ``make()`` builds its policy (None for dense; recompute's window; a
+    Speculation), checked here, before any model is built."""
+    from sparsegen.bench import decode
+    from sparsegen.speculative import Speculation, draft_length, draft_policy
+
+    args.policy = [n for n in names if n not in decode.BASELINES and not n.startswith("speculative:")]
+    factories = dict(policy_factories(args)) if args.policy else {}
+    draft_tokens = draft_length(args.draft_tokens)
+    policies = []
+    for name in names:
+        if name == "dense":
+            policies.append((name, lambda: None))
+        elif name == "recompute":
+            policies.append((name, lambda: args.budget))
+        elif name.startswith("speculative:"):
+            spec = name.removeprefix("speculative:")
+            policies.append((name, lambda spec=spec: Speculation(draft_policy(spec), draft_tokens)))
+        else:
+            policies.append((name, factories[name]))
+    for _, make in policies:
+        make()  # bad budgets and splits fail here
+    return policies
+
+
+def _bench_load(args: argparse.Namespace, name: str, weights: str, device):
+    """The model (and its tokenizer, where one is needed) with the weights and prompt the row asks for."""
+    from sparsegen.assemble import put_prompt, restore_weights
+    from sparsegen.models import load
+    from sparsegen.models.loading import load_config, resolve_dtype
+    from sparsegen.models.synthetic import is_random, random_model
+
+    tokenizer = None
+    if is_random(name):
+        config = load_config(name)
+        model = random_model(config, device, resolve_dtype(args.dtype, config, device), args.seed)
+    else:  # synthetic prefill needs no tokenizer (a checkpoint compressed from a random: shape has none)
+        needs_tokenizer = args.prefill == "real" or args.hard_prompt is not None or args.text is not None
+        model, tokenizer = load(name, device=device, dtype=args.dtype, tokenizer=needs_tokenizer)
+    restore_weights(model, weights, name)
+    put_prompt(model, tokenizer, args.soft_prompt, args.hard_prompt)
+    return model, tokenizer
 
 
 def _llamacpp_rows(args: argparse.Namespace, gguf, label: str, contexts: list[int]) -> list[dict]:
@@ -186,30 +200,6 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
     return measured, env
 
 
-def cmd_sweep(args: argparse.Namespace) -> None:
-
-    from sparsegen import sweep
-
-    if args.file == "report":
-        folder = args.folder or args.out
-        if folder is None:
-            raise ValueError("give the sweep's folder: sparsegen sweep report DIR")
-        results = Path(folder) / "results.jsonl"
-        if not results.exists():
-            raise ValueError(f"{results} does not exist: run the sweep with --out {folder} first")
-        print(sweep.report(results))
-        return
-    if args.folder is not None:
-        raise ValueError(f"unexpected {args.folder!r}: run `sparsegen sweep FILE --out DIR`")
-    plan = sweep.Sweep.load(args.file)
-    out = Path(args.out or f"runs/sweep-{plan.name}")
-    counts = sweep.run(plan, out, workers=args.workers, ray=args.ray, retries=args.retries)
-    print(f"sweep {plan.name}: {counts['cells']} cells, {counts['skipped']} already done, {counts['done']} run now, "
-          f"{counts['failed']} failed; results in {out / 'results.jsonl'} (`sparsegen sweep report {out}`)")
-    if counts["failed"]:
-        sys.exit(1)
-
-
 def add_parsers(sub) -> None:
     p = sub.add_parser("bench", help="decode latency, throughput and memory per KV policy vs context, with roofline")
     model_args(p, more="; or random:PRESET; several, comma-separated, are measured in turn and compared")
@@ -250,16 +240,3 @@ def add_parsers(sub) -> None:
     p.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
     speculative_args(p, with_policy=False, with_draft_model=False)
     p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser("sweep", help="run a grid of experiments from a TOML file (models x policies x budgets x "
-                                     "kv-bits x tasks x lengths), resumable, locally or on Ray; `sweep report DIR` "
-                                     "prints its table")
-    p.add_argument("file", help="the sweep file (e.g. examples/sweep-small.toml), or 'report'")
-    p.add_argument("folder", nargs="?", default=None, help="with 'report': the sweep's --out folder")
-    p.add_argument("--out", default=None, help="folder for results.jsonl (default: runs/sweep-NAME)")
-    p.add_argument("--workers", type=positive_int, default=1,
-                   help="cells at a time in the local process pool (default 1: a cell uses [sweep] threads CPUs)")
-    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                   help="run each cell as a Ray task: 'auto' joins a running cluster or starts a local one")
-    p.add_argument("--retries", type=int, default=1, help="Ray retries of a failed cell (default 1)")
-    p.set_defaults(func=cmd_sweep)

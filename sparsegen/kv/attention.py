@@ -102,8 +102,8 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
 
 def _visibility(cache, layer, q: int, total: int, view, sliding_window: int | None):
     """Which of the ``total`` slots each query sees, ``[B, 1 or Hkv, q, T]`` (None: all of them, a decode step of
-    rows never padded, not fixed-shape, where every held slot is real and an order policy kept its window), and under rolling
-    positions each query's rank among them ``[B, 1, q]`` (None where the mask is)."""
+    rows never padded, not fixed-shape, where every held slot is real and an order policy kept its window), and under
+    rolling positions each query's rank among them ``[B, 1, q]`` (None where the mask is)."""
     step, device = cache.step, layer.valid.device
     valid = layer.valid[:, :, :total]  # [B, Hkv, T]; the same for every head
     key_index = layer.index[:, :, None, :total]  # [B, Hkv, 1, T]

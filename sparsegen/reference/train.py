@@ -127,38 +127,14 @@ def train_reference(
     torch.manual_seed(cfg.seed)
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
-
     train_root = data_dir() / "books" / "train"
-    tok_dir = work_dir / "tokenizer"
-    if (tok_dir / "tokenizer.json").exists():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    else:
-        print(f"training a {cfg.vocab_size}-token byte-level BPE on {train_root} ...", flush=True)
-        tokenizer = train_tokenizer(text_files(train_root), cfg.vocab_size)
-        tokenizer.save_pretrained(tok_dir)
+    tokenizer = _tokenizer(work_dir / "tokenizer", cfg, train_root)
     stream = token_stream(tokenizer, train_root)
     print(f"training stream: {len(stream):,} tokens", flush=True)
-
     model = LlamaForCausalLM(model_config(cfg, tokenizer)).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), fused=device.startswith("cuda"),
-    )
+    optimizer = _optimizer(model, cfg, device)
     rng = np.random.default_rng(cfg.seed)
-    step, elapsed = 0, 0.0
-    state_file = work_dir / "train_state.pt"
-    if state_file.exists():
-        state = torch.load(state_file, map_location=device, weights_only=True)  # tensors and plain data only
-        if state["config"] != asdict(cfg):
-            raise ValueError(f"{state_file} was written with other settings; delete it or use another --work")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        rng.bit_generator.state = state["rng"]
-        step, elapsed = state["step"], state["elapsed"]
-        print(f"resuming at step {step}", flush=True)
-
+    step, elapsed = _resume(state_file := work_dir / "train_state.pt", model, optimizer, rng, cfg, device)
     forward = torch.compile(model) if compile else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     tokens_per_step = cfg.batch_size * cfg.context
@@ -178,8 +154,7 @@ def train_reference(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
-        step += 1
-        dt = time.perf_counter() - t0
+        step, dt = step + 1, time.perf_counter() - t0
         elapsed += dt
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
@@ -187,35 +162,75 @@ def train_reference(
                               "tokens_per_s": tokens_per_step / dt}) + "\n")
         if step % checkpoint_every == 0 or step == last_step:
             log.flush()
-            partial = state_file.with_suffix(".partial")  # a kill mid-write leaves the last good state
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
-                        "step": step, "elapsed": elapsed, "config": asdict(cfg)}, partial)
-            partial.replace(state_file)
+            _save_state(state_file, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                     "rng": rng.bit_generator.state, "step": step, "elapsed": elapsed,
+                                     "config": asdict(cfg)})
     bar.close()
     log.close()
     if step < cfg.steps:
         return None
+    record = {
+        "preset": preset, "config": asdict(cfg), "params": sum(p.numel() for p in model.parameters()),
+        "training_tokens": cfg.steps * tokens_per_step, "training_stream_tokens": int(len(stream)),
+        "train_seconds": round(elapsed, 1),
+        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "compiled": compile,
+    }
+    _export(out_dir, model, tokenizer, record)
+    return record
 
-    with new_folder(out_dir, overwrite=True) as work:  # the folder is replaced whole, once complete
+
+def _tokenizer(folder: Path, cfg: TrainConfig, train_root: Path) -> PreTrainedTokenizerFast:
+    """The run's byte-level BPE: trained on the training books once, then loaded from ``folder``."""
+    if (folder / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    print(f"training a {cfg.vocab_size}-token byte-level BPE on {train_root} ...", flush=True)
+    tokenizer = train_tokenizer(text_files(train_root), cfg.vocab_size)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95), fused=device.startswith("cuda"),
+    )
+
+
+def _resume(state_file: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: np.random.Generator,
+            cfg: TrainConfig, device: str) -> tuple[int, float]:
+    """Load the saved training state, if any, into the model, optimizer and sampler; its step and seconds spent."""
+    if not state_file.exists():
+        return 0, 0.0
+    state = torch.load(state_file, map_location=device, weights_only=True)  # tensors and plain data only
+    if state["config"] != asdict(cfg):
+        raise ValueError(f"{state_file} was written with other settings; delete it or use another --work")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    rng.bit_generator.state = state["rng"]
+    print(f"resuming at step {state['step']}", flush=True)
+    return state["step"], state["elapsed"]
+
+
+def _save_state(state_file: Path, state: dict) -> None:
+    partial = state_file.with_suffix(".partial")  # a kill mid-write leaves the last good state
+    torch.save(state, partial)
+    partial.replace(state_file)
+
+
+def _export(out_dir: Path, model: torch.nn.Module, tokenizer, record: dict) -> None:
+    """The trained model in fp16 with its tokenizer and training record; the folder is replaced whole, once complete."""
+    with new_folder(out_dir, overwrite=True) as work:
         model.eval()
         model.to(torch.float16).save_pretrained(work)
         tokenizer.save_pretrained(work)
         # The generic class name loads on every transformers release; loading-time keys do not belong in the file.
         tok_cfg = work / "tokenizer_config.json"
-        settings = {k: v for k, v in json.loads(tok_cfg.read_text()).items() if k not in ("is_local", "local_files_only")}
+        settings = {k: v for k, v in json.loads(tok_cfg.read_text()).items()
+                    if k not in ("is_local", "local_files_only")}
         tok_cfg.write_text(json.dumps({**settings, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
-        record = {
-            "preset": preset,
-            "config": asdict(cfg),
-            "params": sum(p.numel() for p in model.parameters()),
-            "training_tokens": cfg.steps * tokens_per_step,
-            "training_stream_tokens": int(len(stream)),
-            "train_seconds": round(elapsed, 1),
-            "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
-            "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "compiled": compile,
-        }
         (work / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record

@@ -652,37 +652,43 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         raise ValueError(f"the default max_tokens ({defaults.max_tokens}) is over the limit ({limits.max_tokens})")
     engine.max_prompt_tokens = limits.max_prompt_tokens
     worker = Worker(engine, limits)
-    bound = kv_bound(engine, limits)
-    started = time.time()
-
-    # requests are rendered and tokenized here, one at a time, beside the worker: in one thread, so the memory a
-    # long text briefly takes is reused rather than kept by one allocator arena per thread
-    preparer = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-prepare")
+    api = Api(engine, worker, limits, model_name, defaults)
+    inspector = Inspector(engine, limits, model_name)
 
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
         yield
         worker.stopping.set()
-        preparer.shutdown(cancel_futures=True)
-        inspector.shutdown(cancel_futures=True)
+        api.preparer.shutdown(cancel_futures=True)
+        inspector.pool.shutdown(cancel_futures=True)
         await asyncio.to_thread(worker.join, 30)
 
     app = FastAPI(title="sparsegen", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(Guard, limits=limits)
-    app.state.worker, app.state.kv_bound = worker, bound
+    app.state.worker, app.state.kv_bound = worker, kv_bound(engine, limits)
+    _answer_errors(app, worker)
+    _route_generation(app, api)
+    _route_inspection(app, inspector)
+    _route_operations(app, worker, app.state.kv_bound)
+    return app
 
-    def error(err: ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _answer_errors(app: FastAPI, worker: Worker) -> None:
+    """Every failure answers OpenAI's error shape (never a bare 500 page); a client that left, one log line."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, err: ApiError):
-        return error(err)
+        return _error(err)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-        return error(ApiError(err.status_code, str(err.detail), kind, HTTP_CODES.get(err.status_code)))
+        return _error(ApiError(err.status_code, str(err.detail), kind, HTTP_CODES.get(err.status_code)))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, err: RequestValidationError):
@@ -695,28 +701,42 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
             message = f"the body must be a JSON object with the request's fields ({first['msg']})"
         else:
             message = f"{where}: {first['msg']}"
-        return error(ApiError(400, message, param=None if where == "body" else where))
+        return _error(ApiError(400, message, param=None if where == "body" else where))
 
     @app.exception_handler(Exception)
-    async def _internal(request, err: Exception):  # never a bare 500 page
+    async def _internal(request, err: Exception):
         worker.errors += 1
-        return error(ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
+        return _error(ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
 
     @app.exception_handler(ClientGone)
     async def _gone(request, err: ClientGone):  # a normal event: one info line, no traceback
         log.info("client disconnected from %s; its reply was cancelled", request.url.path)
         return PlainTextResponse("", status_code=499)
 
-    def served(name: str) -> None:
+
+class Api:
+    """The generation endpoints' work: check a request against the server's limits, hand its choices to the worker,
+    and gather or stream what comes back."""
+
+    def __init__(self, engine: Engine, worker: Worker, limits: Limits, model_name: str, defaults: Sampling):
+        self.engine, self.worker, self.limits, self.model_name, self.defaults = \
+            engine, worker, limits, model_name, defaults
+        self.started = int(time.time())
+        # requests are rendered and tokenized here, one at a time, beside the worker: in one thread, so the memory a
+        # long text briefly takes is reused rather than kept by one allocator arena per thread
+        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-prepare")
+
+    def served(self, name: str) -> None:
         """A 404 for a model this server does not serve."""
-        if name != model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def check(parsed: _Request, request: Request) -> tuple[str | None, Sampling]:
+    def check(self, parsed: _Request, request: Request) -> tuple[str | None, Sampling]:
         """The server's own limits on a well-formed request; its session id (namespaced) and sampling."""
+        limits, defaults = self.limits, self.defaults
         if parsed.model is not None:
-            served(parsed.model)
+            self.served(parsed.model)
         refused = refused_field(parsed)
         if refused is not None:
             accepted, why = REFUSED[refused]
@@ -744,193 +764,235 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
             if len(prompts) > limits.max_batch:
                 raise ApiError(400, f"{len(prompts)} prompts is over this server's limit of {limits.max_batch} per "
                                     f"request", param="prompt")
+        namespace = request.scope.get("state", {}).get("namespace", "")
+        return (None if session_id is None else f"{namespace}/{session_id}"), self.sampling(parsed, wanted)
+
+    def sampling(self, parsed: _Request, max_tokens: int) -> Sampling:
+        """The request's sampling, with the server's defaults for what it leaves out."""
+        defaults = self.defaults
         if isinstance(parsed, ChatRequest):
             if parsed.top_logprobs is not None and not parsed.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
         else:
             logprobs = parsed.logprobs
-        seed = defaults.seed if parsed.seed is None else parsed.seed % 2**63  # a negative seed is a seed too
-        sampling = Sampling(
-            max_tokens=wanted,
+        return Sampling(
+            max_tokens=max_tokens,
             temperature=defaults.temperature if parsed.temperature is None else parsed.temperature,
             top_p=defaults.top_p if parsed.top_p is None else parsed.top_p,
-            seed=seed, stop=tuple(parsed.stop), logprobs=logprobs, ignore_eos=parsed.ignore_eos)
-        namespace = request.scope.get("state", {}).get("namespace", "")
-        return (None if session_id is None else f"{namespace}/{session_id}"), sampling
+            seed=defaults.seed if parsed.seed is None else parsed.seed % 2**63,  # a negative seed is a seed too
+            stop=tuple(parsed.stop), logprobs=logprobs, ignore_eos=parsed.ignore_eos)
 
-    async def serve(request: Request, kind: str, parsed: _Request):
-        session_id, sampling = check(parsed, request)
-        session = engine.sessions.get(session_id) if session_id else None
+    async def serve(self, request: Request, kind: str, parsed: _Request):
+        session_id, sampling = self.check(parsed, request)
+        session = self.engine.sessions.get(session_id) if session_id else None
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         pendings: list[Pending] = []
         try:
             for index, text in enumerate(_texts_of(parsed)):
                 try:  # tokenized beside the worker: a long text costs its sender, not the replies decoding
                     prepared = await loop.run_in_executor(
-                        preparer, partial(engine.prepare, session, elsewhere=True, **text))
+                        self.preparer, partial(self.engine.prepare, session, elsewhere=True, **text))
                 except ValueError as err:
                     raise ApiError(400, str(err)) from None
                 pending = Pending(kind, parsed, text, session_id, sampling, prepared, loop, events, index)
-                worker.submit(pending)
+                self.worker.submit(pending)
                 pendings.append(pending)
             ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
             shown_id = session_id.split("/", 1)[1] if session_id else None
-            reply = Reply(ident, int(time.time()), shown_id, kind, pendings)
+            reply = Reply(ident, int(time.time()), shown_id, kind, pendings, self.model_name, self.engine.tokenizer)
             if parsed.stream:
-                first = await next_event(request, events)  # errors found on admission keep their HTTP status
+                first = await _next_event(request, events)  # errors found on admission keep their HTTP status
                 if first[1] == "error":
                     raise first[2]
                 usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-                return StreamingResponse(stream(request, reply, first, usage), media_type="text/event-stream",
-                                         headers={"X-Session-Id": shown_id or "", **history(pendings)})
-            jobs = await wait(request, events, len(pendings))
+                return StreamingResponse(_stream(request, reply, first, usage), media_type="text/event-stream",
+                                         headers={"X-Session-Id": shown_id or "", **_history(pendings)})
+            jobs = await _wait(request, events, len(pendings))
         except BaseException:
             for pending in pendings:
                 pending.cancelled = True  # stop decoding what nobody will read
             raise
-        return JSONResponse(reply.whole(jobs), headers=history(pendings))
+        return JSONResponse(reply.whole(jobs), headers=_history(pendings))
 
-    def history(pendings: list[Pending]) -> dict:
-        """``X-Session-History: reencoded`` when a session's history was encoded again (dropped for memory, evicted,
-        or edited by the client), ``kept`` when only the new text was; nothing for a request without a session."""
-        jobs = [p.job for p in pendings if p.job is not None]
-        if not jobs or jobs[0].session.id is None:
-            return {}
-        return {"X-Session-History": "reencoded" if any(job.reencoded for job in jobs) else "kept"}
 
-    async def next_event(request: Request, events: asyncio.Queue) -> tuple:
-        while True:
-            try:
-                return await asyncio.wait_for(events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone from None
+def _history(pendings: list[Pending]) -> dict:
+    """``X-Session-History: reencoded`` when a session's history was encoded again (dropped for memory, evicted, or
+    edited by the client), ``kept`` when only the new text was; nothing for a request without a session."""
+    jobs = [p.job for p in pendings if p.job is not None]
+    if not jobs or jobs[0].session.id is None:
+        return {}
+    return {"X-Session-History": "reencoded" if any(job.reencoded for job in jobs) else "kept"}
 
-    async def wait(request: Request, events: asyncio.Queue, choices: int) -> list[Job]:
-        jobs: dict[int, Job] = {}
-        while len(jobs) < choices:
-            index, what, payload = await next_event(request, events)
-            if what == "error":
-                raise payload
-            if what == "done":
-                jobs[index] = payload
-        return [jobs[i] for i in range(choices)]
 
-    @dataclass
-    class Reply:
-        """What every response of one request shares, and its shapes."""
-
-        ident: str
-        created: int
-        session_id: str | None
-        kind: str
-        pendings: list[Pending]
-
-        def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
-                  logprobs: list[TokenLogprob] | None = None, usage: Usage | None = None) -> str:
-            if usage is not None:
-                choices = []
-            elif self.kind == "chat":
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choices = [{"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
-                            "finish_reason": finish}]
-            else:
-                choices = [{"index": index, "text": text or "", "logprobs": self.logprobs(logprobs),
-                            "finish_reason": finish}]
-            body = {"id": self.ident, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                    "created": self.created, "model": model_name, "choices": choices}
-            if usage is not None:
-                body["usage"] = usage.model_dump()
-            return f"data: {json.dumps(body)}\n\n"
-
-        def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
-            """OpenAI's ``logprobs`` object of a choice (of a chunk) for ``entries``; None when not asked."""
-            if self.pendings[0].sampling.logprobs is None or entries is None:
-                return None
-            if self.kind == "chat":
-                def item(token: int, logprob: float) -> dict:
-                    text = token_text(token)
-                    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-                return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(*t) for t in e.top]}
-                                    for e in entries], "refusal": None}
-            tokens = [token_text(e.token) for e in entries]
-            offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
-            return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                    "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
-
-        def whole(self, jobs: list[Job]) -> dict:
-            common = dict(id=self.ident, created=self.created, model=model_name, usage=usage_of(jobs),
-                          session_id=self.session_id)
-            if self.kind == "chat":
-                return ChatCompletion(choices=[
-                    ChatChoice(index=i, message=ReplyMessage(content=job.content), logprobs=self.logprobs(job.logprobs),
-                               finish_reason=job.finish_reason) for i, job in enumerate(jobs)], **common).model_dump()
-            return Completion(choices=[
-                CompletionChoice(index=i, text=job.content, logprobs=self.logprobs(job.logprobs),
-                                 finish_reason=job.finish_reason) for i, job in enumerate(jobs)], **common).model_dump()
-
-    def token_text(token: int) -> str:
-        return engine.tokenizer.decode([token])
-
-    def usage_of(jobs: list[Job]) -> Usage:
-        prompt, completion = sum(job.prompt_tokens for job in jobs), sum(len(job.tokens) for job in jobs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    async def stream(request: Request, reply: Reply, event: tuple, usage: bool):
-        finished: dict[int, Job] = {}
+async def _next_event(request: Request, events: asyncio.Queue) -> tuple:
+    while True:
         try:
-            if reply.kind == "chat":
-                for index in range(len(reply.pendings)):
-                    yield reply.chunk(index, None, None, role=True)
-            while True:
-                index, what, payload = event
-                if what == "text":
-                    yield reply.chunk(index, payload[0], None, logprobs=payload[1])
-                elif what == "done":
-                    finished[index] = payload
-                    yield reply.chunk(index, None, payload.finish_reason,
-                                      logprobs=reply.pendings[index].new_logprobs())
-                    if len(finished) == len(reply.pendings):
-                        if usage:
-                            yield reply.chunk(0, None, None, usage=usage_of(list(finished.values())))
-                        yield "data: [DONE]\n\n"
-                        return
-                else:
-                    yield f"data: {json.dumps(payload.body())}\n\n"
-                    return
-                event = await next_event(request, reply.pendings[0].events)
-        except ClientGone:
-            pass  # (or the server cancelled this generator when the client left): either way, one line below
-        finally:
-            unfinished = [p for p in reply.pendings if p.job is None or not p.job.done]
-            for pending in unfinished:
-                pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
-            if unfinished:
-                log.info("client disconnected mid-stream from %s; its reply was cancelled", reply.ident)
+            return await asyncio.wait_for(events.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone from None
 
+
+async def _wait(request: Request, events: asyncio.Queue, choices: int) -> list[Job]:
+    jobs: dict[int, Job] = {}
+    while len(jobs) < choices:
+        index, what, payload = await _next_event(request, events)
+        if what == "error":
+            raise payload
+        if what == "done":
+            jobs[index] = payload
+    return [jobs[i] for i in range(choices)]
+
+
+def _usage_of(jobs: list[Job]) -> Usage:
+    prompt, completion = sum(job.prompt_tokens for job in jobs), sum(len(job.tokens) for job in jobs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+@dataclass
+class Reply:
+    """What every response of one request shares, and its shapes."""
+
+    ident: str
+    created: int
+    session_id: str | None
+    kind: str
+    pendings: list[Pending]
+    model_name: str
+    tokenizer: object
+
+    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
+              logprobs: list[TokenLogprob] | None = None, usage: Usage | None = None) -> str:
+        if usage is not None:
+            choices = []
+        elif self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choices = [{"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}]
+        else:
+            choices = [{"index": index, "text": text or "", "logprobs": self.logprobs(logprobs),
+                        "finish_reason": finish}]
+        body = {"id": self.ident, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage.model_dump()
+        return f"data: {json.dumps(body)}\n\n"
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's ``logprobs`` object of a choice (of a chunk) for ``entries``; None when not asked."""
+        if self.pendings[0].sampling.logprobs is None or entries is None:
+            return None
+        if self.kind == "chat":
+            def item(token: int, logprob: float) -> dict:
+                text = self.token_text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(*t) for t in e.top]}
+                                for e in entries], "refusal": None}
+        tokens = [self.token_text(e.token) for e in entries]
+        offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def whole(self, jobs: list[Job]) -> dict:
+        common = dict(id=self.ident, created=self.created, model=self.model_name, usage=_usage_of(jobs),
+                      session_id=self.session_id)
+        if self.kind == "chat":
+            return ChatCompletion(choices=[
+                ChatChoice(index=i, message=ReplyMessage(content=job.content), logprobs=self.logprobs(job.logprobs),
+                           finish_reason=job.finish_reason) for i, job in enumerate(jobs)], **common).model_dump()
+        return Completion(choices=[
+            CompletionChoice(index=i, text=job.content, logprobs=self.logprobs(job.logprobs),
+                             finish_reason=job.finish_reason) for i, job in enumerate(jobs)], **common).model_dump()
+
+
+async def _stream(request: Request, reply: Reply, event: tuple, usage: bool):
+    finished: dict[int, Job] = {}
+    try:
+        if reply.kind == "chat":
+            for index in range(len(reply.pendings)):
+                yield reply.chunk(index, None, None, role=True)
+        while True:
+            index, what, payload = event
+            if what == "text":
+                yield reply.chunk(index, payload[0], None, logprobs=payload[1])
+            elif what == "done":
+                finished[index] = payload
+                yield reply.chunk(index, None, payload.finish_reason, logprobs=reply.pendings[index].new_logprobs())
+                if len(finished) == len(reply.pendings):
+                    if usage:
+                        yield reply.chunk(0, None, None, usage=_usage_of(list(finished.values())))
+                    yield "data: [DONE]\n\n"
+                    return
+            else:
+                yield f"data: {json.dumps(payload.body())}\n\n"
+                return
+            event = await _next_event(request, reply.pendings[0].events)
+    except ClientGone:
+        pass  # (or the server cancelled this generator when the client left): either way, one line below
+    finally:
+        unfinished = [p for p in reply.pendings if p.job is None or not p.job.done]
+        for pending in unfinished:
+            pending.cancelled = True  # the client went away (or the stream was closed): stop decoding
+        if unfinished:
+            log.info("client disconnected mid-stream from %s; its reply was cancelled", reply.ident)
+
+
+def _route_generation(app: FastAPI, api: Api) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_documented(ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):
-        return await serve(request, "chat", body)
+        return await api.serve(request, "chat", body)
 
     @app.post("/v1/completions", response_model=Completion, responses=_documented(Completion))
     async def completions(body: CompletionRequest, request: Request):
-        return await serve(request, "completion", body)
+        return await api.serve(request, "completion", body)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=int(started))])
+        return ModelList(data=[ModelCard(id=api.model_name, created=api.started)])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorReply}})
     async def model(model_id: str) -> ModelCard:
-        served(model_id)
-        return ModelCard(id=model_name, created=int(started))
+        api.served(model_id)
+        return ModelCard(id=api.model_name, created=api.started)
 
-    # one inspection at a time, beside the engine (it runs the model over a whole text once per policy), with its
-    # own tokenizer (a fast tokenizer refuses concurrent calls)
-    inspector, inspect_tokenizer = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-inspect"), None
 
+class Inspector:
+    """The cache inspector's work: one inspection at a time, beside the engine (it runs the model over a whole text
+    once per policy), with its own tokenizer (a fast tokenizer refuses concurrent calls)."""
+
+    def __init__(self, engine: Engine, limits: Limits, model_name: str):
+        self.engine, self.limits, self.model_name = engine, limits, model_name
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-inspect")
+        self.tokenizer = None
+
+    async def inspect(self, body: InspectRequest) -> JSONResponse:
+        from sparsegen.eval.inspect import inspect
+
+        limits = self.limits
+        if body.max_new_tokens > limits.max_tokens:
+            raise ApiError(400, f"max_new_tokens is over this server's limit of {limits.max_tokens}",
+                           param="max_new_tokens")
+        if self.tokenizer is None:
+            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        tokens = len(self.tokenizer(body.text + (body.question or ""))["input_ids"])
+        if tokens > limits.max_prompt_tokens:
+            raise ApiError(400, f"the text has {tokens:,} tokens, over this server's limit of "
+                                f"{limits.max_prompt_tokens:,} (--max-prompt-tokens)", param="text")
+        run = partial(inspect, self.engine.model, self.tokenizer, body.text, body.policies, body.budget,
+                      question=body.question, answer=body.answer, protocol=body.protocol, kv_bits=body.kv_bits,
+                      chunk_size=self.engine.chunk_size, max_new_tokens=body.max_new_tokens,
+                      model_name=self.model_name)
+        try:
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(self.pool, run))
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
+
+
+def _route_inspection(app: FastAPI, inspector: Inspector) -> None:
     @app.get("/inspect", response_class=HTMLResponse)
     async def inspect_page():
         """The cache inspector: a form that asks ``/v1/inspect`` (which takes the API key, if the server has one)."""
@@ -940,26 +1002,10 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
 
     @app.post("/v1/inspect")
     async def inspect_kept(body: InspectRequest):
-        nonlocal inspect_tokenizer
-        from sparsegen.eval.inspect import inspect
+        return await inspector.inspect(body)
 
-        if body.max_new_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_new_tokens is over this server's limit of {limits.max_tokens}",
-                           param="max_new_tokens")
-        if inspect_tokenizer is None:
-            inspect_tokenizer = copy.deepcopy(engine.tokenizer)
-        tokens = len(inspect_tokenizer(body.text + (body.question or ""))["input_ids"])
-        if tokens > limits.max_prompt_tokens:
-            raise ApiError(400, f"the text has {tokens:,} tokens, over this server's limit of "
-                                f"{limits.max_prompt_tokens:,} (--max-prompt-tokens)", param="text")
-        run = partial(inspect, engine.model, inspect_tokenizer, body.text, body.policies, body.budget,
-                      question=body.question, answer=body.answer, protocol=body.protocol, kv_bits=body.kv_bits,
-                      chunk_size=engine.chunk_size, max_new_tokens=body.max_new_tokens, model_name=model_name)
-        try:
-            return JSONResponse(await asyncio.get_running_loop().run_in_executor(inspector, run))
-        except ValueError as err:
-            raise ApiError(400, str(err)) from None
 
+def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
     @app.get("/health")
     async def health():
         """ok, or 503 once the engine thread is gone (the process then exits); after an engine rebuild, how many
@@ -982,8 +1028,6 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
             lines.append(f"# TYPE {metric} {'counter' if name.endswith('_total') else 'gauge'}")
             lines.append(f"{metric} {value}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "warning") -> int:
