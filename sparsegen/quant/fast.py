@@ -137,8 +137,23 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
         setattr(model.get_submodule(parent) if parent else model, child, kind(module))
     if not targets:
         raise ValueError(f"{type(model).__name__} has no decoder linears to quantize")
+    _own_memory(model)
     model.config.sparsegen_weights = weights
     return model
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copy what is left at full precision (embeddings, norms) out of the checkpoint file the model was memory-mapped
+    from: one tensor viewing the file keeps the whole mapping, and the pages packing read, resident (SmolLM2 int4:
+    1,006 MiB resident with the mapping, 601 MiB without, measured)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (Int8Linear, Int4Linear)):
+                continue  # (built in memory)
+            for registry in (module._parameters, module._buffers):
+                for tensor in registry.values():
+                    if tensor is not None:
+                        tensor.data = tensor.data.clone()
 
 
 def dequantized(linear: nn.Linear, weights: str) -> torch.Tensor:

@@ -48,6 +48,21 @@ def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights
     assert weight_bytes_per_step(model) < before / (2.5 if weights == "int8" else 4)
 
 
+def test_a_quantized_model_lets_go_of_the_file_it_was_mapped_from(tmp_path):
+    """What stays at full precision (embeddings, norms) is copied out of the memory-mapped checkpoint: one tensor
+    viewing the file would keep the pages packing read resident (SmolLM2 int4: 1,006 vs 601 MiB)."""
+    from transformers import LlamaForCausalLM
+
+    _model().save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    before = {name: t.data_ptr() for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    quantize_weights(model, "int8")
+    after = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    kept = [name for name in before if name in after]
+    assert "model.embed_tokens.weight" in kept and "model.norm.weight" in kept
+    assert all(after[name].data_ptr() != before[name] for name in kept)
+
+
 def test_bad_weights_are_refused(capsys):
     with pytest.raises(ValueError, match="fp32, int8, int4"):
         quantize_weights(_model(), "int3")
