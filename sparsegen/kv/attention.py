@@ -72,8 +72,9 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
     # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
     few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
-    # a steady decode step's own K/V wait beside the held slots (``EvictionLayer.incoming``): grouped matmuls read
-    # both; where one tensor is needed (SDPA, keys turned to their ranks), they are joined (a copy)
+    # a decode step's own K/V (over a full budget, or fixed-shape) wait beside the held slots
+    # (``EvictionLayer.incoming``): grouped matmuls read both; where one tensor is needed (SDPA, keys turned to their
+    # ranks), they are joined (a copy)
     incoming = layer.incoming
     if incoming is not None and not (few_queries_on_cpu and (layer.keys_at_index or not cache.rolling)):
         key, value = torch.cat((key, incoming[0]), dim=2), torch.cat((value, incoming[1]), dim=2)

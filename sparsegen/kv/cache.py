@@ -89,8 +89,9 @@ class EvictionLayer(CacheLayerMixin):
         self.keys_at_index = (cache.rolling and rotary is not None and view is not None
                               and cache.quantization is None and not policy.shares_slots and rotary.exact)
         self.sinks = view[0] if self.keys_at_index else 0  # (kept when ``stop_evicting`` lifts the budget)
-        # whether a steady decode step may leave its new K/V out of the slots until eviction (``incoming``): not where
-        # the policy reads held K/V (they must be in the slots) or they are quantized or shared between heads
+        # whether a decode step (over a full budget, or fixed-shape) may leave its new K/V out of the slots until
+        # eviction (``incoming``): not where the policy reads held K/V (they must be in the slots) or they are
+        # quantized or shared between heads
         self.places_incoming = not (policy.needs_keys or policy.needs_values or policy.memo_width
                                     or cache.quantization is not None or policy.shares_slots)
         self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None
