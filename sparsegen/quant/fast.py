@@ -14,6 +14,12 @@ This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import mmap
+import sys
+
 import torch
 from torch import nn
 
@@ -135,11 +141,38 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
         kind = Int8Linear if bits == "int8" else Int4Linear
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, kind(module))
+        page_out(module.weight)  # (read from the mapped checkpoint to pack: its pages need not stay)
     if not targets:
         raise ValueError(f"{type(model).__name__} has no decoder linears to quantize")
     _own_memory(model)
     model.config.sparsegen_weights = weights
     return model
+
+
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (file-backed ones are dropped and read again if touched)
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise
+
+
+def page_out(tensor: torch.Tensor) -> bool:
+    """Ask the kernel to reclaim the whole pages under ``tensor``'s bytes (Linux; elsewhere nothing): a weight read
+    from a memory-mapped checkpoint stays resident as long as the mapping lives, and a model that no longer needs it
+    (packed into low-bit codes) should not pay for it (SmolLM2 int4: the load's peak). Never loses data: a clean file
+    page is read again if touched, and memory with nowhere to go (anonymous, no swap) stays. Whether it was asked."""
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
+        return False
+    start = tensor.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    return last > first and madvise(first, last - first, MADV_PAGEOUT) == 0
 
 
 def _own_memory(model: nn.Module) -> None:

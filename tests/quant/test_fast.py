@@ -1,12 +1,14 @@
 """Runtime low-bit weights (``--weights int8|int4``): each kernel computes what its stored weight says, the model's
 logits stay close to fp32's, and the bytes a decode step reads drop to a quarter / an eighth."""
 
+import sys
+
 import pytest
 import torch
 
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
-from sparsegen.quant.fast import Int4Linear, Int8Linear, dequantized, quantize_weights
+from sparsegen.quant.fast import Int4Linear, Int8Linear, dequantized, page_out, quantize_weights
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
 from tests.models.test_real_models import _installed
@@ -61,6 +63,26 @@ def test_a_quantized_model_lets_go_of_the_file_it_was_mapped_from(tmp_path):
     kept = [name for name in before if name in after]
     assert "model.embed_tokens.weight" in kept and "model.norm.weight" in kept
     assert all(after[name].data_ptr() != before[name] for name in kept)
+
+
+def _file_resident() -> int:
+    from pathlib import Path
+
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("RssFile:")) * 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT is Linux's")
+def test_paging_out_lets_go_of_a_mapped_files_pages_and_keeps_the_data(tmp_path):
+    size = 32 << 20
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * (size // 256))
+    mapped = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    total = int(mapped.sum(dtype=torch.int64))  # every page read: resident
+    before = _file_resident()
+    assert page_out(mapped)
+    assert before - _file_resident() > size // 2
+    assert int(mapped.sum(dtype=torch.int64)) == total  # read again from the file
 
 
 def test_bad_weights_are_refused(capsys):
