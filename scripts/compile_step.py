@@ -3,7 +3,7 @@ random K/V (``fill_random``): median ms per step over STEPS steps after the comp
 call's wall time (compile, and on CUDA the graph's recording), the largest difference of the first step's logits
 (both steps start from the same cache) and whether both steps pick the same tokens (random K/V and weights can leave
 near-ties that a fused kernel's rounding flips, then the two runs part ways).
-On CUDA the compiled step is a CUDA graph replay (``mode="reduce-overhead"``) once the cache is steady.
+On CUDA the compiled step is a CUDA graph replay (``mode="reduce-overhead"``), every step fixed-shape.
 
     python scripts/compile_step.py MODEL POLICY CONTEXT [--device cuda] [--dtype bfloat16] [--batch 8] [--weights int4]
 """
