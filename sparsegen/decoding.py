@@ -93,17 +93,17 @@ class DecodeStep:
         return _step(self.model, cache, token, position)
 
     def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return self._fixed(cache, token, position, self._run)
+        return self._fixed(cache, token, position, compiled=True)
 
     def uncompiled(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The same step as ``__call__``, fixed-shape where that one is, run eagerly (``bench`` counts its host
         syncs: dynamo does not run under the counting dispatch mode)."""
-        return self._fixed(cache, token, position, self.eager)
+        return self._fixed(cache, token, position, compiled=False)
 
-    def _fixed(self, cache, token: torch.Tensor, position: torch.Tensor, run) -> torch.Tensor:
+    def _fixed(self, cache, token: torch.Tensor, position: torch.Tensor, compiled: bool) -> torch.Tensor:
         if not self.compiled or not cache.fits_fixed_step():
             return self.eager(cache, token, position)
-        compiled = run != self.eager
+        run = self._run if compiled else self.eager
         if self.graphs and compiled:
             for tensor in cache.step_state():
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph

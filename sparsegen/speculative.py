@@ -209,11 +209,7 @@ def speculative_tokens(
     drafter = speculation.model if speculation.model is not None else model
     _check_vocabularies(model, drafter)
     device, batch = ids.device, ids.shape[0]
-    room = ids.shape[1] + max_new_tokens + MOST_DRAFT_TOKENS + 1  # slots: what a full row can hold, drafts included
-    target, draft = (EvictionCache(m, policy, positions=positions, chunk_size=chunk_size, expected_length=room,
-                                   rollback=MOST_DRAFT_TOKENS)
-                     for m, policy, positions in [(model, Full(), None),
-                                                  (drafter, speculation.policy, speculation.positions)])
+    target, draft = _caches(model, drafter, speculation, ids.shape[1] + max_new_tokens, chunk_size)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
     draft_step = DecodeStep(drafter, compile)
     t0 = _synchronized(device)
@@ -258,6 +254,16 @@ def speculative_tokens(
         on_token(new, counts)
     stats = {**target.stats(), "draft_cache": draft.stats(), "speculation": counters.report(speculation.draft_tokens)}
     return new, counts, stats, prefill_seconds, decode_seconds
+
+
+def _caches(model: torch.nn.Module, drafter: torch.nn.Module, speculation: Speculation, length: int,
+            chunk_size: int) -> tuple[EvictionCache, EvictionCache]:
+    """The target's full cache and the draft's, each with room for ``length`` tokens and a round of drafts."""
+    room = length + MOST_DRAFT_TOKENS + 1
+    target = EvictionCache(model, Full(), chunk_size=chunk_size, expected_length=room, rollback=MOST_DRAFT_TOKENS)
+    draft = EvictionCache(drafter, speculation.policy, positions=speculation.positions, chunk_size=chunk_size,
+                          expected_length=room, rollback=MOST_DRAFT_TOKENS)
+    return target, draft
 
 
 def _draft(drafter: torch.nn.Module, draft: EvictionCache, draft_step: DecodeStep, k: int, pending: torch.Tensor,

@@ -134,7 +134,8 @@ def train_reference(
     model = LlamaForCausalLM(model_config(cfg, tokenizer)).to(device)
     optimizer = _optimizer(model, cfg, device)
     rng = np.random.default_rng(cfg.seed)
-    step, elapsed = _resume(state_file := work_dir / "train_state.pt", model, optimizer, rng, cfg, device)
+    state_file = work_dir / "train_state.pt"
+    step, elapsed = _resume(state_file, model, optimizer, rng, cfg, device)
     forward = torch.compile(model) if compile else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     tokens_per_step = cfg.batch_size * cfg.context
