@@ -134,9 +134,6 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
                if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
-    # parameters the packed model still uses (a tied LM head's weight is the embedding): not paged out
-    replaced = {f"{name}.weight" for name, _ in targets}
-    kept = {id(p) for name, p in model.named_parameters() if name not in replaced}
     for name, module in targets:
         # the LM head stays at 8 bits under int4, as a Q4 GGUF keeps it (SmolLM2's: Q8_0): 4 bits there cost 6%
         # perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%)
@@ -144,8 +141,9 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
         kind = Int8Linear if bits == "int8" else Int4Linear
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, kind(module))
-        if id(module.weight) not in kept:
-            page_out(module.weight)  # (read from the mapped checkpoint to pack: its pages need not stay)
+        # (read from the mapped checkpoint to pack: its pages need not stay; a tied LM head's are the embedding's,
+        # which ``_own_memory`` reads back once to copy: keeping them instead raised the peak by its size, measured)
+        page_out(module.weight)
     if not targets:
         raise ValueError(f"{type(model).__name__} has no decoder linears to quantize")
     _own_memory(model)
