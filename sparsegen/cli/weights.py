@@ -44,7 +44,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from sparsegen.quant import QuantizeConfig, quantize_model
 
     config = QuantizeConfig(bits=args.bits, group_size=args.group_size, method=args.method, nsamples=args.nsamples,
-                            seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size)
+                            seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size, format=args.format)
     source = None if is_random(args.model) else Path(resolve(args.model))
     out = check_output(args.out, source, args.force)
     if source is None:  # a model shape with random weights, to measure quantized decode speed at that size
@@ -67,7 +67,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     linear = report["linear_bytes_before"] / report["linear_bytes_after"]
     group = report["group_size"] or "row"
     chosen = " (the largest that divides every linear)" if config.group_size is None else ""
-    print(f"{config.method} int{config.bits}, group {group}{chosen}: {len(report['layers'])} linear layers "
+    inputs = ", int8 inputs per token" if config.format == "int-quantized" else ""
+    print(f"{config.method} int{config.bits}{inputs}, group {group}{chosen}: {len(report['layers'])} linear layers "
           f"{linear:.2f}x smaller than in {str(loaded).removeprefix('torch.')}; weights on disk "
           + (f"{before / 2**20:.2f} -> " if before else "") + f"{after / 2**20:.2f} MiB; {report['seconds']:.1f} s; "
           f"saved to {out}")
@@ -125,6 +126,10 @@ def add_parsers(sub) -> None:
                    help="input columns per scale; 0 = one per row (default: the largest of 128, 64, 32, 16 that divides "
                         "every linear: 64 on SmolLM2)")
     p.add_argument("--method", default="gptq", help="gptq (calibrated, default) or rtn (round to nearest)")
+    p.add_argument("--format", default="pack-quantized", choices=("pack-quantized", "int-quantized"),
+                   help="compressed-tensors layout: pack-quantized (W4A16/W8A16, weight-only; default) or "
+                        "int-quantized (W4A8/W8A8: inputs rounded to int8 per token at run time; the 4-bit scheme "
+                        "vLLM's CPU build runs on AVX2 CPUs, whose wheel has no kernel for W4A16)")
     calibration_args(p, "gptq ")
     p.add_argument("--out", required=True, help="folder for the quantized checkpoint (+ quantization.json)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")

@@ -8,6 +8,11 @@ On CPU, 4-bit layers running in bfloat16 (groups of 32, 64, 128 or 256) use PyTo
 kernel torchao's int4 weight-only path calls), which reads a quarter of the bytes of a bfloat16 weight: decode,
 bound by weight reads, gets faster. Elsewhere (float32, float16, 8 bits, CUDA) the weight is dequantized at each
 forward and ``F.linear`` runs in the input's dtype: the model is smaller, not faster.
+
+``DynamicInputQuantLinear`` is compressed-tensors' ``int-quantized`` format with dynamic int8 activations (W4A8,
+W8A8): one signed code per int8 (``weight``), and each token's input rounded to an int8 grid of its own at run time.
+It is the 4-bit scheme vLLM's CPU build runs on AVX2 (its ``Dynamic4bitLinearKernel``), where the AVX2 wheel lacks the
+kernel for the weight-only format.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ def unpack(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with ``W = (codes - 2**(bits-1)) * scale`` per group of ``group_size`` input columns."""
 
+    FORMAT = "pack-quantized"  # compressed-tensors' name for the layout
+    CODES = "weight_packed"  # the buffer that holds the codes
+
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
@@ -50,26 +58,32 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         check_groups(in_features, group_size)
         self.group_size = group_width(group_size, in_features)
-        words = -(-in_features * bits // WORD)
-        self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32, device=device))
+        self._register_codes(device)
         self.register_buffer("weight_scale", torch.ones(out_features, in_features // self.group_size,
                                                         dtype=torch.float16, device=device))
-        self.register_buffer("weight_shape", torch.tensor([out_features, in_features], device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def _register_codes(self, device: torch.device | str | None) -> None:
+        words = -(-self.in_features * self.bits // WORD)
+        self.register_buffer("weight_packed", torch.zeros(self.out_features, words, dtype=torch.int32, device=device))
+        self.register_buffer("weight_shape", torch.tensor([self.out_features, self.in_features], device=device))
+
+    def _store_codes(self, codes: torch.Tensor) -> None:
+        self.weight_packed.copy_(pack(codes, self.bits))
+
+    def codes(self) -> torch.Tensor:
+        return unpack(self.weight_packed, self.bits, self.in_features)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight: torch.Tensor, quantizer: GroupQuantizer) -> QuantLinear:
         """Store ``weight`` (already on ``quantizer``'s grids) in place of ``linear``."""
         module = cls(linear.in_features, linear.out_features, quantizer.bits, quantizer.width,
                      linear.bias is not None, linear.weight.dtype, linear.weight.device)
-        module.weight_packed.copy_(pack(quantizer.codes(weight), quantizer.bits))
+        module._store_codes(quantizer.codes(weight))
         module.weight_scale.copy_(quantizer.scales.half())
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.data)
         return module
-
-    def codes(self) -> torch.Tensor:
-        return unpack(self.weight_packed, self.bits, self.in_features)
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         scales = self.weight_scale.float().repeat_interleave(self.group_size, dim=1)
@@ -87,7 +101,8 @@ class QuantLinear(nn.Module):
         """The codes in the CPU int4 kernel's own layout, and its per-group ``(scale, offset)`` pairs (offset 0: the
         kernel computes ``(code - 8) * scale + offset``, our symmetric grid). Built on first use, and again if the
         stored weights change (loading a checkpoint into the module)."""
-        key = (self.weight_packed.data_ptr(), self.weight_packed._version, self.weight_scale._version)
+        stored = self.get_buffer(self.CODES)
+        key = (stored.data_ptr(), stored._version, self.weight_scale._version)
         if getattr(self, "_kernel_key", None) != key:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 2)
             scales = self.weight_scale.t().to(torch.bfloat16)
@@ -98,3 +113,44 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+def quantize_per_token(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """``x`` rounded to a symmetric ``bits``-bit grid per token (last dimension), as compressed-tensors' dynamic
+    per-token activation scheme defines it: scale ``max|x| / ((2**bits - 1) / 2)``, codes clamped to the signed
+    range."""
+    top = 2 ** (bits - 1)
+    scale = (x.float().abs().amax(-1, keepdim=True) / ((2**bits - 1) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+    return ((x.float() / scale).round().clamp(-top, top - 1) * scale).to(x.dtype)
+
+
+class DynamicInputQuantLinear(QuantLinear):
+    """A ``QuantLinear`` stored as compressed-tensors' ``int-quantized`` format (``weight``: one signed code per int8)
+    whose input is rounded to int8 per token before the product (W4A8 / W8A8, dynamic): the outputs an int8 x int4
+    (or int8) kernel gives, up to its own rounding of the activations."""
+
+    FORMAT = "int-quantized"
+    CODES = "weight"
+
+    def _register_codes(self, device: torch.device | str | None) -> None:
+        self.register_buffer("weight", torch.zeros(self.out_features, self.in_features, dtype=torch.int8,
+                                                   device=device))
+
+    def _store_codes(self, codes: torch.Tensor) -> None:
+        self.weight.copy_(codes.to(torch.int16) - 2 ** (self.bits - 1))
+
+    def codes(self) -> torch.Tensor:
+        return (self.weight.to(torch.int16) + 2 ** (self.bits - 1)).to(torch.uint8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(quantize_per_token(x))
+
+
+LAYERS = {layer.FORMAT: layer for layer in (QuantLinear, DynamicInputQuantLinear)}
+FORMATS = tuple(LAYERS)
+
+
+def quant_linear_class(format: str) -> type[QuantLinear]:
+    if format not in LAYERS:
+        raise ValueError(f"unknown checkpoint format {format!r}; choose {' or '.join(FORMATS)}")
+    return LAYERS[format]

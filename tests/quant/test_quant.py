@@ -99,6 +99,10 @@ def test_quantizing_twice_and_bad_settings_are_refused():
         QuantizeConfig(bits=3)
     with pytest.raises(ValueError, match="unknown quantization method"):
         QuantizeConfig(method="awq")
+    with pytest.raises(ValueError, match="unknown checkpoint format 'gguf'"):
+        QuantizeConfig(format="gguf")
+    with pytest.raises(ValueError, match="use --group-size 0"):
+        QuantizeConfig(bits=8, group_size=64, format="int-quantized")
     with pytest.raises(ValueError, match="calibration data"):
         quantize_model(tiny_model("llama"), QuantizeConfig(method="gptq"), None, progress=False)
 
@@ -120,17 +124,21 @@ def test_pruned_then_quantized_checkpoint_saves_and_loads_exactly(tiny_checkpoin
     assert recorded["config_groups"]["group_0"]["weights"]["num_bits"] == 4 and recorded["ignore"] == ["lm_head"]
 
 
-@pytest.mark.parametrize("bits, group_size", [(4, 16), (8, 0)])
-def test_plain_transformers_with_compressed_tensors_reads_the_checkpoint(tiny_checkpoint, tmp_path, bits, group_size):
-    """The checkpoint is compressed-tensors' pack-quantized format: the codes pack as its own packer packs them, its
-    config validates, and plain AutoModelForCausalLM gives sparsegen.load's logits."""
+@pytest.mark.parametrize("bits, group_size, format", [(4, 16, "pack-quantized"), (8, 0, "pack-quantized"),
+                                                      (4, 16, "int-quantized"), (8, 0, "int-quantized")])
+def test_plain_transformers_with_compressed_tensors_reads_the_checkpoint(tiny_checkpoint, tmp_path, bits, group_size,
+                                                                         format):
+    """The checkpoint is compressed-tensors' format: the codes pack as its own packer packs them (pack-quantized) or
+    sit one per int8 (int-quantized), its config validates, and plain AutoModelForCausalLM gives sparsegen.load's
+    logits — with int8 inputs, compressed-tensors' own per-token rounding of the activations."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationConfig
     from transformers import AutoModelForCausalLM
 
     model, tokenizer = sparsegen.load(tiny_checkpoint)
-    report = quantize_model(model, QuantizeConfig(bits=bits, group_size=group_size, method="rtn"), progress=False)
+    report = quantize_model(model, QuantizeConfig(bits=bits, group_size=group_size, method="rtn", format=format),
+                            progress=False)
     save_pruned(model, tokenizer, tmp_path / "q", report, "quantization.json")
     ours, _ = sparsegen.load(tmp_path / "q")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
@@ -138,8 +146,11 @@ def test_plain_transformers_with_compressed_tensors_reads_the_checkpoint(tiny_ch
     ids = _ids()
     assert torch.allclose(plain(ids).logits, ours(ids).logits, atol=1e-4)
     linear = ours.model.layers[0].self_attn.q_proj
-    signed = (linear.codes().to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
-    assert torch.equal(pack_to_int32(signed, bits), linear.weight_packed)
+    assert type(linear).FORMAT == format
+    original = sparsegen.load(tiny_checkpoint)[0].model.layers[0].self_attn.q_proj.weight.data
+    signed = (round_to_nearest(original, bits, group_size).codes(original).to(torch.int16) - 2 ** (bits - 1))
+    signed = signed.to(torch.int8)
+    assert torch.equal(linear.get_buffer(linear.CODES), signed if format == "int-quantized" else pack_to_int32(signed, bits))
     QuantizationConfig.model_validate(json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"])
 
 
@@ -168,6 +179,11 @@ def test_corrupted_or_mismatched_quantized_checkpoints_get_clear_errors(tiny_che
     with pytest.raises(ValueError, match="symmetric 4- or 8-bit"):
         sparsegen.load(folder)
     weights_scheme["symmetric"] = True
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
+    (folder / "config.json").write_text(json.dumps(config))  # inputs quantized, but not in the int-quantized format
+    with pytest.raises(ValueError, match="dynamic per-token int8 inputs"):
+        sparsegen.load(folder)
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = None
     (folder / "config.json").write_text(json.dumps(config))
     save_file({k: v for k, v in state.items() if "weight_scale" not in k}, weights)
     with pytest.raises(ValueError, match="do not match the layers"):
@@ -199,6 +215,10 @@ def test_cli_quantize(tiny_checkpoint, corpus, tmp_path, capsys, monkeypatch):
     assert "PPL" in capsys.readouterr().out
     assert main(["quantize", "--model", str(tiny_checkpoint), "--bits", "3", "--out", str(tmp_path / "x")]) == 2
     assert "bits must be one of 4, 8" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(tiny_checkpoint), "--method", "rtn", "--format", "int-quantized",
+                 "--out", str(tmp_path / "a8")]) == 0
+    assert "rtn int4, int8 inputs per token, group 128" in capsys.readouterr().out
+    assert json.loads((tmp_path / "a8" / "quantization.json").read_text())["format"] == "int-quantized"
 
 
 @pytest.mark.parametrize("group_size", [32, 0])  # 0: one group of the row's 128 columns

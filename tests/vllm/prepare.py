@@ -24,12 +24,14 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 NEW_TOKENS = 32
 PRUNED = {"wanda50": ["--sparsity", "0.5"], "wanda24": ["--pattern", "2:4"],
           "structured": ["--structured", "neurons=0.25"]}
-QUANTIZED = {"int4": ["--bits", "4"], "int8": ["--bits", "8"]}  # round to nearest, the default group size (64)
+QUANTIZED = {"int4": ["--bits", "4"], "int8": ["--bits", "8"],  # round to nearest, the default group size (64)
+             "int4a8": ["--bits", "4", "--format", "int-quantized"],  # int8 inputs per token
+             "int8a8": ["--bits", "8", "--group-size", "0", "--format", "int-quantized"]}
 
 
 def checkpoints(out: Path) -> dict[str, str]:
     """dense (the GGUF converted), Wanda 50%, Wanda 2:4, structured-pruned, int4 and int8 (compressed-tensors
-    pack-quantized, W4A16 / W8A16); each written once."""
+    pack-quantized, W4A16 / W8A16), int4a8 and int8a8 (int-quantized, W4A8 / W8A8 dynamic); each written once."""
     made = {"dense": resolve("smollm2")}
     for name, flags in PRUNED.items():
         folder = out / name
