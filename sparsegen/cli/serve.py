@@ -138,6 +138,11 @@ def cmd_export_window(args: argparse.Namespace) -> None:
           f"keeps the same tokens)")
 
 
+def _prefill_budget(text: str) -> int | str:
+    """``--prefill-budget``: a number of tokens, or ``auto``."""
+    return text if text == "auto" else positive_int(text)
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("chat", help="a terminal conversation in one bounded cache (history never re-encoded)")
     model_args(p, run=True)
@@ -174,10 +179,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
                    help="the most tokens one conversation may hold; sizes a full cache under --kv-memory (default: "
                         "the model's max_position_embeddings)")
-    p.add_argument("--prefill-budget", type=positive_int, default=None, metavar="TOKENS",
+    p.add_argument("--prefill-budget", type=_prefill_budget, default=None, metavar="TOKENS|auto",
                    help="prompt tokens one engine step encodes while other replies decode (default: --chunk-size): "
                         "what a long prompt adds to their inter-token latency, at the cost of its own time to first "
-                        "token")
+                        "token; 'auto': as many as cost one decode step, measured as it serves (a long prompt then "
+                        "at most about doubles the others' inter-token latency)")
     p.add_argument("--idle-grace", type=float, default=2.0, metavar="SECONDS",
                    help="under --kv-memory, an idle session is not dropped for another within this many seconds of "
                         "its last reply (a client's next turn usually follows at once; default 2)")

@@ -6,7 +6,7 @@ history. A ``Job`` is one reply being produced. ``Engine.begin`` starts it from 
 ``Engine.prepare``, which a server calls in the request's own thread); ``Engine.step``
 then advances any number of jobs at once: one prefill chunk of one job still encoding its prompt (at most
 ``prefill_budget`` tokens while others decode, so a long prompt never holds up the other replies by more than that,
-and can be cancelled between chunks), and one
+and can be cancelled between chunks; ``"auto"``: as many as take one decode step's time), and one
 decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
 different tokens at different positions) for as long as the same jobs decode together; a row goes back to its
 session when its reply finishes or leaves. A failure in one job (its prompt, its sampling) fails that job only.
@@ -164,22 +164,51 @@ def _template_space(reply: str) -> int:
     return 1 if reply.startswith(" ") and not reply[1:2].isspace() else 0
 
 
+AUTO = "auto"
+
+
+class PrefillBudget:
+    """``prefill_budget="auto"``: the prompt tokens a step may encode while others decode, kept at what costs about one
+    decode step (Sarathi-Serve's rule: a step with a chunk then takes at most about twice one without, so a long
+    prompt arriving at most doubles the others' inter-token latency). Measured, not modelled: a chunk's cost is
+    ``fixed + per_token × n`` with both unknown and changing with the batch, so after each chunk the size is scaled by
+    (decode step time / chunk time), at most halved or doubled at once; it settles where a chunk costs a step."""
+
+    START = 16
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size, self.tokens = chunk_size, min(self.START, chunk_size)
+        self.step_seconds: float | None = None  # a moving average of the decode step's time
+
+    def decoded(self, seconds: float) -> None:
+        self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+
+    def encoded(self, tokens: int, seconds: float) -> None:
+        if self.step_seconds is None or seconds <= 0:
+            return
+        scale = min(2.0, max(0.5, self.step_seconds / seconds))
+        self.tokens = max(1, min(self.chunk_size, round(tokens * scale)))
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy], positions: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
                  speculation: Callable[[], Speculation] | None = None,
                  kv_bits: int | KVQuantization | None = None, compile: bool = False, kv_memory: int | None = None,
-                 max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | None = None,
+                 max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | str | None = None,
                  contexts: dict[str, CompressedContext] | None = None):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_context is not None and max_context < 1:
             raise ValueError("max_context must be at least 1")
-        if prefill_budget is not None and not 1 <= prefill_budget <= chunk_size:
-            raise ValueError(f"prefill_budget must be between 1 and the chunk size ({chunk_size}), got {prefill_budget}")
+        if prefill_budget not in (None, AUTO) and not (isinstance(prefill_budget, int)
+                                                       and 1 <= prefill_budget <= chunk_size):
+            raise ValueError(f"prefill_budget must be between 1 and the chunk size ({chunk_size}), or {AUTO!r}, got "
+                             f"{prefill_budget!r}")
         # prompt tokens one step encodes while other replies decode: what a long prompt adds to their token latency
         self.prefill_budget = prefill_budget or chunk_size
+        self._budget = PrefillBudget(chunk_size) if prefill_budget == AUTO else None
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be at least 1")
         self.max_prompt_tokens = max_prompt_tokens
@@ -415,7 +444,8 @@ class Engine:
         if prefilling is not None:
             prefilling.served = self._ticks
             decoding = any(not job.feed for job in jobs if not job.done)
-            self._guarded(prefilling, self._prefill, prefilling, self.prefill_budget if decoding else self.chunk_size)
+            tokens = self._prefill_tokens() if decoding else self.chunk_size
+            self._guarded(prefilling, self._prefill, prefilling, tokens, self._budget if decoding else None)
         jobs = [job for job in jobs if not job.done and not job.feed]
         if not jobs:
             return
@@ -452,15 +482,26 @@ class Engine:
             self._guarded(job, self._accept, job, row)
             if job.done:
                 self._close(job)
-        self.counters["decode_seconds"] += time.perf_counter() - started  # the step and its sampling
+        seconds = time.perf_counter() - started  # the step and its sampling
+        self.counters["decode_seconds"] += seconds
+        if self._budget is not None:
+            self._budget.decoded(seconds)
 
-    def _prefill(self, job: Job, tokens: int) -> None:
-        """Encode the next ``tokens`` of the job's prompt; after the last one, sample its first token."""
+    def _prefill_tokens(self) -> int:
+        """Prompt tokens this step may encode while other replies decode."""
+        return self._budget.tokens if self._budget is not None else self.prefill_budget
+
+    def _prefill(self, job: Job, tokens: int, budget: PrefillBudget | None = None) -> None:
+        """Encode the next ``tokens`` of the job's prompt; after the last one, sample its first token. A ``budget``
+        learns what a whole chunk of ``tokens`` cost."""
         cache = job.session.cache
         chunk, job.feed = job.feed[:tokens], job.feed[tokens:]
         start = cache.length - (self.offset if cache.length else 0)
         positions = torch.arange(start, start + len(chunk), device=self.device)[None]
+        started = time.perf_counter()
         logits = forward(self.model, cache, torch.tensor([chunk], device=self.device), positions, last=True)
+        if budget is not None and len(chunk) == tokens:
+            budget.encoded(tokens, time.perf_counter() - started)
         self.counters["prefill_tokens"] += len(chunk)
         if job.session.draft is not None:
             job.session.draft_lag += chunk

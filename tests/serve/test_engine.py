@@ -397,6 +397,50 @@ def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_
         Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=32)
 
 
+def test_an_auto_prefill_budget_settles_where_a_chunk_costs_one_decode_step():
+    from sparsegen.serve.engine import PrefillBudget
+
+    budget = PrefillBudget(chunk_size=256)
+    assert budget.tokens == 16
+    budget.encoded(16, 0.4)  # nothing decoded yet: nothing to compare with
+    assert budget.tokens == 16
+    budget.decoded(0.1)
+    budget.encoded(16, 0.4)  # 4x a step: at most halved at once
+    assert budget.tokens == 8
+    budget.encoded(8, 0.08)  # 0.8x a step
+    assert budget.tokens == 10
+    for _ in range(20):  # cheap chunks grow it, doubling at most, up to the chunk size
+        budget.encoded(budget.tokens, 0.001)
+    assert budget.tokens == 256
+    for _ in range(20):  # a chunk that costs 4 steps however small: one token, never none
+        budget.encoded(budget.tokens, 0.4)
+    assert budget.tokens == 1
+    budget.decoded(0.6)  # slower steps (a bigger batch): a moving average, 0.1 -> 0.2
+    assert budget.step_seconds == pytest.approx(0.2)
+
+
+def test_the_engine_feeds_an_auto_budget_what_its_chunks_and_steps_cost():
+    model = tiny_model("llama")
+    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget="auto")
+    seen = []
+    engine._budget.encoded = lambda tokens, seconds: seen.append(("chunk", tokens))
+    engine._budget.tokens = 5
+    short = engine.begin(engine.session(None), Sampling(max_tokens=30), prompt="5 6 7")
+    engine.step([short])  # its prompt, alone: a whole chunk, not the budget's business
+    assert seen == [] and engine._budget.step_seconds > 0  # (then it decoded its first step)
+    long = engine.begin(engine.session(None), Sampling(max_tokens=2), prompt=" ".join(["9"] * 12))
+    encoded = []
+    while long.feed:
+        before = engine.counters["prefill_tokens"]
+        engine.step([short, long])
+        encoded.append(engine.counters["prefill_tokens"] - before)
+    assert encoded == [5, 5, 2]  # (its template adds no tokens) and the last, short chunk teaches nothing
+    assert seen == [("chunk", 5), ("chunk", 5)]
+    for bad in (0, 17, "fast"):
+        with pytest.raises(ValueError, match="or 'auto'"):
+            Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=bad)
+
+
 def test_ignore_eos_decodes_max_tokens_past_an_end_of_sequence():
     model = tiny_model("llama")
     tokenizer = IdTokenizer()
