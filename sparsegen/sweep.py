@@ -11,15 +11,24 @@ A sweep file (TOML)::
     policies = ["full", "streaming", "h2o"]
     budgets = [64, 128]          # tokens, or fractions of the length; ignored by full
     kv_bits = [0, 4]             # 0: K/V as the model computes them
-    tasks = ["ppl", "passkey"]   # ppl: streaming perplexity over the books' test text; passkey: retrieval accuracy
-    lengths = [1024]             # tokens a cell reads (ppl: per stream; passkey: the prompt's length)
+    tasks = ["ppl", "passkey"]   # ppl: streaming perplexity over the books' test text; passkey: retrieval accuracy;
+                                 # fidelity: greedy continuations against the full cache's (ROUGE-L, KL)
+    lengths = [1024]             # tokens a cell reads (ppl: per stream; passkey, fidelity: a prompt's length)
 
     [ppl]
     streams = 2
 
     [passkey]
-    trials = 3
-    depths = [0.1, 0.5, 0.9]
+    trials = 3                   # default 5
+    depths = [0.1, 0.5, 0.9]     # default 0, 0.25, 0.5, 0.75, 1
+    chat = false                 # default: in the model's chat template if it has one
+
+    [fidelity]
+    prompts = 8                  # cut evenly from text (default books/test/dracula.txt)
+    new_tokens = 64
+
+Each task runs what its command runs (``sparsegen ppl --stream``, ``passkey``, ``fidelity``) with the same
+defaults, so a cell's number is the command's: ``examples/sweeps/`` holds the grids of ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-TASKS = ("ppl", "passkey")
+TASKS = ("ppl", "passkey", "fidelity")
+MEASURE = {"ppl": "ppl", "passkey": "accuracy", "fidelity": "rouge_l"}  # what a report's cell shows
 GRID = ("models", "policies", "budgets", "kv_bits", "tasks", "lengths")
 
 
@@ -109,7 +119,7 @@ def run_cell(cell: dict) -> dict:
     """One cell, in whatever process runs it (a pool worker or a Ray task): its settings and its metrics."""
     import torch
 
-    from sparsegen.data import data_dir
+    from sparsegen.data import data_dir, leading_bos
     from sparsegen.kv import make_policy
     from sparsegen.models import load
 
@@ -126,19 +136,39 @@ def run_cell(cell: dict) -> dict:
         from sparsegen.eval.stream import make_streams, stream_nll
 
         streams = cell["options"].get("streams", 2)
-        data = make_streams(text, tokenizer, streams * length, streams, tokenizer.bos_token_id)
+        data = make_streams(text, tokenizer, streams * length, streams, leading_bos(tokenizer))
         summary = stream_nll(model, data, make(), progress=False, kv_bits=cell["kv_bits"]).summary(length)
         metrics = {"ppl": summary["ppl"], "tokens": summary["tokens"], "kv_tokens_peak": summary["kv_tokens_peak"]}
+    elif cell["task"] == "fidelity":
+        metrics = _fidelity(model, tokenizer, cell, make)
     else:
         from sparsegen.eval.passkey import passkey_accuracy
         from sparsegen.eval.stream import read_tokens
 
+        options = cell["options"]
         filler = read_tokens(text / "great_expectations.txt", tokenizer, 4 * length)
-        result = passkey_accuracy(model, tokenizer, filler, [length], cell["options"].get("depths", [0.1, 0.5, 0.9]),
-                                  make, cell["options"].get("trials", 3), progress=False, kv_bits=cell["kv_bits"])
+        chat = options.get("chat", bool(getattr(tokenizer, "chat_template", None)))  # as `sparsegen passkey` asks
+        result = passkey_accuracy(model, tokenizer, filler, [length], options.get("depths", [0, 0.25, 0.5, 0.75, 1]),
+                                  make, options.get("trials", 5), progress=False, chat=chat, kv_bits=cell["kv_bits"])
         metrics = {"accuracy": result["accuracy"]}
     return {**cell, "status": "done", "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2),
             "host": os.uname().nodename}
+
+
+def _fidelity(model, tokenizer, cell: dict, make) -> dict:
+    """``sparsegen fidelity``'s measure: ``prompts`` prompts of ``length`` tokens, ``new_tokens`` greedy tokens."""
+    from sparsegen.data import data_dir, leading_bos
+    from sparsegen.eval.fidelity import cut_prompts, fidelity
+    from sparsegen.eval.stream import read_tokens
+
+    options = cell["options"]
+    count, length = options.get("prompts", 8), cell["length"]
+    tokens = read_tokens(options.get("text", data_dir() / "books" / "test" / "dracula.txt"), tokenizer,
+                         max(200_000, count * length))
+    prompts = cut_prompts(tokens, count, length, leading_bos(tokenizer))
+    result = fidelity(model, tokenizer, prompts, make, options.get("new_tokens", 64), progress=False,
+                      kv_bits=cell["kv_bits"])
+    return {key: result[key] for key in ("rouge_l", "tokens_to_divergence", "kl")}
 
 
 def _failed(cell: dict, err: BaseException) -> dict:
@@ -224,13 +254,14 @@ def report(results: Path) -> str:
     table: dict[tuple, dict] = {}
     for r in rows.values():
         label = (r["model"], r["policy"], "-" if r["budget"] is None else r["budget"], r["kv_bits"] or "-")
-        metric = r["metrics"].get("ppl", r["metrics"].get("accuracy"))
+        metric = r["metrics"][MEASURE[r["task"]]]
         table.setdefault(label, {})[(r["task"], r["length"])] = metric
-    head = "| model | policy | budget | kv bits | " + " | ".join(f"{t} @ {n}" for t, n in columns) + " |"
+    head = ("| model | policy | budget | kv bits | " + " | ".join(f"{t}{' ROUGE-L' * (t == 'fidelity')} @ {n}"
+                                                               for t, n in columns) + " |")
     lines = [head, "|" + "---|" * (4 + len(columns))]
     for label in sorted(table, key=lambda x: (x[0], x[1], x[2] if x[2] != "-" else -1, x[3] if x[3] != "-" else 0)):
         cells = [table[label].get(c) for c in columns]
         lines.append("| " + " | ".join(map(str, label)) + " | "
-                     + " | ".join("" if v is None else f"{v:.3f}" if c[0] == "ppl" else f"{v:.0%}"
+                     + " | ".join("" if v is None else f"{v:.0%}" if c[0] == "passkey" else f"{v:.3f}"
                                   for v, c in zip(cells, columns)) + " |")
     return "\n".join(lines)

@@ -49,3 +49,20 @@ def test_the_inspector_pages_numbers(model):
         assert abs(held - int(re.match(r"(\d+)%", cells[3]).group(1))) <= 0.5 + 1e-9, (name, held)
         assert f"of {pairs} heads" in cells[3]
         assert repr(row["reply"]) == cells[4], name
+
+
+def test_the_h2o_sweep_file_reproduces_the_documented_perplexity():
+    """docs/results.md §2 at 20%: the H2O cell of its sweep file (`examples/sweeps/smollm2-h2o-ppl.toml`, what
+    `scripts/real/h2o.sh` ran) gives the documented `ppl-h2o-20pct.json` (deterministic: to float rounding)."""
+    import json
+
+    from sparsegen import sweep
+
+    if not all(find_spec(module) for module, _ in PACKAGED["smollm2"].parts):
+        pytest.skip("smollm2 is not installed")
+    cells = sweep.Sweep.load(ROOT / "examples" / "sweeps" / "smollm2-h2o-ppl.toml").cells()
+    cell = next(c for c in cells if c["policy"] == "h2o" and c["budget"] == 409)
+    documented = json.loads((ROOT / "docs" / "results" / "smollm2" / "h2o" / "ppl-h2o-20pct.json").read_text())
+    metrics = sweep.run_cell(cell)["metrics"]
+    assert metrics["tokens"] == documented["tokens"]
+    assert metrics["ppl"] == pytest.approx(documented["ppl"], rel=1e-6)

@@ -69,7 +69,7 @@ def test_on_ray_the_same_results_as_the_local_pool(grid, tmp_path):
 def test_bad_sweep_files_name_the_fix(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[sweep]\nmodels = ["reference"]\npolicies = ["h2o"]\ntasks = ["mmlu"]\n')
-    with pytest.raises(ValueError, match="unknown tasks.*known: ppl, passkey"):
+    with pytest.raises(ValueError, match="unknown tasks.*known: ppl, passkey, fidelity"):
         sweep.Sweep.load(path)
     path.write_text('[sweep]\nmodels = []\npolicies = ["h2o"]\n')
     with pytest.raises(ValueError, match="models must be a non-empty list"):
@@ -86,3 +86,31 @@ def test_a_failing_cell_is_recorded_not_dropped(tmp_path):
     assert counts["failed"] == 1
     row = json.loads((tmp_path / "out" / "results.jsonl").read_text())
     assert row["status"] == "failed" and row["error"]
+
+
+def test_a_cell_gives_the_number_its_command_gives(tmp_path, monkeypatch):
+    """A sweep cell runs its command's measure with the command's defaults: the same PPL as `sparsegen ppl --stream`,
+    the same fidelity as `sparsegen fidelity` and the same accuracy as `sparsegen passkey` (so a sweep file can stand
+    for a results script). The reference model's tokenizer starts every text with BOS; one that does not (SmolLM2's)
+    must get no BOS in either."""
+    import sparsegen.data
+
+    monkeypatch.setattr(sparsegen.data, "leading_bos", lambda tokenizer: None)
+    path = tmp_path / "grid.toml"
+    path.write_text('[sweep]\nmodels = ["reference"]\npolicies = ["h2o"]\nbudgets = [0.25]\n'
+                    'tasks = ["ppl", "fidelity", "passkey"]\nlengths = [128]\nthreads = 1\n[ppl]\nstreams = 2\n'
+                    '[fidelity]\nprompts = 2\nnew_tokens = 8\n[passkey]\ntrials = 1\n')
+    rows = {cell["task"]: sweep.run_cell(cell)["metrics"] for cell in sweep.Sweep.load(path).cells()}
+    from sparsegen.data import data_dir
+
+    books = data_dir() / "books" / "test"
+    assert main(["ppl", "--model", "reference", "--stream", "--text", str(books), "--streams", "2", "--max-tokens",
+                 "256", "--policy", "h2o", "--budget", "0.25", "--json", str(tmp_path / "ppl.json")]) in (0, None)
+    assert json.loads((tmp_path / "ppl.json").read_text())["ppl"] == rows["ppl"]["ppl"]
+    assert main(["fidelity", "--model", "reference", "--policy", "h2o", "--budget", "0.25", "--prompts", "2",
+                 "--prompt-tokens", "128", "--new-tokens", "8", "--json", str(tmp_path / "f.json")]) in (0, None)
+    command = json.loads((tmp_path / "f.json").read_text())["policies"][0]
+    assert {key: command[key] for key in ("rouge_l", "tokens_to_divergence", "kl")} == rows["fidelity"]
+    assert main(["passkey", "--model", "reference", "--policy", "h2o", "--budget", "32", "--lengths", "128",
+                 "--trials", "1", "--json", str(tmp_path / "p.json")]) in (0, None)
+    assert json.loads((tmp_path / "p.json").read_text())["policies"]["h2o"]["accuracy"] == rows["passkey"]["accuracy"]
