@@ -150,7 +150,8 @@ def test_plain_transformers_with_compressed_tensors_reads_the_checkpoint(tiny_ch
     original = sparsegen.load(tiny_checkpoint)[0].model.layers[0].self_attn.q_proj.weight.data
     signed = (round_to_nearest(original, bits, group_size).codes(original).to(torch.int16) - 2 ** (bits - 1))
     signed = signed.to(torch.int8)
-    assert torch.equal(linear.get_buffer(linear.CODES), signed if format == "int-quantized" else pack_to_int32(signed, bits))
+    expected = signed if format == "int-quantized" else pack_to_int32(signed, bits)
+    assert torch.equal(linear.get_buffer(linear.CODES), expected)
     QuantizationConfig.model_validate(json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"])
 
 

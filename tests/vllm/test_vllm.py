@@ -34,7 +34,8 @@ def test_vllm_gives_sparsegens_greedy_tokens(name, capfd):
     try:
         llm = vllm.LLM(model=case["path"], dtype="bfloat16" if quantized and not int8_inputs else "float32",
                        max_model_len=512, enforce_eager=True, seed=0,
-                       gpu_memory_utilization=0.3)  # on CPU: the share of RAM it reserves (its default 0.92 rarely fits)
+                       gpu_memory_utilization=0.3)  # on CPU: the share of RAM it reserves (its default 0.92 rarely
+        # fits)
         if int8_inputs:
             return _check_teacher_forced(llm, name, case["rows"])
         params = vllm.SamplingParams(temperature=0.0, max_tokens=len(case["rows"][0]["tokens"]), ignore_eos=True)
