@@ -32,10 +32,9 @@ def test_vllm_gives_sparsegens_greedy_tokens(name, capfd):
     case = CASES[name]
     quantized, int8_inputs = name.startswith("int"), name.endswith("a8")
     try:
+        # gpu_memory_utilization on CPU: the share of RAM it reserves (its default 0.92 rarely fits)
         llm = vllm.LLM(model=case["path"], dtype="bfloat16" if quantized and not int8_inputs else "float32",
-                       max_model_len=512, enforce_eager=True, seed=0,
-                       gpu_memory_utilization=0.3)  # on CPU: the share of RAM it reserves (its default 0.92 rarely
-        # fits)
+                       max_model_len=512, enforce_eager=True, seed=0, gpu_memory_utilization=0.3)
         if int8_inputs:
             return _check_teacher_forced(llm, name, case["rows"])
         params = vllm.SamplingParams(temperature=0.0, max_tokens=len(case["rows"][0]["tokens"]), ignore_eos=True)
