@@ -381,18 +381,23 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_conversation_goes_on(reference, 
     assert not engine.sessions["chat"].busy and engine._batch is None
 
 
-def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_decode():
-    model = tiny_model("llama")
-    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=4)
-    short = engine.begin(engine.session(None), Sampling(max_tokens=30), prompt="5 6 7")
-    engine.step([short])  # its prompt, alone: a whole chunk
-    long = engine.begin(engine.session(None), Sampling(max_tokens=2), prompt=" ".join(["9"] * 40))
+def _encoded_per_step(engine, short, prompt_tokens: int) -> list[int]:
+    """Prompt tokens each step encodes of a new ``prompt_tokens``-token prompt while ``short`` decodes."""
+    long = engine.begin(engine.session(None), Sampling(max_tokens=2), prompt=" ".join(["9"] * prompt_tokens))
     encoded = []
     while long.feed:
         before = engine.counters["prefill_tokens"]
         engine.step([short, long])
         encoded.append(engine.counters["prefill_tokens"] - before)
-    assert encoded == [4] * 10  # short decoded meanwhile: 4 tokens a step, not 16
+    return encoded
+
+
+def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_decode():
+    model = tiny_model("llama")
+    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=4)
+    short = engine.begin(engine.session(None), Sampling(max_tokens=30), prompt="5 6 7")
+    engine.step([short])  # its prompt, alone: a whole chunk
+    assert _encoded_per_step(engine, short, 40) == [4] * 10  # short decoded meanwhile: 4 tokens a step, not 16
     with pytest.raises(ValueError, match="prefill_budget must be between 1 and the chunk size"):
         Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=32)
 
@@ -428,13 +433,7 @@ def test_the_engine_feeds_an_auto_budget_what_its_chunks_and_steps_cost():
     short = engine.begin(engine.session(None), Sampling(max_tokens=30), prompt="5 6 7")
     engine.step([short])  # its prompt, alone: a whole chunk, not the budget's business
     assert seen == [] and engine._budget.step_seconds > 0  # (then it decoded its first step)
-    long = engine.begin(engine.session(None), Sampling(max_tokens=2), prompt=" ".join(["9"] * 12))
-    encoded = []
-    while long.feed:
-        before = engine.counters["prefill_tokens"]
-        engine.step([short, long])
-        encoded.append(engine.counters["prefill_tokens"] - before)
-    assert encoded == [5, 5, 2]  # (its template adds no tokens) and the last, short chunk teaches nothing
+    assert _encoded_per_step(engine, short, 12) == [5, 5, 2]  # the last, short chunk teaches nothing
     assert seen == [("chunk", 5), ("chunk", 5)]
     for bad in (0, 17, "fast"):
         with pytest.raises(ValueError, match="or 'auto'"):
