@@ -51,18 +51,30 @@ def test_the_inspector_pages_numbers(model):
         assert repr(row["reply"]) == cells[4], name
 
 
-def test_the_h2o_sweep_file_reproduces_the_documented_perplexity():
-    """docs/results.md §2 at 20%: the H2O cell of its sweep file (`examples/sweeps/smollm2-h2o-ppl.toml`, what
-    `scripts/real/h2o.sh` ran) gives the documented `ppl-h2o-20pct.json` (deterministic: to float rounding)."""
-    import json
-
+def _sweep_cell(name: str, policy: str, budget) -> dict:
+    """The metrics of one cell of ``examples/sweeps/NAME.toml``, run here."""
     from sparsegen import sweep
 
     if not all(find_spec(module) for module, _ in PACKAGED["smollm2"].parts):
         pytest.skip("smollm2 is not installed")
-    cells = sweep.Sweep.load(ROOT / "examples" / "sweeps" / "smollm2-h2o-ppl.toml").cells()
-    cell = next(c for c in cells if c["policy"] == "h2o" and c["budget"] == 409)
-    documented = json.loads((ROOT / "docs" / "results" / "smollm2" / "h2o" / "ppl-h2o-20pct.json").read_text())
-    metrics = sweep.run_cell(cell)["metrics"]
+    cells = sweep.Sweep.load(ROOT / "examples" / "sweeps" / f"{name}.toml").cells()
+    return sweep.run_cell(next(c for c in cells if c["policy"] == policy and c["budget"] == budget))["metrics"]
+
+
+def test_the_h2o_sweep_files_reproduce_the_documented_perplexity_and_fidelity():
+    """docs/results.md §2 at 20%: the H2O cells of its sweep files (`examples/sweeps/smollm2-h2o-*.toml`, what
+    `scripts/real/h2o.sh` ran) give the documented `ppl-h2o-20pct.json` and `fidelity-20pct.json` (deterministic
+    kept sets: equal but for float rounding in the KL)."""
+    import json
+
+    folder = ROOT / "docs" / "results" / "smollm2" / "h2o"
+    documented = json.loads((folder / "ppl-h2o-20pct.json").read_text())
+    metrics = _sweep_cell("smollm2-h2o-ppl", "h2o", 409)
     assert metrics["tokens"] == documented["tokens"]
     assert metrics["ppl"] == pytest.approx(documented["ppl"], rel=1e-6)
+    documented = json.loads((folder / "fidelity-20pct.json").read_text())["policies"][0]
+    metrics = _sweep_cell("smollm2-h2o-fidelity", "h2o", 0.2)
+    assert documented["policy"] == "h2o"
+    assert metrics["rouge_l"] == documented["rouge_l"]
+    assert metrics["tokens_to_divergence"] == documented["tokens_to_divergence"]
+    assert metrics["kl"] == pytest.approx(documented["kl"], rel=1e-4)
