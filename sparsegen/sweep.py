@@ -1,7 +1,8 @@
 """Experiment grids from a file (``sparsegen sweep``): models × policies × budgets × kv-bits × tasks × lengths, each
 cell run once and appended to ``results.jsonl`` under the hash of its settings, so a rerun skips what is done and a
 crash loses one cell at most. Cells run in a local process pool, or as Ray tasks on a cluster (``ray="auto"`` or an
-address): the same function either way, so the same numbers. ``report`` turns the JSONL into a Markdown table.
+address): the same function either way, so the same numbers. ``report`` turns the JSONL into a Markdown table,
+``plot_sweep`` (``sparsegen sweep report DIR --plot F``) into a figure of each measure against the budget.
 
 A sweep file (TOML)::
 
@@ -241,15 +242,21 @@ def _run_ray(cells: list[dict], address: str, retries: int):
             yield _failed(cell, err)
 
 
-def report(results: Path) -> str:
-    """A Markdown table: a row per model × policy × budget × kv-bits, a column per task × length (the last result
-    of each cell)."""
+def finished(results: Path) -> dict[str, dict]:
+    """The last finished result of each cell, by its key."""
     rows = {}
     for row in map(json.loads, results.read_text().splitlines()):
         if row.get("status") == "done":
             rows[row["key"]] = row
     if not rows:
         raise ValueError(f"{results} holds no finished cell")
+    return rows
+
+
+def report(results: Path) -> str:
+    """A Markdown table: a row per model × policy × budget × kv-bits, a column per task × length (the last result
+    of each cell)."""
+    rows = finished(results)
     columns = sorted({(r["task"], r["length"]) for r in rows.values()})
     table: dict[tuple, dict] = {}
     for r in rows.values():

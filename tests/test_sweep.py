@@ -48,9 +48,11 @@ def test_a_sweep_runs_resumes_and_reports(grid, tmp_path, capsys):
     assert main(["sweep", str(grid), "--out", str(out)]) in (0, None)  # nothing left to run
     assert "3 already done, 0 run now" in capsys.readouterr().out
     assert len((out / "results.jsonl").read_text().splitlines()) == 3
-    main(["sweep", "report", str(out)])
+    main(["sweep", "report", str(out), "--plot", str(tmp_path / "sweep.png")])
     table = capsys.readouterr().out
     assert "| reference | streaming | 32 | - |" in table and "ppl @ 96" in table
+    assert (tmp_path / "sweep.png").stat().st_size > 0 and "plot written to" in table
+    assert main(["sweep", str(grid), "--out", str(out), "--plot", str(tmp_path / "x.png")]) == 2  # not a run's
 
 
 def test_on_ray_the_same_results_as_the_local_pool(grid, tmp_path):

@@ -20,7 +20,14 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         if not results.exists():
             raise ValueError(f"{results} does not exist: run the sweep with --out {folder} first")
         print(sweep.report(results))
+        if args.plot:
+            from sparsegen.eval.plots import plot_sweep
+
+            plot_sweep(list(sweep.finished(results).values()), args.plot, sweep.MEASURE)
+            print(f"plot written to {args.plot}")
         return
+    if args.plot:
+        raise ValueError("--plot goes with `sparsegen sweep report DIR`")
     if args.folder is not None:
         raise ValueError(f"unexpected {args.folder!r}: run `sparsegen sweep FILE --out DIR`")
     plan = sweep.Sweep.load(args.file)
@@ -44,4 +51,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                    help="run each cell as a Ray task: 'auto' joins a running cluster or starts a local one")
     p.add_argument("--retries", type=int, default=1, help="Ray retries of a failed cell (default 1)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="with 'report': also draw each measure against the budget, a line per policy")
     p.set_defaults(func=cmd_sweep)

@@ -123,3 +123,30 @@ def plot_load(report: dict, path: str | Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_sweep(rows: list[dict], path: str | Path, measures: dict[str, str]) -> None:
+    """A sweep's results: one panel per model × task × length, its measure (``measures[task]``) against the budget,
+    a line per policy and KV bit width; ``full`` (no budget) a dashed level."""
+    panels = sorted({(r["model"], r["task"], r["length"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (model, task, length) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["model"], r["task"], r["length"]) == (model, task, length)]
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in mine:
+            label = r["policy"] + (f" kv{r['kv_bits']}" if r["kv_bits"] else "")
+            lines.setdefault(label, []).append((r["budget"], r["metrics"][measures[task]]))
+        for n, (label, points) in enumerate(sorted(lines.items())):
+            if all(budget is None for budget, _ in points):
+                ax.axhline(points[-1][1], color=f"C{n}", ls="--", label=label)
+            else:
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, marker="o", color=f"C{n}", label=label)
+        ax.set_xlabel("budget (tokens, or share of the length)")
+        ax.set_ylabel(measures[task] if measures[task] == task else f"{task}: {measures[task]}")
+        ax.set_title(f"{model}, {task} @ {length}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
