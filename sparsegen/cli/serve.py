@@ -182,8 +182,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--prefill-budget", type=_prefill_budget, default=None, metavar="TOKENS|auto",
                    help="prompt tokens one engine step encodes while other replies decode (default: --chunk-size): "
                         "what a long prompt adds to their inter-token latency, at the cost of its own time to first "
-                        "token; 'auto': as many as cost one decode step, measured as it serves (a long prompt then "
-                        "at most about doubles the others' inter-token latency)")
+                        "token; 'auto': as many as cost one decode step, measured as it serves (the others' "
+                        "inter-token latency at most about doubles, but prompts start far later: docs/serving.md)")
     p.add_argument("--idle-grace", type=float, default=2.0, metavar="SECONDS",
                    help="under --kv-memory, an idle session is not dropped for another within this many seconds of "
                         "its last reply (a client's next turn usually follows at once; default 2)")
