@@ -20,7 +20,7 @@ A sweep file (TOML)::
     streams = 2
 
     [passkey]
-    trials = 3                   # default 5
+    trials = 3                   # default 5 (each task's defaults are its command's, DEFAULTS)
     depths = [0.1, 0.5, 0.9]     # default 0, 0.25, 0.5, 0.75, 1
     chat = false                 # default: in the model's chat template if it has one
 
@@ -53,6 +53,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 TASKS = ("ppl", "passkey", "fidelity")
+DEFAULTS = {"ppl": {"streams": 2}, "passkey": {"trials": 5, "depths": [0, 0.25, 0.5, 0.75, 1]},
+            "fidelity": {"prompts": 8, "new_tokens": 64}}  # the commands' own; passkey's chat: the model's template
+PROTOCOL = 2  # part of every cell's key: raised when a task measures differently, so old results are not reused
 MEASURE = {"ppl": "ppl", "passkey": "accuracy", "fidelity": "rouge_l"}  # what a report's cell shows
 GRID = ("models", "policies", "budgets", "kv_bits", "tasks", "lengths")
 
@@ -93,7 +96,7 @@ class Sweep:
         if bad:
             raise ValueError(f"{path}: unknown tasks {sorted(bad)}; known: {', '.join(TASKS)}")
         return cls(name=head.get("name", Path(path).stem), threads=threads,
-                   options={task: data.get(task, {}) for task in TASKS},
+                   options={task: {**DEFAULTS[task], **data.get(task, {})} for task in TASKS},
                    **{key: head[key] for key in GRID if key in head})
 
     def cells(self) -> list[dict]:
@@ -112,7 +115,8 @@ class Sweep:
 
 
 def cell_key(cell: dict) -> str:
-    settings = {k: v for k, v in cell.items() if k != "key"}
+    """The hash of a cell's settings (the tasks' defaults filled in) and of ``PROTOCOL``."""
+    settings = {"protocol": PROTOCOL, **{k: v for k, v in cell.items() if k != "key"}}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -136,7 +140,7 @@ def run_cell(cell: dict) -> dict:
     if cell["task"] == "ppl":
         from sparsegen.eval.stream import make_streams, stream_nll
 
-        streams = cell["options"].get("streams", 2)
+        streams = cell["options"]["streams"]
         data = make_streams(text, tokenizer, streams * length, streams, leading_bos(tokenizer))
         summary = stream_nll(model, data, make(), progress=False, kv_bits=cell["kv_bits"]).summary(length)
         metrics = {"ppl": summary["ppl"], "tokens": summary["tokens"], "kv_tokens_peak": summary["kv_tokens_peak"]}
@@ -149,8 +153,8 @@ def run_cell(cell: dict) -> dict:
         options = cell["options"]
         filler = read_tokens(text / "great_expectations.txt", tokenizer, 4 * length)
         chat = options.get("chat", bool(getattr(tokenizer, "chat_template", None)))  # as `sparsegen passkey` asks
-        result = passkey_accuracy(model, tokenizer, filler, [length], options.get("depths", [0, 0.25, 0.5, 0.75, 1]),
-                                  make, options.get("trials", 5), progress=False, chat=chat, kv_bits=cell["kv_bits"])
+        result = passkey_accuracy(model, tokenizer, filler, [length], options["depths"], make, options["trials"],
+                                  progress=False, chat=chat, kv_bits=cell["kv_bits"])
         metrics = {"accuracy": result["accuracy"]}
     return {**cell, "status": "done", "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2),
             "host": os.uname().nodename}
@@ -163,11 +167,11 @@ def _fidelity(model, tokenizer, cell: dict, make) -> dict:
     from sparsegen.eval.stream import read_tokens
 
     options = cell["options"]
-    count, length = options.get("prompts", 8), cell["length"]
+    count, length = options["prompts"], cell["length"]
     tokens = read_tokens(options.get("text", data_dir() / "books" / "test" / "dracula.txt"), tokenizer,
                          max(200_000, count * length))
     prompts = cut_prompts(tokens, count, length, leading_bos(tokenizer))
-    result = fidelity(model, tokenizer, prompts, make, options.get("new_tokens", 64), progress=False,
+    result = fidelity(model, tokenizer, prompts, make, options["new_tokens"], progress=False,
                       kv_bits=cell["kv_bits"])
     return {key: result[key] for key in ("rouge_l", "tokens_to_divergence", "kl")}
 

@@ -34,10 +34,13 @@ def _metrics(folder) -> dict:
     return {row["key"]: row["metrics"] for row in rows if row["status"] == "done"}
 
 
-def test_cells_are_the_grid_with_full_once(grid):
+def test_cells_are_the_grid_with_full_once(grid, monkeypatch):
     cells = sweep.Sweep.load(grid).cells()
     assert sorted((c["policy"], c["budget"]) for c in cells) == [("full", None), ("streaming", 32), ("streaming", 64)]
     assert len({c["key"] for c in cells}) == 3
+    assert cells[0]["options"] == {"streams": 1}  # the file's over the default
+    monkeypatch.setattr(sweep, "PROTOCOL", sweep.PROTOCOL + 1)  # a task that measures differently: new keys
+    assert not {c["key"] for c in cells} & {c["key"] for c in sweep.Sweep.load(grid).cells()}
 
 
 def test_a_sweep_runs_resumes_and_reports(grid, tmp_path, capsys):
