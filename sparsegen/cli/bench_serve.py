@@ -83,14 +83,23 @@ def _bench_serve_spawn(args: argparse.Namespace) -> None:
     work = Path(args.json).with_suffix(".logs") if args.json else Path(".cache") / "bench-serve"
     print(f"{args.model}: {setup.sessions} conversations of {setup.context:,} tokens over {setup.turns} turns "
           f"({setup.max_tokens} tokens per reply) under each K/V cap; server logs in {work}", flush=True)
-    rows = spawn.run(setup, tokenizer, work, on_row=lambda row: print(
-        f"  {row['policy']} under {row['kv_memory_bytes'] / 2**20:,.0f} MiB: {row['sessions_admitted']} live, "
-        f"{row['decode_tokens_per_s']} decode tok/s, {row['failed']} failed", flush=True))
+    done: list[dict] = []
+
+    def save(rows: list[dict]) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"setup": {**vars(setup), "text": str(setup.text) if setup.text else None}, "rows": rows},
+                          f, indent=2)
+
+    def finished(row: dict) -> None:  # each policy's row is saved as it ends: a cut-off run keeps the others
+        print(f"  {row['policy']} under {row['kv_memory_bytes'] / 2**20:,.0f} MiB: {row['sessions_admitted']} live, "
+              f"{row['decode_tokens_per_s']} decode tok/s, {row['failed']} failed", flush=True)
+        done.append(row)
+        save(done)
+
+    rows = spawn.run(setup, tokenizer, work, on_row=finished)
     print(spawn.summary(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"setup": {**vars(setup), "text": str(setup.text) if setup.text else None}, "rows": rows}, f,
-                      indent=2)
+    save(rows)
     if args.plot:
         spawn.plot(rows, args.plot)
     if any(row["failed"] or row["server_errors"] for row in rows):

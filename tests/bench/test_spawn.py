@@ -34,3 +34,21 @@ def test_spawned_servers_serve_every_policy_under_the_cap(tmp_path, capsys):
     assert h2o["throughput_ratio_vs_full"] == pytest.approx(h2o["decode_tokens_per_s"] / full["decode_tokens_per_s"],
                                                             abs=0.01)
     assert png.stat().st_size > 0 and "the cap holds no session" in capsys.readouterr().out
+
+
+def test_each_policys_row_is_saved_as_it_ends(tmp_path, monkeypatch):
+    """A run cut off in its second policy (a crash, a Ctrl-C) keeps the first policy's row in the JSON."""
+    from sparsegen.bench import spawn
+
+    def serve_one(setup, spec, cap, openings, log):
+        if spec != "full":
+            raise KeyboardInterrupt
+        return {"policy": spec, "kv_memory_bytes": cap, "sessions_admitted": 2, "decode_tokens_per_s": 1.0,
+                "failed": 0, "server_errors": 0}
+
+    monkeypatch.setattr(spawn, "serve_one", serve_one)
+    out = tmp_path / "spawn.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench-serve", "--spawn", "--model", "reference", "--policies", "full,h2o:0.25", "--kv-memory", "1MiB",
+              "--context", "384", "--sessions", "2", "--turns", "1", "--json", str(out)])
+    assert [row["policy"] for row in json.loads(out.read_text())["rows"]] == ["full"]
