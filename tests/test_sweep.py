@@ -1,6 +1,7 @@
 """``sparsegen sweep``: a grid from a TOML file, run once per cell, resumable, the same on Ray as in the local pool."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,13 @@ def test_a_cell_gives_the_number_its_command_gives(tmp_path, monkeypatch):
     assert main(["passkey", "--model", "reference", "--policy", "h2o", "--budget", "32", "--lengths", "128",
                  "--trials", "1", "--json", str(tmp_path / "p.json")]) in (0, None)
     assert json.loads((tmp_path / "p.json").read_text())["policies"]["h2o"]["accuracy"] == rows["passkey"]["accuracy"]
+
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+@pytest.mark.parametrize("path", sorted([*EXAMPLES.glob("sweep*.toml"), *EXAMPLES.glob("sweeps/*.toml")]),
+                         ids=lambda p: p.name)
+def test_the_shipped_sweep_files_load(path):
+    cells = sweep.Sweep.load(path).cells()
+    assert cells and all(cell["task"] in sweep.TASKS for cell in cells)
