@@ -66,7 +66,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     linear = report["linear_bytes_before"] / report["linear_bytes_after"]
     group = report["group_size"] or "row"
-    chosen = " (the largest that divides every linear)" if config.group_size is None else ""
+    chosen = "" if config.group_size is not None else " (W8A8's)" if config.per_row else \
+        " (the largest that divides every linear)"
     inputs = ", int8 inputs per token" if config.format == "int-quantized" else ""
     print(f"{config.method} int{config.bits}{inputs}, group {group}{chosen}: {len(report['layers'])} linear layers "
           f"{linear:.2f}x smaller than in {str(loaded).removeprefix('torch.')}; weights on disk "

@@ -43,9 +43,14 @@ class QuantizeConfig:
             raise ValueError(f"unknown quantization method {self.method!r}; choose rtn or gptq")
         check_bits(self.bits, self.group_size or 0)
         quant_linear_class(self.format)
-        if self.format == "int-quantized" and self.bits == 8 and self.group_size:
+        if self.per_row and self.group_size:
             raise ValueError("8-bit weights with int8 activations (W8A8) take one scale per row in vLLM's kernels; "
                              "use --group-size 0")
+
+    @property
+    def per_row(self) -> bool:
+        """W8A8: one scale per row, its only layout (and so its default)."""
+        return self.format == "int-quantized" and self.bits == 8
 
 
 GROUP_SIZES = (128, 64, 32, 16)  # what kernels take; the largest that cuts every linear evenly is the default
@@ -86,7 +91,7 @@ def quantize_model(model: torch.nn.Module, config: QuantizeConfig, ids: torch.Te
     if config.method == "gptq" and ids is None:
         raise ValueError("gptq needs calibration data")
     if config.group_size is None:
-        config = dataclasses.replace(config, group_size=fitting_group_size(model))
+        config = dataclasses.replace(config, group_size=0 if config.per_row else fitting_group_size(model))
     for layer in decoder_layers(model):  # refused before any layer changes
         for linear in linears(layer).values():
             check_groups(linear.in_features, config.group_size)

@@ -242,6 +242,9 @@ def test_cli_quantize(tiny_checkpoint, corpus, tmp_path, capsys, monkeypatch):
                  "--out", str(tmp_path / "a8")]) == 0
     assert "rtn int4, int8 inputs per token, group 128" in capsys.readouterr().out
     assert json.loads((tmp_path / "a8" / "quantization.json").read_text())["format"] == "int-quantized"
+    assert main(["quantize", "--model", str(tiny_checkpoint), "--method", "rtn", "--format", "int-quantized",
+                 "--bits", "8", "--out", str(tmp_path / "w8a8")]) == 0
+    assert "rtn int8, int8 inputs per token, group row (W8A8's)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("group_size", [32, 0])  # 0: one group of the row's 128 columns

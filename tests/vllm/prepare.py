@@ -26,7 +26,7 @@ PRUNED = {"wanda50": ["--sparsity", "0.5"], "wanda24": ["--pattern", "2:4"],
           "structured": ["--structured", "neurons=0.25"]}
 QUANTIZED = {"int4": ["--bits", "4"], "int8": ["--bits", "8"],  # round to nearest, the default group size (64)
              "int4a8": ["--bits", "4", "--format", "int-quantized"],  # int8 inputs per token
-             "int8a8": ["--bits", "8", "--group-size", "0", "--format", "int-quantized"]}
+             "int8a8": ["--bits", "8", "--format", "int-quantized"]}  # (one scale per row: W8A8's default)
 
 
 def checkpoints(out: Path) -> dict[str, str]:
