@@ -45,6 +45,12 @@ def unpack(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return codes.flatten(1)[:, :columns].to(torch.uint8)
 
 
+def _stamp(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's data is and how often it was written: a kernel's copy of it is rebuilt when either changes.
+    (A tensor made under ``torch.inference_mode`` counts no writes.)"""
+    return tensor.data_ptr(), 0 if tensor.is_inference() else tensor._version
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with ``W = (codes - 2**(bits-1)) * scale`` per group of ``group_size`` input columns."""
 
@@ -101,8 +107,7 @@ class QuantLinear(nn.Module):
         """The codes in the CPU int4 kernel's own layout, and its per-group ``(scale, offset)`` pairs (offset 0: the
         kernel computes ``(code - 8) * scale + offset``, our symmetric grid). Built on first use, and again if the
         stored weights change (loading a checkpoint into the module)."""
-        stored = self.get_buffer(self.CODES)
-        key = (stored.data_ptr(), stored._version, self.weight_scale._version)
+        key = (*_stamp(self.get_buffer(self.CODES)), *_stamp(self.weight_scale))
         if getattr(self, "_kernel_key", None) != key:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 2)
             scales = self.weight_scale.t().to(torch.bfloat16)
@@ -158,7 +163,7 @@ class DynamicInputQuantLinear(QuantLinear):
         (``torch._int_mm``), then both scales — what the dequantized product computes, without its float rounding,
         and 3-5x faster on CPU (SmolLM2 decode, measured)."""
         codes, scale = token_codes(x.reshape(-1, self.in_features))
-        key = (self.weight.data_ptr(), self.weight._version)
+        key = _stamp(self.weight)
         if getattr(self, "_columns_key", None) != key:  # built on first use, and again if the codes change
             self._columns, self._columns_key = self.weight.t().contiguous(), key
         y = torch._int_mm(codes.to(torch.int8), self._columns).float() * scale * self.weight_scale.float().t()

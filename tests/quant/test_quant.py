@@ -64,6 +64,10 @@ def test_w8a8_runs_as_an_integer_product_equal_to_the_dequantized_one(monkeypatc
     quantized.weight.mul_(-1)  # new codes (a checkpoint loaded in place): the product's copy follows
     reference = F.linear(quantize_per_token(x), quantized.dequantized(torch.float32), linear.bias)
     torch.testing.assert_close(quantized(x), reference, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # a model loaded under inference mode holds inference tensors (no write counts)
+        made = DynamicInputQuantLinear.from_linear(linear, linear.weight.data,
+                                                   round_to_nearest(linear.weight.data, 8, 0))
+        torch.testing.assert_close(made(x), quantized(x).neg() + 2 * linear.bias, rtol=1e-5, atol=1e-5)
 
 
 def test_quant_linear_forward_is_a_linear_with_the_dequantized_weight():
