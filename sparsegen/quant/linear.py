@@ -107,12 +107,18 @@ class QuantLinear(nn.Module):
         """The codes in the CPU int4 kernel's own layout, and its per-group ``(scale, offset)`` pairs (offset 0: the
         kernel computes ``(code - 8) * scale + offset``, our symmetric grid). Built on first use, and again if the
         stored weights change (loading a checkpoint into the module)."""
-        key = (*_stamp(self.get_buffer(self.CODES)), *_stamp(self.weight_scale))
-        if getattr(self, "_kernel_key", None) != key:
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 2)
             scales = self.weight_scale.t().to(torch.bfloat16)
-            self._kernel = (packed, torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous())
-            self._kernel_key = key
+            return packed, torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+
+        return self._kernel_copy(build, self.get_buffer(self.CODES), self.weight_scale)
+
+    def _kernel_copy(self, build, *sources: torch.Tensor):
+        """What ``build`` makes of ``sources`` for a kernel, kept until one of them is replaced or written."""
+        key = tuple(part for source in sources for part in _stamp(source))
+        if getattr(self, "_kernel_key", None) != key:
+            self._kernel, self._kernel_key = build(), key
         return self._kernel
 
     def extra_repr(self) -> str:
@@ -163,10 +169,8 @@ class DynamicInputQuantLinear(QuantLinear):
         (``torch._int_mm``), then both scales — what the dequantized product computes, without its float rounding,
         and 3-5x faster on CPU (SmolLM2 decode, measured)."""
         codes, scale = token_codes(x.reshape(-1, self.in_features))
-        key = _stamp(self.weight)
-        if getattr(self, "_columns_key", None) != key:  # built on first use, and again if the codes change
-            self._columns, self._columns_key = self.weight.t().contiguous(), key
-        y = torch._int_mm(codes.to(torch.int8), self._columns).float() * scale * self.weight_scale.float().t()
+        columns = self._kernel_copy(lambda: self.weight.t().contiguous(), self.weight)
+        y = torch._int_mm(codes.to(torch.int8), columns).float() * scale * self.weight_scale.float().t()
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
