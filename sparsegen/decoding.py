@@ -55,11 +55,12 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
 
 
 def forward(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor,
-            mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+            mask: torch.Tensor | None = None, last: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
     """Feed ``ids`` ``[B, T]`` at ``positions`` ``[B, T]`` into ``cache``: logits ``[B, T, vocab]``, or only the last
-    position's ``[B, vocab]`` with ``last`` (the LM head then runs on one position)."""
+    position's ``[B, vocab]`` with ``last``, or the positions ``keep`` ``[K]``'s ``[B, K, vocab]`` (the LM head then
+    runs on those alone)."""
     logits = model(input_ids=ids, position_ids=positions, attention_mask=mask, **cache_kwargs(cache),
-                   logits_to_keep=1 if last else 0).logits
+                   logits_to_keep=keep if keep is not None else 1 if last else 0).logits
     return logits[:, -1] if last else logits
 
 
@@ -115,6 +116,21 @@ class DecodeStep:
             if self.compile_seconds is None:
                 self.compile_seconds = time.perf_counter() - started
         return logits.clone() if self.graphs and compiled else logits  # (a CUDA graph's output is its next replay's)
+
+    def with_chunk(self, cache, token: torch.Tensor, position: torch.Tensor, prefilling, chunk: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step of ``cache``'s rows with ``chunk`` ``[n]`` of a prompt, fed into the one-row cache ``prefilling``
+        from position ``start``, in the same forward (``PackedStep``; eager): the rows' logits ``[B, vocab]`` and
+        the chunk's last position's ``[vocab]``."""
+        from sparsegen.kv.packed import PackedStep
+
+        rows = token.shape[0]
+        ids = torch.cat((token, chunk))[None]
+        positions = torch.cat((position, torch.arange(start, start + len(chunk), device=chunk.device)))[None]
+        keep = torch.arange(rows + 1, device=chunk.device)
+        keep[-1] = rows + len(chunk) - 1  # every row's token and the chunk's last
+        logits = forward(self.model, PackedStep(cache, prefilling), ids, positions, keep=keep)[0]
+        return logits[:rows], logits[rows]
 
     def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
         """Run one step (the fixed-shape one, where ``__call__`` would) under dynamo's capture with a backend that only

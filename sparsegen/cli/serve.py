@@ -41,7 +41,8 @@ def _engine(args: argparse.Namespace, model, tokenizer):
                   speculation=speculation, kv_bits=kv_quantization(args), compile=args.compile,
                   kv_memory=parse_bytes(args.kv_memory) if getattr(args, "kv_memory", None) else None,
                   max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0),
-                  prefill_budget=getattr(args, "prefill_budget", None), contexts=_contexts(args, model))
+                  prefill_budget=getattr(args, "prefill_budget", None), contexts=_contexts(args, model),
+                  packed_prefill=getattr(args, "prefill_mode", "packed") == "packed")
 
 
 def _contexts(args: argparse.Namespace, model) -> dict:
@@ -184,6 +185,10 @@ def add_parsers(sub) -> None:
                         "what a long prompt adds to their inter-token latency, at the cost of its own time to first "
                         "token; 'auto': as many as cost one decode step, measured as it serves (the others' "
                         "inter-token latency at most about doubles, but prompts start far later: docs/serving.md)")
+    p.add_argument("--prefill-mode", choices=["packed", "separate"], default="packed",
+                   help="packed (default): a prompt's chunk rides in the others' decode step, one forward for both "
+                        "(a chunk then adds only its own work to their step); separate: a forward of its own "
+                        "before the step, as before (docs/serving.md compares them)")
     p.add_argument("--idle-grace", type=float, default=2.0, metavar="SECONDS",
                    help="under --kv-memory, an idle session is not dropped for another within this many seconds of "
                         "its last reply (a client's next turn usually follows at once; default 2)")

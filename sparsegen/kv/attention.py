@@ -407,9 +407,12 @@ def _make_attention(backend: str):
             fn = ALL_ATTENTION_FUNCTIONS["sdpa"] if backend == "sdpa" else model_eager_attention(module)
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        window = kwargs.get("sliding_window")
+        if getattr(cache, "packed", False):  # several caches' tokens in one call: each part over its own cache
+            return cache.attend(module.layer_idx, query, lambda part, layer, query, key, value: eviction_attention(
+                part, layer, query, key, value, scale, window)), None
         layer = cache.layers[module.layer_idx]
-        out = eviction_attention(cache, layer, query, key, value, scale, kwargs.get("sliding_window"))
-        return out, None
+        return eviction_attention(cache, layer, query, key, value, scale, window), None
 
     return attention
 
@@ -444,7 +447,7 @@ def _begin(module, args, kwargs):
 def _end(module, args, kwargs, output):
     cache = kwargs.get(CACHE_KWARG)
     if cache is not None:
-        cache.end_step(cache.step.new_valid.shape[1] if cache.step is not None else 0)
+        cache.end_step()
 
 
 def prepare(model: torch.nn.Module) -> None:

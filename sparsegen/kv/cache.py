@@ -607,11 +607,11 @@ class EvictionCache(Cache):
             position_ids = torch.arange(self.length, self.length + q, device=device)[None].expand(batch, q)
         self.step = Step(new_valid, new_index, position_ids.expand(batch, q), self.seen + new_valid.sum(-1))
 
-    def end_step(self, q: int) -> None:
+    def end_step(self) -> None:
         if self.step is not None:
             self.seen.copy_(self.step.seen)  # in place: a decode step's state stays at fixed addresses (CUDA graphs)
             if not self.fixed_step:
-                self.length += q
+                self.length += self.step.new_valid.shape[1]
         self.step = None
 
     def fits_fixed_step(self) -> bool:

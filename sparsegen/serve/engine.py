@@ -197,7 +197,7 @@ class Engine:
                  speculation: Callable[[], Speculation] | None = None,
                  kv_bits: int | KVQuantization | None = None, compile: bool = False, kv_memory: int | None = None,
                  max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | str | None = None,
-                 contexts: dict[str, CompressedContext] | None = None):
+                 contexts: dict[str, CompressedContext] | None = None, packed_prefill: bool = True):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_context is not None and max_context < 1:
@@ -223,6 +223,9 @@ class Engine:
         from sparsegen.models.anatomy import pinned_tokens
 
         self.offset = pinned_tokens(model)  # a prompt prefix sits in every cache before position 0 of the text
+        # a prompt's chunk rides in the others' decode step (one forward) unless a prompt prefix is prepended to
+        # every new sequence (it would be to the packed call); ``packed_prefill=False``: two forwards, for comparison
+        self.packs = packed_prefill and not self.offset
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.counters = {"requests": 0, "prefill_tokens": 0, "decode_tokens": 0, "reencoded_sessions": 0,
                          "evicted_sessions": 0}
@@ -246,7 +249,7 @@ class Engine:
                 raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
         self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
         self.decode, self.draft_step = DecodeStep(model, compile), DecodeStep(self.drafter, compile)
-        self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0})
+        self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0, "packed_steps": 0})
         self.max_context, self.memory = max_context, None
         if kv_memory is not None:
             self._plan_memory(kv_memory, idle_grace)
@@ -437,20 +440,24 @@ class Engine:
     def step(self, jobs: list[Job]) -> None:
         """Advance every unfinished job in ``jobs``: one prompt chunk of the job still encoding its prompt that has
         waited longest for one (round robin: a short prompt waits at most a chunk per other prompt, and a long one
-        is never starved by a stream of new ones), then one decode step for all past their prompts, batched."""
+        is never starved by a stream of new ones), and one decode step for all past their prompts, batched. While
+        others decode, the chunk (at most the prefill budget) rides in their step's forward (``PackedStep``)."""
         self._ticks += 1
         jobs = [job for job in jobs if not job.done]
         prefilling = min((job for job in jobs if job.feed), key=lambda job: job.served, default=None)
+        decoding = [job for job in jobs if not job.feed]
         if prefilling is not None:
             prefilling.served = self._ticks
-            decoding = any(not job.feed for job in jobs if not job.done)
+            if decoding and self.packs:
+                self._decode(decoding, prefilling)
+                return
             tokens = self._prefill_tokens() if decoding else self.chunk_size
             self._guarded(prefilling, self._prefill, prefilling, tokens, self._budget if decoding else None)
-        jobs = [job for job in jobs if not job.done and not job.feed]
-        if not jobs:
+            decoding = [job for job in jobs if not job.done and not job.feed]
+        if not decoding:
             return
-        if len(jobs) == 1 and self.speculation is not None:
-            job = jobs[0]
+        if len(decoding) == 1 and self.speculation is not None:
+            job = decoding[0]
             if self._rows == [job]:  # the others have finished: it decodes alone from here, speculating
                 self._unstack(job)
             if job.sampling.max_tokens - len(job.tokens) > 1:
@@ -458,6 +465,11 @@ class Engine:
                 if job.done:
                     self._close(job)
                 return
+        self._decode(decoding)
+
+    def _decode(self, jobs: list[Job], prefilling: Job | None = None) -> None:
+        """One decode step of ``jobs`` (batched unless one decodes alone) and, with ``prefilling``, the next chunk of
+        its prompt in the same forward."""
         if len(jobs) == 1 and self._batch is None:
             cache, positions = jobs[0].session.cache, [jobs[0].session.cache.length - self.offset]
         else:
@@ -466,11 +478,19 @@ class Engine:
             positions = [job.session.cache.length - self.offset + steps for job, steps in zip(jobs, self._steps)]
         started = time.perf_counter()
         tokens = torch.tensor([job.tokens[-1] for job in jobs], device=self.device)
+        positions = torch.tensor(positions, device=self.device)
+        chunk: list[int] = []
         try:
-            logits = self.decode(cache, tokens, torch.tensor(positions, device=self.device))
+            if prefilling is None:
+                logits = self.decode(cache, tokens, positions)
+            else:
+                budget, target = self._prefill_tokens(), prefilling.session.cache
+                chunk, prefilling.feed = prefilling.feed[:budget], prefilling.feed[budget:]
+                logits, last = self.decode.with_chunk(cache, tokens, positions, target,
+                                                      torch.tensor(chunk, device=self.device), target.length)
         except Exception as err:  # noqa: BLE001  the rows may be half-updated: every reply in the step fails
             self.discard_batch()
-            for job in jobs:
+            for job in jobs + ([prefilling] if prefilling is not None else []):
                 self.fail(job, err)
             return
         self._steps = [steps + 1 for steps in self._steps]
@@ -482,10 +502,23 @@ class Engine:
             self._guarded(job, self._accept, job, row)
             if job.done:
                 self._close(job)
+        if chunk:
+            self.counters["prefill_tokens"] += len(chunk)
+            self.counters["packed_steps"] += 1
+            if prefilling.session.draft is not None:
+                prefilling.session.draft_lag += chunk
+            if not prefilling.feed:
+                self._guarded(prefilling, self._accept, prefilling, last)
+                if prefilling.done:
+                    self._close(prefilling)
         seconds = time.perf_counter() - started  # the step and its sampling
         self.counters["decode_seconds"] += seconds
         if self._budget is not None:
-            self._budget.decoded(seconds)
+            if not chunk:
+                self._budget.decoded(seconds)
+            elif len(chunk) == self._budget.tokens and self._budget.step_seconds is not None:
+                # what the chunk added to the step (as little as nothing: then it may grow)
+                self._budget.encoded(len(chunk), max(seconds - self._budget.step_seconds, 1e-6))
 
     def _prefill_tokens(self) -> int:
         """Prompt tokens this step may encode while other replies decode."""

@@ -35,13 +35,15 @@ def test_a_completion_equals_sparsegen_generate(reference, policy, budget):
 @pytest.mark.parametrize("policy,kv_bits", [("full", None), ("window", None), ("streaming", None), ("h2o", None),
                                             ("streaming-h2o", None), ("h2o", 4), ("streaming", 8), ("adakv", None),
                                             ("scissorhands", 4)])
-def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits):
+@pytest.mark.parametrize("packed", [True, False])
+def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits, packed):
     """Sessions at different lengths, stacked into one batch (joining and leaving at different steps), give the
-    tokens each gives alone, and their caches come back as they would be (quantized ones too)."""
+    tokens each gives alone, and their caches come back as they would be (quantized ones too); a prompt that
+    arrives while they decode is encoded in their steps' forwards (``packed``) or in forwards of its own."""
     model = tiny_model("llama")
 
     engine = Engine(model, IdTokenizer(), lambda: make_policy(policy, None if policy == "full" else 12), chunk_size=5,
-                    kv_bits=kv_bits)
+                    kv_bits=kv_bits, packed_prefill=packed)
     generator = torch.Generator().manual_seed(0)
     prompts = [" ".join(map(str, torch.randint(3, VOCAB, (n,), generator=generator).tolist())) for n in (7, 19, 3, 11)]
     limits = [10, 7, 4, 6]
@@ -56,6 +58,7 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits):
     jobs.append(start(3))  # joins a running batch; the others leave at different steps
     while not all(j.done for j in jobs):
         engine.step(jobs)
+    assert (engine.counters["packed_steps"] > 0) == packed  # (the fourth prompt, 11 tokens, came in 3 chunks)
     for job, single in zip(jobs, alone):
         assert job.tokens == single.tokens
         mine, theirs = job.session.cache, single.session.cache
