@@ -28,7 +28,13 @@ A sweep file (TOML)::
     prompts = 8                  # cut evenly from text (default books/test/dracula.txt)
     new_tokens = 64
 
-Each task runs what its command runs (``sparsegen ppl --stream``, ``passkey``, ``fidelity``) with the same
+    [ruler]                      # RULER's tasks at each length (``sparsegen ruler``); the cell shows their average
+    samples = 2                  # per task (default 20)
+    protocol = "context"         # default stream
+    tasks = ["niah_single_1"]    # default all eleven
+    max_new_tokens = 32          # default RULER's per task
+
+Each task runs what its command runs (``sparsegen ppl --stream``, ``passkey``, ``fidelity``, ``ruler``) with the same
 defaults, so a cell's number is the command's: ``examples/sweeps/`` holds the grids of ``docs/results.md``.
 """
 
@@ -52,11 +58,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-TASKS = ("ppl", "passkey", "fidelity")
+TASKS = ("ppl", "passkey", "fidelity", "ruler")
+# the commands' own; passkey's and ruler's chat: the model's template; ruler's max_new_tokens: RULER's per task
 DEFAULTS = {"ppl": {"streams": 2}, "passkey": {"trials": 5, "depths": [0, 0.25, 0.5, 0.75, 1]},
-            "fidelity": {"prompts": 8, "new_tokens": 64}}  # the commands' own; passkey's chat: the model's template
+            "fidelity": {"prompts": 8, "new_tokens": 64},
+            "ruler": {"samples": 20, "protocol": "stream", "tasks": None, "depths": None, "seed": 0, "chunk_size": 512,
+                      "max_new_tokens": None, "haystack": "books/test/great_expectations.txt"}}
 PROTOCOL = 2  # part of every cell's key: raised when a task measures differently, so old results are not reused
-MEASURE = {"ppl": "ppl", "passkey": "accuracy", "fidelity": "rouge_l"}  # what a report's cell shows
+MEASURE = {"ppl": "ppl", "passkey": "accuracy", "fidelity": "rouge_l", "ruler": "average"}  # a report cell's number
 GRID = ("models", "policies", "budgets", "kv_bits", "tasks", "lengths")
 
 
@@ -146,6 +155,8 @@ def run_cell(cell: dict) -> dict:
         metrics = {"ppl": summary["ppl"], "tokens": summary["tokens"], "kv_tokens_peak": summary["kv_tokens_peak"]}
     elif cell["task"] == "fidelity":
         metrics = _fidelity(model, tokenizer, cell, make)
+    elif cell["task"] == "ruler":
+        metrics = _ruler(model, tokenizer, cell)
     else:
         from sparsegen.eval.passkey import passkey_accuracy
         from sparsegen.eval.stream import read_tokens
@@ -174,6 +185,29 @@ def _fidelity(model, tokenizer, cell: dict, make) -> dict:
     result = fidelity(model, tokenizer, prompts, make, options["new_tokens"], progress=False,
                       kv_bits=cell["kv_bits"])
     return {key: result[key] for key in ("rouge_l", "tokens_to_divergence", "kl")}
+
+
+def _ruler(model, tokenizer, cell: dict) -> dict:
+    """``sparsegen ruler``'s measure for one policy and length: each task's score and their average."""
+    from sparsegen.data import data_dir
+    from sparsegen.eval import ruler
+    from sparsegen.kv import make_policy
+
+    options = cell["options"]
+    chat = options.get("chat", bool(getattr(tokenizer, "chat_template", None)))
+    haystack = Path(options["haystack"])
+    haystack = haystack if haystack.is_absolute() else data_dir() / haystack
+
+    def make(length: int):  # a fractional budget is of each prompt's context, as the command's
+        return make_policy(cell["policy"], cell["budget"], input_length=length)
+
+    report = ruler.run(model, tokenizer, haystack.read_text(encoding="utf-8", errors="replace"),
+                       {cell["policy"]: make}, [cell["length"]], options["tasks"], options["samples"],
+                       (options["protocol"],), chat, options["depths"], options["seed"], options["chunk_size"],
+                       kv_bits=cell["kv_bits"], max_new_tokens=options["max_new_tokens"], progress=False)
+    scores = {row["task"]: row["score"] for row in report["rows"]}
+    return {"average": sum(scores.values()) / len(scores), "tasks": scores,
+            "kv_tokens_peak": max(row["kv_tokens_peak"] for row in report["rows"])}
 
 
 def _failed(cell: dict, err: BaseException) -> dict:
@@ -267,8 +301,8 @@ def report(results: Path) -> str:
         label = (r["model"], r["policy"], "-" if r["budget"] is None else r["budget"], r["kv_bits"] or "-")
         metric = r["metrics"][MEASURE[r["task"]]]
         table.setdefault(label, {})[(r["task"], r["length"])] = metric
-    head = ("| model | policy | budget | kv bits | " + " | ".join(f"{t}{' ROUGE-L' * (t == 'fidelity')} @ {n}"
-                                                               for t, n in columns) + " |")
+    named = {"fidelity": "fidelity ROUGE-L", "ruler": "RULER average"}
+    head = "| model | policy | budget | kv bits | " + " | ".join(f"{named.get(t, t)} @ {n}" for t, n in columns) + " |"
     lines = [head, "|" + "---|" * (4 + len(columns))]
     for label in sorted(table, key=lambda x: (x[0], x[1], x[2] if x[2] != "-" else -1, x[3] if x[3] != "-" else 0)):
         cells = [table[label].get(c) for c in columns]

@@ -122,6 +122,21 @@ def test_a_cell_gives_the_number_its_command_gives(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "p.json").read_text())["policies"]["h2o"]["accuracy"] == rows["passkey"]["accuracy"]
 
 
+def test_a_ruler_cell_gives_what_sparsegen_ruler_gives(tmp_path):
+    path = tmp_path / "grid.toml"
+    path.write_text('[sweep]\nmodels = ["reference"]\npolicies = ["h2o"]\nbudgets = [0.25]\ntasks = ["ruler"]\n'
+                    'lengths = [600]\nthreads = 1\n[ruler]\nsamples = 2\ntasks = ["niah_single_1", "vt"]\n'
+                    'protocol = "context"\nmax_new_tokens = 8\n')
+    metrics = sweep.run_cell(sweep.Sweep.load(path).cells()[0])["metrics"]
+    assert main(["ruler", "--model", "reference", "--policies", "h2o", "--budget", "0.25", "--length", "600",
+                 "--samples", "2", "--tasks", "niah_single_1,vt", "--protocol", "context", "--max-new-tokens", "8",
+                 "--json", str(tmp_path / "r.json")]) in (0, None)
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert metrics["tasks"] == {row["task"]: row["score"] for row in rows}
+    assert metrics["average"] == sum(row["score"] for row in rows) / 2
+    assert metrics["kv_tokens_peak"] == max(row["kv_tokens_peak"] for row in rows) <= 0.25 * 600 + 512
+
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 

@@ -84,14 +84,26 @@ def excerpts(setup: SpawnSetup, tokenizer) -> list[str]:
     return [tokenizer.decode(ids[i * step % (len(ids) - words + 1):][:words]) for i in range(setup.sessions)]
 
 
+def token_gaps(arrivals: list[float], tokens: list[int]) -> list[float]:
+    """Inter-token gaps of a stream whose chunk ``i`` came at ``arrivals[i]`` with ``tokens[i]`` tokens: the gap
+    before a chunk of ``n`` tokens, as ``n`` gaps of a ``n``-th of it."""
+    return [(b - a) / n for a, b, n in zip(arrivals, arrivals[1:], tokens[1:]) for _ in range(n)]
+
+
 async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed reply: status, time to first token, the gaps between tokens, completion tokens, history."""
+    """One streamed reply: status, time to first token, the gaps between tokens, completion tokens, history.
+
+    A streamed chunk carries every token since the one before (a token whose text is held back — a stop string's
+    first characters, a special token with no text — comes with the next), so the gap before a chunk of ``n``
+    tokens counts as ``n`` inter-token gaps of a ``n``-th of it: the engine's time per token, not the detokenizer's
+    holding back (the tokens a chunk carries are counted from its log-probabilities). ``chunk_gaps``: as they came."""
     started = time.perf_counter()
-    arrivals, content, usage, history = [], [], None, None
+    arrivals, tokens, content, usage, history = [], [], [], None, None
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", headers={"X-Session-Id": session},
                                  json={"messages": messages, "max_tokens": max_tokens, "stream": True,
-                                       "ignore_eos": True, "stream_options": {"include_usage": True}}) as response:
+                                       "ignore_eos": True, "stream_options": {"include_usage": True},
+                                       "logprobs": True}) as response:
             status, history = response.status_code, response.headers.get("X-Session-History")
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
@@ -106,10 +118,12 @@ async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: lis
                     if choice["delta"].get("content"):
                         arrivals.append(time.perf_counter())
                         content.append(choice["delta"]["content"])
+                        tokens.append(len((choice.get("logprobs") or {}).get("content") or [None]))
     except httpx.HTTPError as err:
         status = type(err).__name__
     return {"status": status, "ttft": (arrivals[0] if arrivals else time.perf_counter()) - started,
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "content": "".join(content),
+            "chunk_gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "gaps": token_gaps(arrivals, tokens),
+            "content": "".join(content),
             "completion_tokens": (usage or {}).get("completion_tokens", 0), "history": history}
 
 
@@ -149,6 +163,7 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
     results = [r for conversation in conversations for r in conversation]
     ok = [r for r in results if r["status"] == 200]
     ttft, gaps = [r["ttft"] for r in ok], [g for r in ok for g in r["gaps"]]  # (percentile sorts)
+    chunk_gaps = [g for r in ok for g in r["chunk_gaps"]]
     decode_tokens = after["decode_tokens_total"] - before["decode_tokens_total"]
     decode_seconds = after["decode_seconds_total"] - before["decode_seconds_total"]
     decode_steps = after["decode_steps_total"] - before["decode_steps_total"]
@@ -161,6 +176,7 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
         "mean_decode_batch": round(decode_tokens / decode_steps, 2) if decode_steps else None,
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
         "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
+        "chunk_gap_p50_s": _pct(chunk_gaps, 0.5), "chunk_gap_p99_s": _pct(chunk_gaps, 0.99),
         "sessions_admitted": int(peaks["live_sessions"]), "kv_bytes_peak": int(peaks["kv_bytes"]),
         "reencoded_replies": sum(r["history"] == "reencoded" for r in ok),
         "dropped_sessions": int(after.get("dropped_sessions_total", 0) - before.get("dropped_sessions_total", 0)),

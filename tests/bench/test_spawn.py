@@ -52,3 +52,10 @@ def test_each_policys_row_is_saved_as_it_ends(tmp_path, monkeypatch):
         main(["bench-serve", "--spawn", "--model", "reference", "--policies", "full,h2o:0.25", "--kv-memory", "1MiB",
               "--context", "384", "--sessions", "2", "--turns", "1", "--json", str(out)])
     assert [row["policy"] for row in json.loads(out.read_text())["rows"]] == ["full"]
+
+
+def test_a_chunk_of_several_tokens_counts_as_that_many_gaps():
+    from sparsegen.bench.spawn import token_gaps
+
+    assert token_gaps([0.0, 1.0, 3.0, 3.5], [1, 1, 2, 1]) == [1.0, 1.0, 1.0, 0.5]
+    assert token_gaps([2.0], [3]) == []  # the first chunk's wait is the time to first token
