@@ -165,14 +165,21 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
     ttft, gaps = [r["ttft"] for r in ok], [g for r in ok for g in r["gaps"]]  # (percentile sorts)
     chunk_gaps = [g for r in ok for g in r["chunk_gaps"]]
     decode_tokens = after["decode_tokens_total"] - before["decode_tokens_total"]
-    decode_seconds = after["decode_seconds_total"] - before["decode_seconds_total"]
     decode_steps = after["decode_steps_total"] - before["decode_steps_total"]
+
+    def spent(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    # decode throughput: of the steps that only decoded (one that carried a prompt chunk also did prefill work)
+    decoding_alone = decode_tokens - spent("packed_decode_tokens_total")
+    decode_seconds = spent("decode_seconds_total") - spent("packed_seconds_total")
     completion = sum(r["completion_tokens"] for r in ok)
     return {
         "requests": len(results), "failed": len(results) - len(ok) + (len(openings) * turns - len(results)),
         "seconds": round(seconds, 2), "completion_tokens": completion,
         "tokens_per_s": round(completion / seconds, 2),
-        "decode_tokens_per_s": round(decode_tokens / decode_seconds, 2) if decode_seconds else None,
+        "decode_tokens_per_s": round(decoding_alone / decode_seconds, 2) if decode_seconds > 0 else None,
+        "packed_steps": int(spent("packed_steps_total")),
         "mean_decode_batch": round(decode_tokens / decode_steps, 2) if decode_steps else None,
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
         "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),

@@ -6,10 +6,11 @@ history. A ``Job`` is one reply being produced. ``Engine.begin`` starts it from 
 ``Engine.prepare``, which a server calls in the request's own thread); ``Engine.step``
 then advances any number of jobs at once: one prefill chunk of one job still encoding its prompt (at most
 ``prefill_budget`` tokens while others decode, so a long prompt never holds up the other replies by more than that,
-and can be cancelled between chunks; ``"auto"``: as many as take one decode step's time), and one
+and can be cancelled between chunks; ``"auto"``: as many as add one decode step's time), and one
 decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
 different tokens at different positions) for as long as the same jobs decode together; a row goes back to its
-session when its reply finishes or leaves. A failure in one job (its prompt, its sampling) fails that job only.
+session when its reply finishes or leaves. While others decode, the chunk goes into their step's forward
+(``sparsegen.kv.packed``): one pass over the weights for both. A failure in one job (its prompt, its sampling) fails that job only.
 One thread drives an engine.
 
 With a ``Speculation`` (``--speculative``), each session also keeps a draft cache under the draft policy, and a reply
@@ -170,18 +171,27 @@ AUTO = "auto"
 class PrefillBudget:
     """``prefill_budget="auto"``: the prompt tokens a step may encode while others decode, kept at what costs about one
     decode step (Sarathi-Serve's rule: a step with a chunk then takes at most about twice one without, so a long
-    prompt arriving at most doubles the others' inter-token latency). Measured, not modelled: a chunk's cost is
-    ``fixed + per_token × n`` with both unknown and changing with the batch, so after each chunk the size is scaled by
-    (decode step time / chunk time), at most halved or doubled at once; it settles where a chunk costs a step."""
+    prompt arriving at most doubles the others' inter-token latency). Measured, not modelled: a chunk's cost (its
+    own forward's time, or what it adds to the step it rides in) is ``fixed + per_token × n`` with both unknown and
+    changing with the batch, so after each chunk the size is scaled by (decode step time / chunk cost), at most
+    halved or doubled at once; it settles where a chunk costs a step. When chunks ride in the decode steps, every
+    ``REFRESH``-th step decodes alone, so that the step time aimed at is the present batch's (a long run of prompts
+    would otherwise leave it at a batch long gone)."""
 
     START = 16
+    REFRESH = 8
 
     def __init__(self, chunk_size: int):
         self.chunk_size, self.tokens = chunk_size, min(self.START, chunk_size)
         self.step_seconds: float | None = None  # a moving average of the decode step's time
+        self.packed = 0  # steps that carried a chunk since the last that decoded alone
+
+    def may_pack(self) -> bool:
+        return self.packed < self.REFRESH
 
     def decoded(self, seconds: float) -> None:
         self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
+        self.packed = 0
 
     def encoded(self, tokens: int, seconds: float) -> None:
         if self.step_seconds is None or seconds <= 0:
@@ -249,7 +259,9 @@ class Engine:
                 raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
         self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
         self.decode, self.draft_step = DecodeStep(model, compile), DecodeStep(self.drafter, compile)
-        self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0, "packed_steps": 0})
+        self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0,
+                              # steps that carried a prompt chunk, their decode tokens and seconds (within the above)
+                              "packed_steps": 0, "packed_decode_tokens": 0, "packed_seconds": 0.0})
         self.max_context, self.memory = max_context, None
         if kv_memory is not None:
             self._plan_memory(kv_memory, idle_grace)
@@ -449,7 +461,7 @@ class Engine:
         if prefilling is not None:
             prefilling.served = self._ticks
             if decoding and self.packs:
-                self._decode(decoding, prefilling)
+                self._decode(decoding, prefilling if self._budget is None or self._budget.may_pack() else None)
                 return
             tokens = self._prefill_tokens() if decoding else self.chunk_size
             self._guarded(prefilling, self._prefill, prefilling, tokens, self._budget if decoding else None)
@@ -505,6 +517,7 @@ class Engine:
         if chunk:
             self.counters["prefill_tokens"] += len(chunk)
             self.counters["packed_steps"] += 1
+            self.counters["packed_decode_tokens"] += len(jobs)
             if prefilling.session.draft is not None:
                 prefilling.session.draft_lag += chunk
             if not prefilling.feed:
@@ -513,7 +526,10 @@ class Engine:
                     self._close(prefilling)
         seconds = time.perf_counter() - started  # the step and its sampling
         self.counters["decode_seconds"] += seconds
+        if chunk:
+            self.counters["packed_seconds"] += seconds
         if self._budget is not None:
+            self._budget.packed += bool(chunk)
             if not chunk:
                 self._budget.decoded(seconds)
             elif len(chunk) == self._budget.tokens and self._budget.step_seconds is not None:

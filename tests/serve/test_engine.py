@@ -443,6 +443,19 @@ def test_the_engine_feeds_an_auto_budget_what_its_chunks_and_steps_cost():
             Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=bad)
 
 
+def test_an_auto_budget_riding_in_decode_steps_lets_every_ninth_decode_alone():
+    """Chunks in the others' steps leave no step without one to time, so every REFRESH-th step decodes alone: the
+    step time the budget aims at stays the present batch's."""
+    model = tiny_model("llama")
+    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget="auto")
+    engine._budget.encoded = lambda tokens, seconds: None  # (the size stays put)
+    engine._budget.tokens = 2
+    short = engine.begin(engine.session(None), Sampling(max_tokens=40), prompt="5 6 7")
+    engine.step([short])
+    assert _encoded_per_step(engine, short, 34) == [2] * 8 + [0] + [2] * 8 + [0] + [2]
+    assert engine.counters["packed_steps"] == 17
+
+
 def test_ignore_eos_decodes_max_tokens_past_an_end_of_sequence():
     model = tiny_model("llama")
     tokenizer = IdTokenizer()
