@@ -10,8 +10,8 @@ and can be cancelled between chunks; ``"auto"``: as many as add one decode step'
 decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
 different tokens at different positions) for as long as the same jobs decode together; a row goes back to its
 session when its reply finishes or leaves. While others decode, the chunk goes into their step's forward
-(``sparsegen.kv.packed``): one pass over the weights for both. A failure in one job (its prompt, its sampling) fails that job only.
-One thread drives an engine.
+(``sparsegen.kv.packed``): one pass over the weights for both. A failure in one job (its prompt, its sampling)
+fails that job only; a forward that fails fails the replies in it. One thread drives an engine.
 
 With a ``Speculation`` (``--speculative``), each session also keeps a draft cache under the draft policy, and a reply
 decoding alone advances by speculative rounds (drafted by that cache, verified by the session's full cache: the same

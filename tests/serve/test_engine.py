@@ -395,6 +395,36 @@ def _encoded_per_step(engine, short, prompt_tokens: int) -> list[int]:
     return encoded
 
 
+def test_a_packed_step_that_fails_midway_fails_its_replies_and_their_sessions_start_over(monkeypatch):
+    """A forward that fails after some layers wrote (a packed step's rows and chunk alike are then in doubt) ends
+    every reply in it with an error; the engine goes on, and the same sessions then answer as fresh ones would."""
+    from sparsegen.kv.packed import PackedLayer
+
+    model = tiny_model("llama")
+    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=4)
+    jobs = [engine.begin(engine.session(f"s{i}"), Sampling(max_tokens=12), prompt="5 6 7") for i in range(2)]
+    engine.step(jobs)
+    engine.step(jobs)  # both decoding, in one batch
+    late = engine.begin(engine.session("late"), Sampling(max_tokens=12), prompt=" ".join(["9"] * 10))
+    update = PackedLayer.update
+
+    def fails_at_the_second_layer(layer, *args, **kwargs):
+        if layer.layer_idx == 1:
+            raise RuntimeError("the device fell over")
+        return update(layer, *args, **kwargs)
+
+    monkeypatch.setattr(PackedLayer, "update", fails_at_the_second_layer)
+    engine.step(jobs + [late])
+    assert all(job.finish_reason == "error" and "fell over" in job.error for job in jobs + [late])
+    assert engine._batch is None and not any(session.busy for session in engine.sessions.values())
+    monkeypatch.setattr(PackedLayer, "update", update)
+    fresh = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=4)
+    for name, prompt in (("s0", "5 6 7"), ("late", " ".join(["9"] * 10))):
+        again, alone = (_run(e, e.begin(e.session(name), Sampling(max_tokens=12), prompt=prompt))
+                        for e in (engine, fresh))
+        assert again.finish_reason == "length" and again.tokens == alone.tokens
+
+
 def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_decode():
     model = tiny_model("llama")
     engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=4)
