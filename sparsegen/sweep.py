@@ -142,8 +142,8 @@ def run_cell(cell: dict) -> dict:
     model, tokenizer = load(cell["model"])
     length, budget = cell["length"], cell["budget"]
 
-    def make():
-        return make_policy(cell["policy"], budget, input_length=length)
+    def make(input_length: int = length):  # (ruler: a fractional budget is of each prompt's context, as the command's)
+        return make_policy(cell["policy"], budget, input_length=input_length)
 
     text = data_dir() / "books" / "test"
     if cell["task"] == "ppl":
@@ -156,14 +156,14 @@ def run_cell(cell: dict) -> dict:
     elif cell["task"] == "fidelity":
         metrics = _fidelity(model, tokenizer, cell, make)
     elif cell["task"] == "ruler":
-        metrics = _ruler(model, tokenizer, cell)
+        metrics = _ruler(model, tokenizer, cell, make)
     else:
         from sparsegen.eval.passkey import passkey_accuracy
         from sparsegen.eval.stream import read_tokens
 
         options = cell["options"]
         filler = read_tokens(text / "great_expectations.txt", tokenizer, 4 * length)
-        chat = options.get("chat", bool(getattr(tokenizer, "chat_template", None)))  # as `sparsegen passkey` asks
+        chat = _chat(options, tokenizer)
         result = passkey_accuracy(model, tokenizer, filler, [length], options["depths"], make, options["trials"],
                                   progress=False, chat=chat, kv_bits=cell["kv_bits"])
         metrics = {"accuracy": result["accuracy"]}
@@ -187,23 +187,23 @@ def _fidelity(model, tokenizer, cell: dict, make) -> dict:
     return {key: result[key] for key in ("rouge_l", "tokens_to_divergence", "kl")}
 
 
-def _ruler(model, tokenizer, cell: dict) -> dict:
+def _chat(options: dict, tokenizer) -> bool:
+    """A task's ``chat`` option; by default the model's chat template if it has one (as `sparsegen passkey` and
+    `sparsegen ruler` ask)."""
+    return options.get("chat", bool(getattr(tokenizer, "chat_template", None)))
+
+
+def _ruler(model, tokenizer, cell: dict, make) -> dict:
     """``sparsegen ruler``'s measure for one policy and length: each task's score and their average."""
     from sparsegen.data import data_dir
     from sparsegen.eval import ruler
-    from sparsegen.kv import make_policy
 
     options = cell["options"]
-    chat = options.get("chat", bool(getattr(tokenizer, "chat_template", None)))
     haystack = Path(options["haystack"])
     haystack = haystack if haystack.is_absolute() else data_dir() / haystack
-
-    def make(length: int):  # a fractional budget is of each prompt's context, as the command's
-        return make_policy(cell["policy"], cell["budget"], input_length=length)
-
     report = ruler.run(model, tokenizer, haystack.read_text(encoding="utf-8", errors="replace"),
                        {cell["policy"]: make}, [cell["length"]], options["tasks"], options["samples"],
-                       (options["protocol"],), chat, options["depths"], options["seed"], options["chunk_size"],
+                       (options["protocol"],), _chat(options, tokenizer), options["depths"], options["seed"], options["chunk_size"],
                        kv_bits=cell["kv_bits"], max_new_tokens=options["max_new_tokens"], progress=False)
     scores = {row["task"]: row["score"] for row in report["rows"]}
     return {"average": sum(scores.values()) / len(scores), "tasks": scores,

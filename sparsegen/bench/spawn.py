@@ -164,11 +164,10 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
     ok = [r for r in results if r["status"] == 200]
     ttft, gaps = [r["ttft"] for r in ok], [g for r in ok for g in r["gaps"]]  # (percentile sorts)
     chunk_gaps = [g for r in ok for g in r["chunk_gaps"]]
-    decode_tokens = after["decode_tokens_total"] - before["decode_tokens_total"]
-    decode_steps = after["decode_steps_total"] - before["decode_steps_total"]
-
     def spent(name: str) -> float:
-        return after.get(name, 0) - before.get(name, 0)
+        return after[name] - before[name]
+
+    decode_tokens, decode_steps = spent("decode_tokens_total"), spent("decode_steps_total")
 
     # decode throughput: of the steps that only decoded (one that carried a prompt chunk also did prefill work)
     decoding_alone = decode_tokens - spent("packed_decode_tokens_total")

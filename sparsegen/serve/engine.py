@@ -515,18 +515,12 @@ class Engine:
             if job.done:
                 self._close(job)
         if chunk:
-            self.counters["prefill_tokens"] += len(chunk)
-            self.counters["packed_steps"] += 1
-            self.counters["packed_decode_tokens"] += len(jobs)
-            if prefilling.session.draft is not None:
-                prefilling.session.draft_lag += chunk
-            if not prefilling.feed:
-                self._guarded(prefilling, self._accept, prefilling, last)
-                if prefilling.done:
-                    self._close(prefilling)
+            self._guarded(prefilling, self._encoded, prefilling, chunk, last)
         seconds = time.perf_counter() - started  # the step and its sampling
         self.counters["decode_seconds"] += seconds
         if chunk:
+            self.counters["packed_steps"] += 1
+            self.counters["packed_decode_tokens"] += len(jobs)
             self.counters["packed_seconds"] += seconds
         if self._budget is not None:
             self._budget.packed += bool(chunk)
@@ -551,11 +545,16 @@ class Engine:
         logits = forward(self.model, cache, torch.tensor([chunk], device=self.device), positions, last=True)
         if budget is not None and len(chunk) == tokens:
             budget.encoded(tokens, time.perf_counter() - started)
+        self._encoded(job, chunk, logits[0])
+
+    def _encoded(self, job: Job, chunk: list[int], logits: torch.Tensor) -> None:
+        """After ``chunk`` of the job's prompt went into its cache (``logits``: its last position's): count it, owe it
+        to the draft cache, and after the prompt's last chunk sample the reply's first token."""
         self.counters["prefill_tokens"] += len(chunk)
         if job.session.draft is not None:
             job.session.draft_lag += chunk
         if not job.feed:
-            self._accept(job, logits[0])
+            self._accept(job, logits)
             if job.done:
                 self._close(job)
 
