@@ -203,7 +203,8 @@ def _ruler(model, tokenizer, cell: dict, make) -> dict:
     haystack = haystack if haystack.is_absolute() else data_dir() / haystack
     report = ruler.run(model, tokenizer, haystack.read_text(encoding="utf-8", errors="replace"),
                        {cell["policy"]: make}, [cell["length"]], options["tasks"], options["samples"],
-                       (options["protocol"],), _chat(options, tokenizer), options["depths"], options["seed"], options["chunk_size"],
+                       (options["protocol"],), _chat(options, tokenizer), options["depths"], options["seed"],
+                       options["chunk_size"],
                        kv_bits=cell["kv_bits"], max_new_tokens=options["max_new_tokens"], progress=False)
     scores = {row["task"]: row["score"] for row in report["rows"]}
     return {"average": sum(scores.values()) / len(scores), "tasks": scores,
