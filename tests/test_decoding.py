@@ -54,7 +54,20 @@ def _kept(layer) -> torch.Tensor:
                                                                                 ("streaming", "gpt_neox")])
 def test_a_fixed_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, family):
     budget = None if name == "full" else BUDGET
-    room = {"expected_length": PROMPT + STEPS + 1} if name == "full" else {}
+    _assert_fixed_steps_match_eager(name, family, budget, **({"expected_length": PROMPT + STEPS + 1}
+                                                             if name == "full" else {}))
+
+
+@pytest.mark.parametrize("name", [name for name in FIXED if name != "full"])
+def test_a_sequence_announced_shorter_than_the_budget_attends_over_its_length(name):
+    """A 1,024-token budget on a 576-token generation: the step reads the 64 slots allocated, not 100 (so a bounded
+    cache is never slower than ``full`` at a short context), and still gives the eager step's logits."""
+    fixed = _assert_fixed_steps_match_eager(name, "llama", 100, expected_length=PROMPT + STEPS + 1)
+    assert [layer.fixed_slots for layer in fixed.layers] == [min(63, layer.slot_budget) for layer in fixed.layers]
+    assert fixed.layers[0].fixed_slots == 63  # (pyramid: later layers' budgets are smaller)
+
+
+def _assert_fixed_steps_match_eager(name, family, budget, **room) -> EvictionCache:
     model, reference, token, position = _prefilled(name, family, budget, **room)
     _, fixed, _, _ = _prefilled(name, family, budget, **room)
     step = _fixed_as_compiled(model)
@@ -65,6 +78,7 @@ def test_a_fixed_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, 
     for ours, theirs in zip(fixed.layers, reference.layers):
         assert (ours.used, ours.peak_tokens) == (theirs.used, theirs.peak_tokens)
         assert torch.equal(_kept(ours), _kept(theirs))
+    return fixed
 
 
 def test_which_caches_take_a_fixed_step():

@@ -306,20 +306,24 @@ class EvictionLayer(CacheLayerMixin):
         """Slots allocated at first: what the sequence is expected to need, at most what the policy can ever hold;
         ``_grow`` doubles it when needed. A short conversation under a large budget so costs what it holds, not its
         budget (a server keeps many); a first call of a whole chunk announces a long sequence, which gets every slot
-        it can ever use at once (no growth, no moment with two copies)."""
+        it can ever use at once (no growth, no moment with two copies), unless the caller announced its length."""
         most = self.most_slots(first_chunk)
-        if first_chunk >= self.cache.chunk_size and self.policy.budget is not None:
+        if first_chunk >= self.cache.chunk_size and self.policy.budget is not None and not self.cache.expected_length:
             return most
         return min(most, max(first_chunk, self.cache.expected_length, 64) * self.fan)
 
     @property
     def fixed_slots(self) -> int | None:
         """Slots a fixed-shape decode step (``EvictionCache.fixed_step``) attends over, some perhaps free: a bounded
-        policy's budget, an unbounded one's allocation less the spare slot where the step's token waits. None where
+        policy's budget, an unbounded one's allocation less the spare slot where the step's token waits (a bounded
+        one's too where the caller announced a sequence shorter than the budget). None where
         no such step runs (no storage yet, heads sharing slots, a policy that reads the host to choose)."""
         if not self.is_initialized or self.fan > 1 or self.policy.reads_host:
             return None
-        return self.slot_budget if self.policy.budget is not None else self.keys.shape[2] - 1
+        if self.policy.budget is None or self.cache.expected_length:
+            # a sequence announced shorter than the budget is allocated its length, and attends over no more
+            return min(self.slot_budget or sys.maxsize, self.keys.shape[2] - 1)
+        return self.slot_budget
 
     @property
     def slot_budget(self) -> int | None:
@@ -415,7 +419,7 @@ class EvictionLayer(CacheLayerMixin):
         rows hold theirs in slots 0, 1, ...), or, where none is free, the slot of the lowest-priority token."""
         slots = self.fixed_slots
         held = self.valid[:, :, :slots].sum(-1, keepdim=True)
-        if self.policy.budget is None:
+        if slots != self.slot_budget:  # (unbounded, or a sequence shorter than the budget): never evicts
             return held
         return torch.where(held < slots, held, self.lowest_slot(self.view(seen)))
 
@@ -621,7 +625,7 @@ class EvictionCache(Cache):
             return False
         for layer in self.layers:
             slots = layer.fixed_slots
-            if slots is None or layer.used + (layer.policy.budget is None) > slots:
+            if slots is None or layer.used + (slots != layer.slot_budget) > slots:  # a free slot, if it cannot evict
                 return False
         for layer in self.layers:
             if layer.keys.shape[2] <= layer.fixed_slots:
