@@ -9,7 +9,7 @@ A sweep file (TOML)::
     [sweep]
     name = "small"
     models = ["reference"]
-    policies = ["full", "streaming", "h2o"]
+    policies = ["full", "streaming", "h2o", {name = "streaming", sinks = 1}]  # a table: a policy with options
     budgets = [64, 128]          # tokens, or fractions of the length; ignored by full
     kv_bits = [0, 4]             # 0: K/V as the model computes them
     tasks = ["ppl", "passkey"]   # ppl: streaming perplexity over the books' test text; passkey: retrieval accuracy;
@@ -104,6 +104,8 @@ class Sweep:
         bad = set(head.get("tasks", ["ppl"])) - set(TASKS)
         if bad:
             raise ValueError(f"{path}: unknown tasks {sorted(bad)}; known: {', '.join(TASKS)}")
+        for entry in head["policies"]:
+            _check_policy(path, entry)
         return cls(name=head.get("name", Path(path).stem), threads=threads,
                    options={task: {**DEFAULTS[task], **data.get(task, {})} for task in TASKS},
                    **{key: head[key] for key in GRID if key in head})
@@ -111,9 +113,12 @@ class Sweep:
     def cells(self) -> list[dict]:
         """Every distinct cell (``full`` once per other setting: it has no budget)."""
         seen, cells = set(), []
-        for model, policy, budget, bits, task, length in itertools.product(
+        for model, entry, budget, bits, task, length in itertools.product(
                 self.models, self.policies, self.budgets, self.kv_bits, self.tasks, self.lengths):
-            cell = {"model": model, "policy": policy, "budget": None if policy == "full" else budget,
+            policy, options = (entry, {}) if isinstance(entry, str) else (entry["name"], {
+                k: v for k, v in entry.items() if k != "name"})
+            cell = {"model": model, "policy": policy, **({"policy_options": options} if options else {}),
+                    "budget": None if policy == "full" else budget,
                     "kv_bits": bits or None, "task": task, "length": length, "options": self.options.get(task, {}),
                     "threads": self.threads}
             key = cell_key(cell)
@@ -121,6 +126,27 @@ class Sweep:
                 seen.add(key)
                 cells.append({**cell, "key": key})
         return cells
+
+
+def _check_policy(path, entry) -> None:
+    """A ``policies`` entry: a policy's name, or a table of its name and its constructor's options."""
+    from sparsegen.kv.policies import policy_class, policy_options
+
+    name = entry if isinstance(entry, str) else entry.get("name") if isinstance(entry, dict) else None
+    if not isinstance(name, str):
+        raise ValueError(f"{path}: a [sweep] policies entry is a name or a table with a name "
+                         f"(e.g. {{name = \"streaming\", sinks = 1}}), got {entry!r}")
+    cls = policy_class(name)
+    extra = sorted(set(entry) - {"name"} - set(policy_options(cls))) if isinstance(entry, dict) else []
+    if extra:
+        raise ValueError(f"{path}: policy {name!r} takes no {', '.join(extra)} "
+                         f"(its options: {', '.join(policy_options(cls)) or 'none'})")
+
+
+def policy_label(cell: dict) -> str:
+    """A cell's policy as a report shows it: its name, and its options if the sweep file gave any."""
+    options = cell.get("policy_options") or {}
+    return cell["policy"] + "".join(f" {k}={v}" for k, v in options.items())
 
 
 def cell_key(cell: dict) -> str:
@@ -143,7 +169,7 @@ def run_cell(cell: dict) -> dict:
     length, budget = cell["length"], cell["budget"]
 
     def make(input_length: int = length):  # (ruler: a fractional budget is of each prompt's context, as the command's)
-        return make_policy(cell["policy"], budget, input_length=input_length)
+        return make_policy(cell["policy"], budget, input_length=input_length, **cell.get("policy_options", {}))
 
     text = data_dir() / "books" / "test"
     if cell["task"] == "ppl":
@@ -238,7 +264,7 @@ def run(sweep: Sweep, out: Path, workers: int = 1, ray: str | None = None, retri
             counts[row["status"]] += 1
             bar.update(1)
             if row["status"] == "failed":
-                tqdm.write(f"cell {row['key']} ({row['policy']} {row['task']} {row['length']}) failed: {row['error']}")
+                tqdm.write(f"cell {row['key']} ({policy_label(row)} {row['task']} {row['length']}) failed: {row['error']}")
 
         if ray is not None:
             for row in _run_ray(todo, ray, retries):
@@ -299,7 +325,7 @@ def report(results: Path) -> str:
     columns = sorted({(r["task"], r["length"]) for r in rows.values()})
     table: dict[tuple, dict] = {}
     for r in rows.values():
-        label = (r["model"], r["policy"], "-" if r["budget"] is None else r["budget"], r["kv_bits"] or "-")
+        label = (r["model"], policy_label(r), "-" if r["budget"] is None else r["budget"], r["kv_bits"] or "-")
         metric = r["metrics"][MEASURE[r["task"]]]
         table.setdefault(label, {})[(r["task"], r["length"])] = metric
     named = {"fidelity": "fidelity ROUGE-L", "ruler": "RULER average"}

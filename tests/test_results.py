@@ -78,3 +78,22 @@ def test_the_h2o_sweep_files_reproduce_the_documented_perplexity_and_fidelity():
     assert metrics["rouge_l"] == documented["rouge_l"]
     assert metrics["tokens_to_divergence"] == documented["tokens_to_divergence"]
     assert metrics["kl"] == pytest.approx(documented["kl"], rel=1e-4)
+
+
+@pytest.mark.parametrize("policy, options, budget, documented", [("streaming", {}, 256, "streaming-256"),
+                                                                 ("streaming", {"sinks": 1}, 256, "sinks1-256")])
+def test_the_streamingllm_sweep_file_reproduces_the_documented_perplexity(policy, options, budget, documented):
+    """docs/results.md §1: cells of `examples/sweeps/smollm2-streamingllm.toml` (what `scripts/real/streamingllm.sh`
+    ran; a sink-sweep cell among them) give the documented PPL over 39,998 tokens (about 2 minutes each)."""
+    import json
+
+    from sparsegen import sweep
+
+    if not all(find_spec(module) for module, _ in PACKAGED["smollm2"].parts):
+        pytest.skip("smollm2 is not installed")
+    cells = sweep.Sweep.load(ROOT / "examples" / "sweeps" / "smollm2-streamingllm.toml").cells()
+    cell = next(c for c in cells if (c["policy"], c.get("policy_options", {}), c["budget"]) == (policy, options, budget))
+    metrics = sweep.run_cell(cell)["metrics"]
+    expected = json.loads((ROOT / "docs" / "results" / "smollm2" / "streaming" / f"{documented}.json").read_text())
+    assert metrics["tokens"] == expected["tokens"] and metrics["kv_tokens_peak"] == expected["kv_tokens_peak"]
+    assert metrics["ppl"] == pytest.approx(expected["ppl"], rel=1e-6)

@@ -85,6 +85,37 @@ def test_bad_sweep_files_name_the_fix(tmp_path):
         sweep.Sweep.load(path)
 
 
+def test_a_policy_with_options_is_its_own_cell_and_row(tmp_path, capsys):
+    """A ``policies`` entry may be a table of a policy's name and options (StreamingLLM's sink sweep): its cells give
+    what `sparsegen ppl --policy streaming --sinks N` gives, report under their own label, and the plain entries'
+    keys are unchanged (a results file stays valid)."""
+    path = tmp_path / "sinks.toml"
+    path.write_text(GRID.replace('policies = ["full", "streaming"]',
+                                 'policies = ["streaming", {name = "streaming", sinks = 1}]').replace("[32, 64]", "[32]"))
+    cells = sweep.Sweep.load(path).cells()
+    assert [c.get("policy_options") for c in cells] == [None, {"sinks": 1}]
+    path_plain = tmp_path / "plain.toml"
+    path_plain.write_text(GRID.replace('"full", ', "").replace("[32, 64]", "[32]"))
+    assert cells[0]["key"] == sweep.Sweep.load(path_plain).cells()[0]["key"] != cells[1]["key"]
+    out = tmp_path / "out"
+    assert sweep.run(sweep.Sweep.load(path), out, progress=False)["done"] == 2
+    ppl = {sweep.policy_label(row): row["metrics"]["ppl"] for row in sweep.finished(out / "results.jsonl").values()}
+    from sparsegen.data import data_dir
+
+    books = data_dir() / "books" / "test"
+    assert main(["ppl", "--model", "reference", "--stream", "--text", str(books), "--streams", "1", "--max-tokens",
+                 "96", "--policy", "streaming", "--sinks", "1", "--budget", "32", "--json",
+                 str(tmp_path / "ppl.json")]) in (0, None)
+    assert json.loads((tmp_path / "ppl.json").read_text())["ppl"] == ppl["streaming sinks=1"] != ppl["streaming"]
+    assert "| reference | streaming sinks=1 | 32 | - |" in sweep.report(out / "results.jsonl")
+    path.write_text(GRID.replace('policies = ["full", "streaming"]', 'policies = [{name = "streaming", sink = 1}]'))
+    with pytest.raises(ValueError, match="policy 'streaming' takes no sink \\(its options: .*sinks"):
+        sweep.Sweep.load(path)
+    path.write_text(GRID.replace('policies = ["full", "streaming"]', 'policies = [{sinks = 1}]'))
+    with pytest.raises(ValueError, match="a name or a table with a name"):
+        sweep.Sweep.load(path)
+
+
 def test_a_failing_cell_is_recorded_not_dropped(tmp_path):
     path = tmp_path / "fail.toml"
     path.write_text('[sweep]\nmodels = ["no-such-model-here"]\npolicies = ["full"]\nlengths = [32]\n')

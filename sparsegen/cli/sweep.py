@@ -23,7 +23,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         if args.plot:
             from sparsegen.eval.plots import plot_sweep
 
-            plot_sweep(list(sweep.finished(results).values()), args.plot, sweep.MEASURE)
+            plot_sweep(list(sweep.finished(results).values()), args.plot, sweep.MEASURE, sweep.policy_label)
             print(f"plot written to {args.plot}")
         return
     if args.plot:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -125,16 +126,17 @@ def plot_load(report: dict, path: str | Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def plot_sweep(rows: list[dict], path: str | Path, measures: dict[str, str]) -> None:
+def plot_sweep(rows: list[dict], path: str | Path, measures: dict[str, str],
+               policy_label: Callable[[dict], str] = lambda row: row["policy"]) -> None:
     """A sweep's results: one panel per model × task × length, its measure (``measures[task]``) against the budget,
-    a line per policy and KV bit width; ``full`` (no budget) a dashed level."""
+    a line per policy (``policy_label``: a row's name for it) and KV bit width; ``full`` (no budget) a dashed level."""
     panels = sorted({(r["model"], r["task"], r["length"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (model, task, length) in zip(axes[0], panels):
         mine = [r for r in rows if (r["model"], r["task"], r["length"]) == (model, task, length)]
         lines: dict[str, list[tuple[float, float]]] = {}
         for r in mine:
-            label = r["policy"] + (f" kv{r['kv_bits']}" if r["kv_bits"] else "")
+            label = policy_label(r) + (f" kv{r['kv_bits']}" if r["kv_bits"] else "")
             lines.setdefault(label, []).append((r["budget"], r["metrics"][measures[task]]))
         for n, (label, points) in enumerate(sorted(lines.items())):
             if all(budget is None for budget, _ in points):
