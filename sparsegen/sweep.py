@@ -264,7 +264,8 @@ def run(sweep: Sweep, out: Path, workers: int = 1, ray: str | None = None, retri
             counts[row["status"]] += 1
             bar.update(1)
             if row["status"] == "failed":
-                tqdm.write(f"cell {row['key']} ({policy_label(row)} {row['task']} {row['length']}) failed: {row['error']}")
+                tqdm.write(f"cell {row['key']} ({policy_label(row)} {row['task']} {row['length']}) failed: "
+                           f"{row['error']}")
 
         if ray is not None:
             for row in _run_ray(todo, ray, retries):

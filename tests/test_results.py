@@ -51,14 +51,15 @@ def test_the_inspector_pages_numbers(model):
         assert repr(row["reply"]) == cells[4], name
 
 
-def _sweep_cell(name: str, policy: str, budget) -> dict:
+def _sweep_cell(name: str, policy: str, budget, kv_bits: int | None = None, **options) -> dict:
     """The metrics of one cell of ``examples/sweeps/NAME.toml``, run here."""
     from sparsegen import sweep
 
     if not all(find_spec(module) for module, _ in PACKAGED["smollm2"].parts):
         pytest.skip("smollm2 is not installed")
     cells = sweep.Sweep.load(ROOT / "examples" / "sweeps" / f"{name}.toml").cells()
-    return sweep.run_cell(next(c for c in cells if c["policy"] == policy and c["budget"] == budget))["metrics"]
+    return sweep.run_cell(next(c for c in cells if (c["policy"], c.get("policy_options", {}), c["budget"], c["kv_bits"])
+                               == (policy, options, budget, kv_bits)))["metrics"]
 
 
 def test_the_h2o_sweep_files_reproduce_the_documented_perplexity_and_fidelity():
@@ -80,6 +81,7 @@ def test_the_h2o_sweep_files_reproduce_the_documented_perplexity_and_fidelity():
     assert metrics["kl"] == pytest.approx(documented["kl"], rel=1e-4)
 
 
+
 @pytest.mark.parametrize("policy, options, budget, documented", [("streaming", {}, 256, "streaming-256"),
                                                                  ("streaming", {"sinks": 1}, 256, "sinks1-256")])
 def test_the_streamingllm_sweep_file_reproduces_the_documented_perplexity(policy, options, budget, documented):
@@ -87,13 +89,22 @@ def test_the_streamingllm_sweep_file_reproduces_the_documented_perplexity(policy
     ran; a sink-sweep cell among them) give the documented PPL over 39,998 tokens (about 2 minutes each)."""
     import json
 
-    from sparsegen import sweep
-
-    if not all(find_spec(module) for module, _ in PACKAGED["smollm2"].parts):
-        pytest.skip("smollm2 is not installed")
-    cells = sweep.Sweep.load(ROOT / "examples" / "sweeps" / "smollm2-streamingllm.toml").cells()
-    cell = next(c for c in cells if (c["policy"], c.get("policy_options", {}), c["budget"]) == (policy, options, budget))
-    metrics = sweep.run_cell(cell)["metrics"]
+    metrics = _sweep_cell("smollm2-streamingllm", policy, budget, **options)
     expected = json.loads((ROOT / "docs" / "results" / "smollm2" / "streaming" / f"{documented}.json").read_text())
     assert metrics["tokens"] == expected["tokens"] and metrics["kv_tokens_peak"] == expected["kv_tokens_peak"]
     assert metrics["ppl"] == pytest.approx(expected["ppl"], rel=1e-6)
+
+
+def test_the_policy_library_sweep_files_reproduce_the_documented_pass_key_and_fidelity():
+    """docs/results.md §3: a pass-key cell with 4-bit K/V and a fidelity cell of `examples/sweeps/smollm2-policies-*`
+    (what `scripts/real/policies.sh` ran) give the documented accuracy and ROUGE-L (deterministic; KL to rounding)."""
+    import json
+
+    folder = ROOT / "docs" / "results" / "smollm2" / "policies"
+    documented = json.loads((folder / "passkey-h2o-20pct-kv4.json").read_text())["policies"]["h2o"]
+    assert _sweep_cell("smollm2-policies-passkey", "h2o", 409, 4)["accuracy"] == documented["accuracy"] == 0.3
+    documented = json.loads((folder / "fidelity-snapkv-20pct.json").read_text())["policies"][0]
+    metrics = _sweep_cell("smollm2-policies-fidelity", "snapkv", 0.2)
+    assert metrics["rouge_l"] == documented["rouge_l"]
+    assert metrics["tokens_to_divergence"] == documented["tokens_to_divergence"]
+    assert metrics["kl"] == pytest.approx(documented["kl"], rel=1e-4)

@@ -90,8 +90,8 @@ def test_a_policy_with_options_is_its_own_cell_and_row(tmp_path, capsys):
     what `sparsegen ppl --policy streaming --sinks N` gives, report under their own label, and the plain entries'
     keys are unchanged (a results file stays valid)."""
     path = tmp_path / "sinks.toml"
-    path.write_text(GRID.replace('policies = ["full", "streaming"]',
-                                 'policies = ["streaming", {name = "streaming", sinks = 1}]').replace("[32, 64]", "[32]"))
+    path.write_text(GRID.replace('policies = ["full", "streaming"]', 'policies = ["streaming", {name = "streaming", '
+                                 'sinks = 1}]').replace("[32, 64]", "[32]"))
     cells = sweep.Sweep.load(path).cells()
     assert [c.get("policy_options") for c in cells] == [None, {"sinks": 1}]
     path_plain = tmp_path / "plain.toml"
