@@ -10,6 +10,7 @@ import torch
 
 from sparsegen.decoding import DecodeStep, _step, prefill
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv.quantized import KVQuantization
 from sparsegen.kv.policies import POLICIES
 from tests.kv.families import VOCAB, tiny_model
 
@@ -58,6 +59,14 @@ def test_a_fixed_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, 
                                                              if name == "full" else {}))
 
 
+@pytest.mark.parametrize("name, family", [(name, "llama") for name in FIXED] + [("h2o", "gemma3")])
+def test_a_fixed_step_over_quantized_kv_gives_the_eager_steps_logits(name, family):
+    """4-bit K/V with a residual of 3 full-precision tokens (so the ring wraps within the test's steps)."""
+    budget = None if name == "full" else BUDGET
+    _assert_fixed_steps_match_eager(name, family, budget, kv_bits=KVQuantization(4, residual=3),
+                                    **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
+
+
 @pytest.mark.parametrize("name", [name for name in FIXED if name != "full"])
 def test_a_sequence_announced_shorter_than_the_budget_attends_over_its_length(name):
     """A 1,024-token budget on a 576-token generation: the step reads the 64 slots allocated, not 100 (so a bounded
@@ -87,7 +96,7 @@ def test_which_caches_take_a_fixed_step():
 
     assert fits("streaming") and fits("h2o") and fits("full", None, expected_length=PROMPT + 2)
     assert not fits("full", None, prompt=63)  # 64 slots: none free beside the spare (it grows, eagerly)
-    assert not fits("adakv") and not fits("lagkv") and not fits("streaming", kv_bits=4)
+    assert not fits("adakv") and not fits("lagkv") and fits("streaming", kv_bits=4)
     model, cache, _, _ = _prefilled("h2o")
     cache.padded = True  # (a server's stacked batch)
     assert not cache.fits_fixed_step()

@@ -208,12 +208,14 @@ class EvictionLayer(CacheLayerMixin):
         if residual and end:  # the few slots whose token is in the ring: its full-precision K/V
             index = self.index[:, :, :end]
             ring_slot = index % residual
-            fresh = self.ring_index.gather(1, ring_slot.flatten(1)).view_as(index) == index
-            batch, row, slot = fresh.nonzero(as_tuple=True)
-            ring_slot = ring_slot[batch, row, slot]
-            heads = (batch, row) if self.fan == 1 else (batch, self.head[batch, row, slot])
-            keys[batch, row, slot] = self.ring_keys[(*heads, ring_slot)]
-            values[batch, row, slot] = self.ring_values[(*heads, ring_slot)]
+            fresh = (self.ring_index.gather(1, ring_slot.flatten(1)).view_as(index) == index)[..., None]
+            if self.fan > 1:  # one shared row: slot s holds head head[s]'s token, at ring row head * (R + 1) + r
+                ring_slot = self.head[:, :, :end] * (residual + 1) + ring_slot
+            ring_slot = ring_slot[..., None].expand(*index.shape, keys.shape[-1])
+            for x, ring in ((keys, self.ring_keys), (values, self.ring_values)):
+                # in shapes that do not depend on the data (a compiled step fuses it with the dequantization)
+                ring = ring.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])  # (shared: every head's ring in a row)
+                x[:, :, :end] = torch.where(fresh, ring.gather(2, ring_slot), x[:, :, :end])
         return keys, values
 
     def remember(self, step: Step, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -620,8 +622,8 @@ class EvictionCache(Cache):
 
     def fits_fixed_step(self) -> bool:
         """Whether the next decode step can be fixed-shape (``fixed_shape_step``), giving a bounded layer its spare slot
-        if it has none yet: rows unpadded, K/V unquantized, every layer with fixed slots and, if unbounded, one free."""
-        if self.seen is None or self.padded or self.quantization is not None:
+        if it has none yet: rows unpadded, every layer with fixed slots and, if unbounded, one free."""
+        if self.seen is None or self.padded:
             return False
         for layer in self.layers:
             slots = layer.fixed_slots

@@ -92,7 +92,9 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 values of ``quantize``'s output (written into ``out`` when given, of any floating dtype)."""
-    direct = out is not None and out.dtype == torch.float32 and not torch.is_grad_enabled()  # (out= has no gradient)
+    # (out= has no gradient; dynamo does not take a strided out=, and inductor fuses the copy anyway)
+    direct = out is not None and out.dtype == torch.float32 and not torch.is_grad_enabled() \
+        and not torch.compiler.is_compiling()
     values = torch.addcmul(zero.float(), unpack(packed, bits).float(), scale.float(), out=out if direct else None)
     if out is not None and values is not out:
         out.copy_(values)

@@ -54,10 +54,11 @@ def _breaks(name: str, kv_bits=None, family: str = "llama") -> int:
         return step.graph_breaks(cache, token, torch.full((2,), 12))
 
 
+@pytest.mark.parametrize("kv_bits", [None, 4])
 @pytest.mark.parametrize("name", sorted(set(POLICIES) - STILL_READING))
-def test_every_sync_free_policy_compiles_as_one_graph(name):
+def test_every_sync_free_policy_compiles_as_one_graph(name, kv_bits):
     torch._dynamo.reset()
-    assert _breaks(name) == 0
+    assert _breaks(name, kv_bits) == 0
 
 
 def test_sliding_window_layers_compile_as_one_graph():
@@ -65,9 +66,9 @@ def test_sliding_window_layers_compile_as_one_graph():
     assert _breaks("h2o", family="gemma3") == 0
 
 
-@pytest.mark.parametrize("name, kv_bits", [(name, None) for name in sorted(STILL_READING)] + [("streaming", 4)])
-def test_steps_that_read_the_host_break_the_graph(name, kv_bits):
-    """Not there yet (issue 36): Ada-KV's shared rows and LagKV's partitions are sized on the host, and a quantized
-    cache finds its residual with ``nonzero`` (tests/kv/test_host_syncs.py): each read is a graph break."""
+@pytest.mark.parametrize("name", sorted(STILL_READING))
+def test_steps_that_read_the_host_break_the_graph(name):
+    """Not there yet (issue 36): Ada-KV's shared rows and LagKV's partitions are sized on the host
+    (tests/kv/test_host_syncs.py): each read is a graph break."""
     torch._dynamo.reset()
-    assert _breaks(name, kv_bits) > 0
+    assert _breaks(name) > 0
