@@ -344,18 +344,17 @@ def shared_attention(cache, layer, query, key, value, scaling: float, sliding_wi
     batch, q_heads, q, _ = query.shape
     heads, total = layer.fan, key.shape[2]
     group, start = q_heads // heads, total - heads * q
-    slot = torch.arange(total, device=query.device)
-    key_index, key_head = layer.index[:, 0, :total], layer.head[:, 0, :total]  # [B, T]
-    own = start + torch.arange(heads, device=query.device)[:, None] * q + torch.arange(q, device=query.device)
-    # [B, heads, q, T]: the query's KV head's real tokens up to it; a pad query sees its own slot only
+    stepwise = cache.stepwise and q > 1
+    end = total if stepwise else start  # (otherwise the call's own tokens are each head's own block)
+    key_index, key_head = layer.index[:, 0, :end], layer.head[:, 0, :end]  # [B, T]
+    # [B, heads, q, T]: the query's KV head's real tokens up to it
     mask = (key_head[:, None, None] == torch.arange(heads, device=query.device)[:, None, None]) \
         & (key_index[:, None, None] <= step.new_index[:, None, :, None])
     if sliding_window is not None:
         mask &= step.new_index[:, None, :, None] - key_index[:, None, None] < sliding_window
-    is_own = slot == own[..., None]  # [heads, q, T]
-    logits = _scores(query, key, scaling).view(batch, heads, group, q, total)
-    stepwise = cache.stepwise and q > 1
     if stepwise:
+        own = start + torch.arange(heads, device=query.device)[:, None] * q + torch.arange(q, device=query.device)
+        logits = _scores(query, key, scaling).view(batch, heads, group, q, total)
         _check_unpadded(cache)
         alive = layer.valid[:, 0, :total].clone()
         alive[:, start:] = False
@@ -377,15 +376,43 @@ def shared_attention(cache, layer, query, key, value, scaling: float, sliding_wi
         layer.pending = 0
         layer._compact(alive[:, None], alive.sum(-1, keepdim=True))
     else:
-        mask = mask & layer.valid[:, :, None, :total] | is_own & ~step.new_valid[:, None, :, None]
-        probs = torch.softmax(logits.masked_fill(~mask[:, :, None], -torch.inf), dim=-1)
-        if layer.attention is not None:
-            observe(layer.policy, layer.attention[:, :, :total], probs.view(batch, 1, q_heads, q, total),
-                    mask.sum(-1).repeat_interleave(group, 1)[:, None, :, :, None],
-                    step.new_valid[:, None, None, :, None], step.new_index)
-        out = _attend(probs, value)  # before eviction moves the slots ``value`` views
-        layer.evict(step.seen)
+        out = _held_and_own_blocks(layer, query, key, value, scaling, mask, sliding_window)
+        layer.evict(step.seen)  # (after attention: eviction moves the slots ``value`` views)
     return out.transpose(1, 2).contiguous()
+
+
+def _held_and_own_blocks(layer, query, key, value, scaling: float, held_mask: torch.Tensor,
+                         sliding_window: int | None) -> torch.Tensor:
+    """``shared_attention`` of one call, without scoring a query against other heads' new tokens: the call's
+    tokens sit in one block per head (``start + h * q + i``), so each head's queries score the held slots
+    (``held_mask``: theirs, up to them) and their own block only — a one-pass 4K context scores 4K keys per query,
+    not heads × 4K (with the masks and probabilities that size, the slowest path of Ada-KV's context protocol)."""
+    step = layer.cache.step
+    batch, q_heads, q, _ = query.shape
+    heads, start = layer.fan, key.shape[2] - layer.fan * q
+    group = q_heads // heads
+    held_mask = held_mask & layer.valid[:, :, None, :start]  # [B, heads, q, start]
+    index, real = step.new_index, step.new_valid
+    own_mask = (index[:, None, :] <= index[:, :, None]) & real[:, None, :]  # [B, q, q]: query, key
+    if sliding_window is not None:
+        own_mask &= index[:, :, None] - index[:, None, :] < sliding_window
+    own_mask |= torch.eye(q, dtype=torch.bool, device=query.device) & ~real[:, :, None]  # a pad sees its own slot
+    own_keys, own_values = (x[:, 0, start:].view(batch, heads, q, -1) for x in (key, value))
+    logits = torch.cat([
+        _scores(query, key[:, :, :start], scaling).view(batch, heads, group, q, start).masked_fill(
+            ~held_mask[:, :, None], -torch.inf),
+        _scores(query, own_keys, scaling).masked_fill(~own_mask[:, None, None], -torch.inf)], dim=-1)
+    held_probs, own_probs = torch.softmax(logits, dim=-1).split([start, q], dim=-1)
+    if layer.attention is not None:
+        visible = (held_mask.sum(-1) + own_mask.sum(-1)[:, None])[:, :, None, :, None]  # [B, heads, 1, q, 1]
+        real = real[:, None, None, :, None]
+        observe(layer.policy, layer.attention[:, :, :start], held_probs.reshape(batch, 1, q_heads, q, start),
+                visible.expand(-1, -1, group, -1, -1).reshape(batch, 1, q_heads, q, 1), real, index)
+        own_attention = layer.attention[:, 0, start:start + heads * q]
+        observe(layer.policy, own_attention.view(batch, heads, q, *own_attention.shape[2:]), own_probs, visible,
+                real, index)
+    return _attend(held_probs, value[:, :, :start]) + (
+        own_probs.to(value.dtype).view(batch, heads, group * q, q) @ own_values).view(batch, q_heads, q, -1)
 
 
 def _check_unpadded(cache) -> None:
