@@ -91,9 +91,9 @@ class EvictionLayer(CacheLayerMixin):
         self.sinks = view[0] if self.keys_at_index else 0  # (kept when ``stop_evicting`` lifts the budget)
         # whether a decode step (over a full budget, or fixed-shape) may leave its new K/V out of the slots until
         # eviction (``incoming``): not where the policy reads held K/V (they must be in the slots) or they are
-        # quantized or shared between heads
+        # shared between heads
         self.places_incoming = not (policy.needs_keys or policy.needs_values or policy.memo_width
-                                    or cache.quantization is not None or policy.shares_slots)
+                                    or policy.shares_slots)
         self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None
         for name in BUFFERS + ROW_STATE:
             setattr(self, name, None)
@@ -173,16 +173,18 @@ class EvictionLayer(CacheLayerMixin):
 
     def store(self, start: int, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write tokens into slots ``start:end`` (quantized, when the cache is)."""
+        for name, x in self.encoded(keys, values).items():
+            getattr(self, name)[:, :, start:end] = x
+
+    def encoded(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What tokens' K/V put in each K/V buffer: themselves, or their codes, scales and zero points."""
         quant = self.quantization
         if quant is None:
-            self.keys[:, :, start:end] = keys
-            self.values[:, :, start:end] = values
-            return
+            return {"keys": keys, "values": values}
+        out = {}
         for prefix, x in (("key", keys.float() / self.key_channels), ("value", values)):
-            codes, scale, zero = quantize(x, quant.bits)
-            getattr(self, prefix + "s")[:, :, start:end] = codes
-            getattr(self, prefix + "_scale")[:, :, start:end] = scale
-            getattr(self, prefix + "_zero")[:, :, start:end] = zero
+            out[prefix + "s"], out[prefix + "_scale"], out[prefix + "_zero"] = quantize(x, quant.bits)
+        return out
 
     def held(self, end: int, new_keys: torch.Tensor | None = None,
              new_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +280,7 @@ class EvictionLayer(CacheLayerMixin):
         if not fixed:  # (a fixed step's caller counts: a number read here would be one the graph specialises on)
             self.peak_tokens = max(self.peak_tokens, end)
         if self.incoming is not None:  # attention reads the held slots and ``incoming``
-            return self.keys[:, :, :start], self.values[:, :, :start]
+            return self.held(start)
         # the call's own tokens are attended in full precision
         keys, values = self.held(end) if self.quantization is None else self.held(start, key_states, value_states)
         if self.memo is not None:
@@ -432,7 +434,7 @@ class EvictionLayer(CacheLayerMixin):
         batch, heads = slot.shape[:2]
         rows = (torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :],
                 slot[..., 0])
-        incoming = dict(zip(("keys", "values"), self.incoming or ()))
+        incoming = {} if self.incoming is None else self.encoded(*self.incoming)
         for name, buf in self.buffers():
             buf[rows] = incoming[name][:, :, 0] if name in incoming else buf[:, :, newest].clone()
         self.incoming = None
