@@ -208,17 +208,29 @@ class EvictionLayer(CacheLayerMixin):
         keys, values = out
         keys[:, :, :end] *= self.key_channels
         if residual and end:  # the few slots whose token is in the ring: its full-precision K/V
-            index = self.index[:, :, :end]
-            ring_slot = index % residual
-            fresh = (self.ring_index.gather(1, ring_slot.flatten(1)).view_as(index) == index)[..., None]
-            if self.fan > 1:  # one shared row: slot s holds head head[s]'s token, at ring row head * (R + 1) + r
-                ring_slot = self.head[:, :, :end] * (residual + 1) + ring_slot
-            ring_slot = ring_slot[..., None].expand(*index.shape, keys.shape[-1])
-            for x, ring in ((keys, self.ring_keys), (values, self.ring_values)):
-                # in shapes that do not depend on the data (a compiled step fuses it with the dequantization)
-                ring = ring.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])  # (shared: every head's ring in a row)
-                x[:, :, :end] = torch.where(fresh, ring.gather(2, ring_slot), x[:, :, :end])
+            self._read_residual(keys, values, end)
         return keys, values
+
+    def _read_residual(self, keys: torch.Tensor, values: torch.Tensor, end: int) -> None:
+        """Put each ring token's full-precision K/V in place of its dequantized slot among ``:end``, in shapes that do
+        not depend on the data (no ``nonzero``): the slots whose token is in the ring are zeroed, each ring entry's
+        slot is found by comparing indices (``[B, rows, end, entries]``: the residual, or every head's under
+        ``shares_slots``) and its K/V added there (an entry whose token is not held adds 0 to slot 0). Writes every
+        slot once and the ring's, where a gather of the ring for every slot wrote and read each slot twice more."""
+        residual = self.quantization.residual
+        batch, rows, _, dim = keys.shape
+        index = self.index[:, :, :end]
+        fresh = (self.ring_index.gather(1, (index % residual).flatten(1)).view_as(index) == index)[..., None]
+        matches = (index[..., None] == self.ring_index[:, None, None, :residual]) & self.valid[:, :, :end, None]
+        if self.fan > 1:  # one shared row: entry (h, r) is head h's token in ring slot r
+            heads = torch.arange(self.fan, device=self.device)[:, None]
+            matches = (matches[..., None, :] & (self.head[:, :, :end, None, None] == heads)).flatten(-2)
+        found = matches.any(2)[..., None]  # [B, rows, entries, 1]
+        slot = matches.to(torch.uint8).argmax(2)[..., None].expand(-1, -1, -1, dim)
+        for x, ring in ((keys, self.ring_keys), (values, self.ring_values)):
+            x[:, :, :end].masked_fill_(fresh, 0)  # (a fresh slot's codes may decode to anything: never added to)
+            ring = ring[:, :, :residual].reshape(batch, rows, -1, dim)  # (shared: every head's entries in one row)
+            x.scatter_add_(2, slot, torch.where(found, ring, 0))
 
     def remember(self, step: Step, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Put the call's real tokens that are among their row's ``residual`` newest into the ring."""
