@@ -226,7 +226,8 @@ class EvictionLayer(CacheLayerMixin):
             heads = torch.arange(self.fan, device=self.device)[:, None]
             matches = (matches[..., None, :] & (self.head[:, :, :end, None, None] == heads)).flatten(-2)
         found = matches.any(2)[..., None]  # [B, rows, entries, 1]
-        slot = matches.to(torch.uint8).argmax(2)[..., None].expand(-1, -1, -1, dim)
+        slots = torch.arange(end, device=self.device)[:, None]
+        slot = torch.where(matches, slots, 0).amax(2)[..., None].expand(-1, -1, -1, dim)  # (at most one match)
         for x, ring in ((keys, self.ring_keys), (values, self.ring_values)):
             x[:, :, :end].masked_fill_(fresh, 0)  # (a fresh slot's codes may decode to anything: never added to)
             ring = ring[:, :, :residual].reshape(batch, rows, -1, dim)  # (shared: every head's entries in one row)
