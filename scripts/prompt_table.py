@@ -1,10 +1,11 @@
-"""The Compress-then-prompt README tables from the JSON files scripts/prompt_repro.sh writes (default runs/prompt)."""
+"""The reference model's Compress-then-prompt tables (docs/prompt.md) from the JSON that
+examples/experiments/reference/prompt.toml writes (default docs/results/prompt)."""
 
 import json
 import sys
 from pathlib import Path
 
-root = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/prompt")
+root = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/prompt")
 
 
 def ppl(name: str, text: str) -> float | None:

@@ -1,4 +1,5 @@
-"""Markdown tables from the JSON files the repro scripts write to docs/results/."""
+"""The reference model's tables (docs/results-reference.md) from the JSON that examples/experiments/reference/
+streamingllm.toml, h2o.toml and pruning.toml write to docs/results/."""
 
 import json
 import sys
@@ -40,7 +41,8 @@ for pct in (20, 10):
 
 pruning = root / "pruning"
 if (pruning / "dense_wiki.json").exists():
-    print("\n| model | wiki.test.raw PPL | books/test PPL | zeros in pruned layers | pruning s |\n|---|---|---|---|---|")
+    print("\n| model | wiki.test.raw PPL | books/test PPL | zeros in pruned layers | pruning s |\n"
+          "|---|---|---|---|---|")
     tags = (["dense"] + [f"{m}_{a}" for m in ("magnitude", "wanda", "sparsegpt") for a in ("0.5", "4of8", "2of4")]
             + [f"{m}_neurons{a}" for m in ("magnitude", "wanda") for a in ("0.25", "0.5")]
             + ["wanda_neurons0.25_heads0.5"])

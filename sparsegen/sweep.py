@@ -282,8 +282,8 @@ def run(sweep: Sweep, out: Path, workers: int = 1, ray: str | None = None, retri
     return counts
 
 
-def _run_ray(cells: list[dict], address: str, retries: int):
-    """Each cell a Ray task asking for its threads as CPUs; ``auto`` joins a running cluster or starts a local one."""
+def connect_ray(address: str):
+    """Ray, joined to the cluster at ``address``; ``auto`` joins a running cluster or starts a local one."""
     try:
         import ray
     except ImportError:
@@ -296,6 +296,12 @@ def _run_ray(cells: list[dict], address: str, retries: int):
                 ray.init(log_to_driver=False)  # no cluster running: a local one on this machine
         else:
             ray.init(address=address, log_to_driver=False)
+    return ray
+
+
+def _run_ray(cells: list[dict], address: str, retries: int):
+    """Each cell a Ray task asking for its threads as CPUs; ``auto`` joins a running cluster or starts a local one."""
+    ray = connect_ray(address)
     remote = ray.remote(run_cell).options(num_cpus=min(cells[0]["threads"], ray.cluster_resources().get("CPU", 1))
                                           if cells else 1, max_retries=retries, retry_exceptions=True)
     pending = {remote.remote(cell): cell for cell in cells}

@@ -64,8 +64,8 @@ def _sweep_cell(name: str, policy: str, budget, kv_bits: int | None = None, **op
 
 def test_the_h2o_sweep_files_reproduce_the_documented_perplexity_and_fidelity():
     """docs/results.md §2 at 20%: the H2O cells of its sweep files (`examples/sweeps/smollm2-h2o-*.toml`, what
-    `scripts/real/h2o.sh` ran) give the documented `ppl-h2o-20pct.json` and `fidelity-20pct.json` (deterministic
-    kept sets: equal but for float rounding in the KL)."""
+    `examples/experiments/h2o.toml` runs) give the documented `ppl-h2o-20pct.json` and `fidelity-20pct.json`
+    (deterministic kept sets: equal but for float rounding in the KL)."""
     import json
 
     folder = ROOT / "docs" / "results" / "smollm2" / "h2o"
@@ -85,8 +85,9 @@ def test_the_h2o_sweep_files_reproduce_the_documented_perplexity_and_fidelity():
 @pytest.mark.parametrize("policy, options, budget, documented", [("streaming", {}, 256, "streaming-256"),
                                                                  ("streaming", {"sinks": 1}, 256, "sinks1-256")])
 def test_the_streamingllm_sweep_file_reproduces_the_documented_perplexity(policy, options, budget, documented):
-    """docs/results.md §1: cells of `examples/sweeps/smollm2-streamingllm.toml` (what `scripts/real/streamingllm.sh`
-    ran; a sink-sweep cell among them) give the documented PPL over 39,998 tokens (about 2 minutes each)."""
+    """docs/results.md §1: cells of `examples/sweeps/smollm2-streamingllm.toml` (the grid of
+    `examples/experiments/streamingllm.toml`; a sink-sweep cell among them) give the documented PPL over 39,998
+    tokens (about 2 minutes each)."""
     import json
 
     metrics = _sweep_cell("smollm2-streamingllm", policy, budget, **options)
@@ -97,7 +98,8 @@ def test_the_streamingllm_sweep_file_reproduces_the_documented_perplexity(policy
 
 def test_the_policy_library_sweep_files_reproduce_the_documented_pass_key_and_fidelity():
     """docs/results.md §3: a pass-key cell with 4-bit K/V and a fidelity cell of `examples/sweeps/smollm2-policies-*`
-    (what `scripts/real/policies.sh` ran) give the documented accuracy and ROUGE-L (deterministic; KL to rounding)."""
+    (what `examples/experiments/policies.toml` runs) give the documented accuracy and ROUGE-L (deterministic; KL to
+    rounding)."""
     import json
 
     folder = ROOT / "docs" / "results" / "smollm2" / "policies"
