@@ -99,3 +99,21 @@ test-vllm: setup vllm
 gpu-check: setup
 	$(VENV)/bin/pytest -q tests/test_cuda.py tests/test_decoding.py
 	$(PY) scripts/compile_step.py random:llama-1b h2o 8192 --device cuda --dtype bfloat16
+
+# llama.cpp's own server as bench-serve's baseline (`bench-serve --spawn --baseline llama.cpp`): built from the
+# llama.cpp sources that llama-cpp-python's release ships (the binding's version), two parallel jobs, no web UI.
+LLAMA_SERVER_FROM := 0.3.36
+LLAMA_SERVER_SRC  := .cache/llama-server/llama_cpp_python-$(LLAMA_SERVER_FROM)/vendor/llama.cpp
+.PHONY: llama-server
+llama-server: setup
+	test -x $(VENV)/bin/llama-server || { \
+		mkdir -p .cache/llama-server && \
+		$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_SERVER_FROM) \
+			-d .cache/llama-server && \
+		tar xzf .cache/llama-server/llama_cpp_python-$(LLAMA_SERVER_FROM).tar.gz -C .cache/llama-server \
+			llama_cpp_python-$(LLAMA_SERVER_FROM)/vendor/llama.cpp && \
+		cmake -S $(LLAMA_SERVER_SRC) -B .cache/llama-server/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+			-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
+			-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF && \
+		cmake --build .cache/llama-server/build --target llama-server -j2 && \
+		cp .cache/llama-server/build/bin/llama-server $(VENV)/bin/llama-server; }

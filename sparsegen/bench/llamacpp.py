@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -22,8 +25,30 @@ INSTALL = ("llama.cpp rows need the llama-cpp-python binding, built from source 
            "make llamacpp, or CMAKE_BUILD_PARALLEL_LEVEL=2 pip install 'sparsegen[llamacpp]'")
 
 
+SERVER_INSTALL = ("the llama.cpp server baseline needs llama.cpp's `llama-server`: `make llama-server` builds it from "
+                  "the llama.cpp sources llama-cpp-python ships (two parallel jobs), or set LLAMA_SERVER=PATH")
+
+
 def available() -> bool:
     return find_spec("llama_cpp") is not None
+
+
+def server_binary() -> Path:
+    """``$LLAMA_SERVER``, else ``llama-server`` beside this Python or on PATH."""
+    found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if not found or not Path(found).is_file():
+        raise ValueError(SERVER_INSTALL)
+    return Path(found)
+
+
+def server_kv_bytes(log: str) -> int:
+    """The K/V bytes a ``llama-server`` allocated, from its start-up log (the ``KV buffer size`` lines: one per
+    cache, two for a model with sliding-window layers)."""
+    sizes = re.findall(r"KV buffer size =\s*([0-9.]+) MiB", log)
+    if not sizes:
+        raise RuntimeError(f"llama-server's log names no KV buffer size:\n{log[-1500:]}")
+    return int(sum(float(size) for size in sizes) * 2**20)
 
 
 def measure(gguf: Path, context: int, new_tokens: int, warmup: int, threads: int, seed: int = 0,

@@ -5,6 +5,9 @@ sessions live at once (every reply ``max_tokens`` long: ``ignore_eos``, as servi
 aggregate decode tokens/s (decode tokens over the seconds the engine spent decoding: the batch
 throughput the cap allows, H2O's serving measure) and end-to-end tokens/s (over the whole run, prefill included),
 time to first token and inter-token latency percentiles, failed requests, peak K/V bytes and the server's peak RSS.
+``baseline="llama.cpp"`` adds a row for llama.cpp's own server (``llama-server``, continuous batching over parallel
+slots) on the model's GGUF under the same cap: as many slots as the cap holds sessions of ``context`` tokens in
+llama.cpp's own K/V (f16), measured by the same clients.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class SpawnSetup:
     threads: int | None = None
     timeout: float = 1800
     extra: list[str] = field(default_factory=list)  # more `sparsegen serve` flags (e.g. --kv-bits 4)
+    baseline: str | None = None  # "llama.cpp": its server on the model's GGUF, under each cap too
 
 
 def _free_port() -> int:
@@ -90,7 +94,8 @@ def token_gaps(arrivals: list[float], tokens: list[int]) -> list[float]:
     return [(b - a) / n for a, b, n in zip(arrivals, arrivals[1:], tokens[1:]) for _ in range(n)]
 
 
-async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: list[dict], max_tokens: int) -> dict:
+async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: list[dict], max_tokens: int,
+                sparsegen: bool = True) -> dict:
     """One streamed reply: status, time to first token, the gaps between tokens, completion tokens, history.
 
     A streamed chunk carries every token since the one before (a token whose text is held back — a stop string's
@@ -103,7 +108,7 @@ async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: lis
         async with client.stream("POST", f"{url}/v1/chat/completions", headers={"X-Session-Id": session},
                                  json={"messages": messages, "max_tokens": max_tokens, "stream": True,
                                        "ignore_eos": True, "stream_options": {"include_usage": True},
-                                       "logprobs": True}) as response:
+                                       **({"logprobs": True} if sparsegen else {})}) as response:
             status, history = response.status_code, response.headers.get("X-Session-History")
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
@@ -123,14 +128,32 @@ async def _turn(client: httpx.AsyncClient, url: str, session: str, messages: lis
         status = type(err).__name__
     return {"status": status, "ttft": (arrivals[0] if arrivals else time.perf_counter()) - started,
             "chunk_gaps": [b - a for a, b in zip(arrivals, arrivals[1:])], "gaps": token_gaps(arrivals, tokens),
-            "content": "".join(content),
-            "completion_tokens": (usage or {}).get("completion_tokens", 0), "history": history}
+            "content": "".join(content), "streamed": (arrivals[0], arrivals[-1], sum(tokens[1:])) if arrivals else None,
+            "completion_tokens": (usage or {}).get("completion_tokens") or sum(tokens), "history": history}
 
 
-async def drive(url: str, openings: list[str], turns: int, max_tokens: int, timeout: float) -> dict:
-    """Every session at once, turn after turn; /metrics sampled meanwhile for live sessions and K/V bytes."""
+def streamed_tokens_per_s(results: list[dict]) -> float | None:
+    """Tokens after each reply's first, over the time at least one reply was streaming: the same clock for any
+    server (a server's own decode counters differ), between decode-only and end-to-end throughput."""
+    spans = sorted(r["streamed"] for r in results if r.get("streamed"))
+    busy, end = 0.0, float("-inf")
+    for first, last, _ in spans:
+        busy += max(0.0, last - max(first, end))
+        end = max(end, last)
+    return round(sum(n for _, _, n in spans) / busy, 2) if busy > 0 else None
+
+
+async def drive(url: str, openings: list[str], turns: int, max_tokens: int, timeout: float,
+                sparsegen: bool = True) -> dict:
+    """Every session at once, turn after turn; a sparsegen server's /metrics sampled meanwhile for live sessions and
+    K/V bytes (another server's counters are read by its own row)."""
     limits = httpx.Limits(max_connections=len(openings) + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        if not sparsegen:
+            started = time.perf_counter()
+            conversations = await asyncio.gather(*[
+                _converse(client, url, i, text, turns, max_tokens, False) for i, text in enumerate(openings)])
+            return _client_side(conversations, len(openings) * turns, time.perf_counter() - started)
         before = await read_metrics(client, url)
         peaks = {"live_sessions": 0.0, "kv_bytes": 0.0, "resident_bytes": 0.0}
         done = asyncio.Event()
@@ -142,28 +165,16 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
                     peaks[key] = max(peaks[key], metrics.get(key, 0.0))
                 await asyncio.sleep(0.25)
 
-        async def converse(index: int, opening: str) -> list[dict]:
-            messages, results = [], []
-            for turn in range(turns):
-                messages.append({"role": "user", "content": (opening + "\n\n" if turn == 0 else "") + QUESTION})
-                result = await _turn(client, url, f"spawn-{index}", messages, max_tokens)
-                results.append(result)
-                if result["status"] != 200:
-                    break
-                messages.append({"role": "assistant", "content": result["content"]})
-            return results
-
         watcher = asyncio.create_task(watch())
         started = time.perf_counter()
-        conversations = await asyncio.gather(*[converse(i, text) for i, text in enumerate(openings)])
+        conversations = await asyncio.gather(*[_converse(client, url, i, text, turns, max_tokens)
+                                               for i, text in enumerate(openings)])
         seconds = time.perf_counter() - started
         done.set()
         await watcher
         after = await read_metrics(client, url)
-    results = [r for conversation in conversations for r in conversation]
-    ok = [r for r in results if r["status"] == 200]
-    ttft, gaps = [r["ttft"] for r in ok], [g for r in ok for g in r["gaps"]]  # (percentile sorts)
-    chunk_gaps = [g for r in ok for g in r["chunk_gaps"]]
+    row = _client_side(conversations, len(openings) * turns, seconds)
+
     def spent(name: str) -> float:
         return after[name] - before[name]
 
@@ -172,23 +183,46 @@ async def drive(url: str, openings: list[str], turns: int, max_tokens: int, time
     # decode throughput: of the steps that only decoded (one that carried a prompt chunk also did prefill work)
     decoding_alone = decode_tokens - spent("packed_decode_tokens_total")
     decode_seconds = spent("decode_seconds_total") - spent("packed_seconds_total")
-    completion = sum(r["completion_tokens"] for r in ok)
     return {
-        "requests": len(results), "failed": len(results) - len(ok) + (len(openings) * turns - len(results)),
-        "seconds": round(seconds, 2), "completion_tokens": completion,
-        "tokens_per_s": round(completion / seconds, 2),
+        **row,
         "decode_tokens_per_s": round(decoding_alone / decode_seconds, 2) if decode_seconds > 0 else None,
         "packed_steps": int(spent("packed_steps_total")),
         "mean_decode_batch": round(decode_tokens / decode_steps, 2) if decode_steps else None,
-        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-        "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
-        "chunk_gap_p50_s": _pct(chunk_gaps, 0.5), "chunk_gap_p99_s": _pct(chunk_gaps, 0.99),
         "sessions_admitted": int(peaks["live_sessions"]), "kv_bytes_peak": int(peaks["kv_bytes"]),
-        "reencoded_replies": sum(r["history"] == "reencoded" for r in ok),
+        "reencoded_replies": sum(r["history"] == "reencoded" for c in conversations for r in c if r["status"] == 200),
         "dropped_sessions": int(after.get("dropped_sessions_total", 0) - before.get("dropped_sessions_total", 0)),
         "prefill_tokens": int(after["prefill_tokens_total"] - before["prefill_tokens_total"]),
         "server_errors": int(after["errors_total"] - before["errors_total"]),
     }
+
+
+async def _converse(client: httpx.AsyncClient, url: str, index: int, opening: str, turns: int, max_tokens: int,
+                    sparsegen: bool = True) -> list[dict]:
+    """One conversation, turn after turn, each sending the whole history (as an OpenAI client does)."""
+    messages, results = [], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": (opening + "\n\n" if turn == 0 else "") + QUESTION})
+        result = await _turn(client, url, f"spawn-{index}", messages, max_tokens, sparsegen)
+        results.append(result)
+        if result["status"] != 200:
+            break
+        messages.append({"role": "assistant", "content": result["content"]})
+    return results
+
+
+def _client_side(conversations: list[list[dict]], expected: int, seconds: float) -> dict:
+    """What the clients measured, the same for any server."""
+    results = [r for conversation in conversations for r in conversation]
+    ok = [r for r in results if r["status"] == 200]
+    ttft, gaps = [r["ttft"] for r in ok], [g for r in ok for g in r["gaps"]]  # (percentile sorts)
+    chunk_gaps = [g for r in ok for g in r["chunk_gaps"]]
+    completion = sum(r["completion_tokens"] for r in ok)
+    return {"requests": len(results), "failed": expected - len(ok), "seconds": round(seconds, 2),
+            "completion_tokens": completion, "tokens_per_s": round(completion / seconds, 2),
+            "streamed_tokens_per_s": streamed_tokens_per_s(ok),
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
+            "chunk_gap_p50_s": _pct(chunk_gaps, 0.5), "chunk_gap_p99_s": _pct(chunk_gaps, 0.99)}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -226,6 +260,69 @@ def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: 
     return {"policy": spec, "kv_memory_bytes": cap, **row}
 
 
+def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path) -> dict:
+    """llama.cpp's server on the model's GGUF under ``cap``: as many parallel slots of ``context`` tokens (continuous
+    batching) as its K/V allocation fits in the cap — read from its own start-up log, first for one slot, then for
+    the count chosen — its prompt cache in RAM off so that the cap is all the K/V it keeps; the same clients drive it."""
+    from sparsegen.bench import llamacpp
+    from sparsegen.models.gguf import gguf_file
+
+    binary, gguf = llamacpp.server_binary(), gguf_file(setup.model)
+    threads = str(setup.threads or os.cpu_count() or 1)
+
+    def start(slots: int, out, *flags: str) -> tuple[subprocess.Popen, str]:
+        port = _free_port()
+        server = subprocess.Popen([str(binary), "-m", str(gguf), "-c", str(slots * setup.context), "-np", str(slots),
+                                   "--no-kv-unified", "--cache-ram", "0", "--metrics", "-t", threads, "-tb", threads,
+                                   "-b", str(setup.chunk_size), "--host", "127.0.0.1", "--port", str(port), *flags],
+                                  stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, server, log)
+        return server, url
+
+    def stop(server: subprocess.Popen) -> None:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+    def allocated(slots: int) -> int:  # what llama.cpp allocates for that many slots (its info log says)
+        with open(log, "w") as out:
+            stop(start(slots, out, "-lv", "4")[0])
+        return llamacpp.server_kv_bytes(log.read_text())
+
+    per_session = allocated(1)
+    slots = min(setup.sessions, cap // per_session)
+    while slots > 1 and allocated(slots) > cap:  # (sliding-window caches do not grow by whole sessions)
+        slots -= 1
+    row = {"policy": "llama.cpp", "kv_memory_bytes": cap, "engine": f"llama-server ({gguf.name})",
+           "kv_bytes_per_session": per_session}
+    if slots == 0:
+        return {**row, "skipped": f"one {setup.context}-token session takes {per_session / 2**20:.1f} MiB of "
+                                  f"llama.cpp's K/V", "sessions_admitted": 0, "failed": 0, "server_errors": 0,
+                "decode_tokens_per_s": None, "tokens_per_s": None}
+    kv_bytes = allocated(slots)
+    with open(log, "w") as out:
+        server, url = start(slots, out)
+        try:
+            measured = asyncio.run(drive(url, openings, setup.turns, setup.max_tokens, setup.timeout, sparsegen=False))
+            counters = _prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
+            measured["peak_rss_bytes"] = peak_rss(server.pid)
+        finally:
+            stop(server)
+    return {**row, **measured, "sessions_admitted": slots, "kv_bytes_peak": kv_bytes,
+            "decode_tokens_per_s": None,  # llama.cpp counts generation time per slot: no aggregate decode clock
+            "mean_decode_batch": round(counters.get("n_busy_slots_per_decode", 0), 2) or None,
+            "prefill_tokens": int(counters.get("prompt_tokens_total", 0)), "server_errors": 0}
+
+
+def _prometheus(text: str) -> dict[str, float]:
+    """llama-server's /metrics as ``{name without the llamacpp: prefix: value}``."""
+    return {line.split()[0].removeprefix("llamacpp:"): float(line.split()[1])
+            for line in text.splitlines() if line.startswith("llamacpp:")}
+
+
 class NoRoom(Exception):
     """The cap holds not one session of this policy: a row of its own (0 admitted), not a failure of the run."""
 
@@ -254,9 +351,12 @@ def run(setup: SpawnSetup, tokenizer, work: Path, on_row=None) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for cap in setup.kv_memory:
-        for spec in setup.policies:
+        for spec in setup.policies + ([setup.baseline] if setup.baseline else []):
             log = work / f"serve-{spec.replace(':', '-')}-{cap}.log"
-            row = serve_one(setup, spec, cap, openings, log)
+            if spec == setup.baseline:
+                row = serve_llamacpp(setup, cap, openings, log)
+            else:
+                row = serve_one(setup, spec, cap, openings, log)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -265,13 +365,17 @@ def run(setup: SpawnSetup, tokenizer, work: Path, on_row=None) -> list[dict]:
                     None)
         if full is not None and full.get("decode_tokens_per_s") and row.get("decode_tokens_per_s"):
             row["throughput_ratio_vs_full"] = round(row["decode_tokens_per_s"] / full["decode_tokens_per_s"], 2)
+        if full is not None and full.get("tokens_per_s") and row.get("tokens_per_s"):
             row["end_to_end_ratio_vs_full"] = round(row["tokens_per_s"] / full["tokens_per_s"], 2)
+        if full is not None and full.get("streamed_tokens_per_s") and row.get("streamed_tokens_per_s"):
+            row["streamed_ratio_vs_full"] = round(row["streamed_tokens_per_s"] / full["streamed_tokens_per_s"], 2)
     return rows
 
 
 def summary(rows: list[dict]) -> str:
-    head = (f"{'policy':<16}{'KV cap MiB':>11}{'admitted':>9}{'batch':>6}{'failed':>7}{'decode tok/s':>13}{'e2e tok/s':>10}"
-            f"{'vs full':>8}{'TTFT p50':>9}{'p99':>7}{'ITL p50':>8}{'p99':>7}{'KV peak':>8}{'RSS MiB':>8}")
+    head = (f"{'policy':<16}{'KV cap MiB':>11}{'admitted':>9}{'batch':>6}{'failed':>7}{'decode tok/s':>13}"
+            f"{'streamed':>9}{'e2e tok/s':>10}{'vs full':>8}{'TTFT p50':>9}{'p99':>7}{'ITL p50':>8}{'p99':>7}"
+            f"{'KV peak':>8}{'RSS MiB':>8}")
     lines = [head]
     for r in rows:
         def ms(v):
@@ -279,36 +383,49 @@ def summary(rows: list[dict]) -> str:
 
         def ratio(v):  # (no full row under this cap: nothing to compare with)
             return "-" if v is None else f"{v:.2f}x"
+
+        def rate(v, width):
+            return f"{'-':>{width}}" if v is None else f"{v:>{width}.1f}"
         if "skipped" in r:
-            lines.append(f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{0:>9}  (the cap holds no session)")
+            lines.append(f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{0:>9}  (the cap holds no session: "
+                         f"{r['skipped']})")
             continue
         lines.append(
             f"{r['policy']:<16}{r['kv_memory_bytes'] / 2**20:>11,.0f}{r['sessions_admitted']:>9}"
             f"{r['mean_decode_batch'] or 0:>6.1f}{r['failed']:>7}"
-            f"{r['decode_tokens_per_s'] or 0:>13.1f}{r['tokens_per_s']:>10.1f}"
-            f"{ratio(r.get('throughput_ratio_vs_full')):>8}{r['ttft_p50_s'] or 0:>8.1f}s"
+            f"{rate(r['decode_tokens_per_s'], 13)}{rate(r.get('streamed_tokens_per_s'), 9)}{r['tokens_per_s']:>10.1f}"
+            f"{ratio(r.get('throughput_ratio_vs_full') or r.get('streamed_ratio_vs_full')):>8}"
+            f"{r['ttft_p50_s'] or 0:>8.1f}s"
             f"{r['ttft_p99_s'] or 0:>6.1f}s{ms(r['itl_p50_s']):>6}ms{ms(r['itl_p99_s']):>5}ms"
             f"{r['kv_bytes_peak'] / 2**20:>8.0f}{(r['peak_rss_bytes'] or 0) / 2**20:>8.0f}")
-    return "\n".join(lines)
+    return "\n".join(lines) + ("\n(streamed: tokens after each reply's first over the time any reply streamed, as the "
+                               "clients saw it; vs full: decode tok/s, or streamed where a row has no decode clock)"
+                               if any(r.get("decode_tokens_per_s") is None and "skipped" not in r for r in rows)
+                               else "")
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Decode tokens/s against the K/V cap, one line per policy."""
+    """Decode tokens/s (sparsegen's servers) and streamed tokens/s (every server, the clients' clock) against the
+    K/V cap, one line per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for spec in dict.fromkeys(r["policy"] for r in rows):
-        mine = sorted((r for r in rows if r["policy"] == spec and "skipped" not in r), key=lambda r: r["kv_memory_bytes"])
-        ax.plot([r["kv_memory_bytes"] / 2**20 for r in mine], [r["decode_tokens_per_s"] or 0 for r in mine], "o-",
-                label=f"{spec} ({'/'.join(str(r['sessions_admitted']) for r in mine)} live)")
-    ax.set_xlabel("K/V memory cap (MiB)")
-    ax.set_ylabel("aggregate decode tokens/s")
-    ax.set_title("serving at fixed memory")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "decode_tokens_per_s", "aggregate decode tokens/s"),
+                           (axes[1], "streamed_tokens_per_s", "streamed tokens/s (clients' clock)")):
+        for spec in dict.fromkeys(r["policy"] for r in rows):
+            mine = sorted((r for r in rows if r["policy"] == spec and "skipped" not in r and r.get(key)),
+                          key=lambda r: r["kv_memory_bytes"])
+            if mine:
+                ax.plot([r["kv_memory_bytes"] / 2**20 for r in mine], [r[key] for r in mine], "o-",
+                        label=f"{spec} ({'/'.join(str(r['sessions_admitted']) for r in mine)} live)")
+        ax.set_xlabel("K/V memory cap (MiB)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle("serving at fixed memory")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -76,7 +76,13 @@ def _bench_serve_spawn(args: argparse.Namespace) -> None:
         kv_memory=[parse_bytes(size) for size in args.kv_memory.split(",")], context=args.context,
         sessions=args.sessions, turns=args.turns, max_tokens=128 if args.max_tokens is None else args.max_tokens,
         chunk_size=args.chunk_size,
-        text=Path(args.text) if args.text else None, threads=args.threads, extra=list(args.serve_arg))
+        text=Path(args.text) if args.text else None, threads=args.threads, extra=list(args.serve_arg),
+        baseline=args.baseline)
+    if args.baseline:
+        from sparsegen.bench import llamacpp
+        from sparsegen.models.gguf import gguf_file
+
+        llamacpp.server_binary(), gguf_file(args.model)  # missing either fails before any server starts
     for spec in setup.policies:
         spawn.policy_flags(spec, setup.context)  # a bad policy fails before any server starts
     tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
@@ -93,7 +99,8 @@ def _bench_serve_spawn(args: argparse.Namespace) -> None:
 
     def finished(row: dict) -> None:  # each policy's row is saved as it ends: a cut-off run keeps the others
         print(f"  {row['policy']} under {row['kv_memory_bytes'] / 2**20:,.0f} MiB: {row['sessions_admitted']} live, "
-              f"{row['decode_tokens_per_s']} decode tok/s, {row['failed']} failed", flush=True)
+              f"{row['decode_tokens_per_s']} decode tok/s, {row.get('streamed_tokens_per_s')} streamed tok/s, "
+              f"{row['failed']} failed", flush=True)
         done.append(row)
         save(done)
 
@@ -149,4 +156,7 @@ def add_parsers(sub) -> None:
     spawn.add_argument("--threads", type=positive_int, default=None, help="CPU threads of each server")
     spawn.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                        help="one more flag for every spawned server, e.g. --serve-arg=--kv-bits=4 (repeatable)")
+    spawn.add_argument("--baseline", choices=["llama.cpp"], default=None,
+                       help="also run llama.cpp's server (llama-server, `make llama-server`) on the model's GGUF under "
+                            "each cap: as many parallel slots as the cap holds sessions in its own K/V")
     p.set_defaults(func=cmd_bench_serve)

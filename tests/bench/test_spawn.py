@@ -59,3 +59,60 @@ def test_a_chunk_of_several_tokens_counts_as_that_many_gaps():
 
     assert token_gaps([0.0, 1.0, 3.0, 3.5], [1, 1, 2, 1]) == [1.0, 1.0, 1.0, 0.5]
     assert token_gaps([2.0], [3]) == []  # the first chunk's wait is the time to first token
+
+
+def test_streamed_throughput_counts_tokens_over_the_time_any_reply_streamed():
+    from sparsegen.bench.spawn import streamed_tokens_per_s
+
+    # two replies overlapping in [1, 2], one alone later: busy 0-3 and 5-6 = 4 s, tokens after each first: 4+2+2
+    replies = [{"streamed": (0.0, 2.0, 4)}, {"streamed": (1.0, 3.0, 2)}, {"streamed": (5.0, 6.0, 2)}, {"streamed": None}]
+    assert streamed_tokens_per_s(replies) == 2.0
+    assert streamed_tokens_per_s([{"streamed": (1.0, 1.0, 0)}]) is None  # one token each: no streaming time
+
+
+def test_llamacpps_own_counters_and_kv_size_are_read_from_its_output():
+    from sparsegen.bench.llamacpp import server_kv_bytes
+    from sparsegen.bench.spawn import _prometheus
+
+    log = ("llama_kv_cache:        CPU KV buffer size =    48.00 MiB\n"
+           "llama_kv_cache: size =   48.00 MiB (  8192 cells,   3 layers,  1/1 seqs), K (f16):   24.00 MiB\n"
+           "llama_kv_cache:        CPU KV buffer size =    22.50 MiB\n")  # a global and a sliding-window cache
+    assert server_kv_bytes(log) == int(70.5 * 2**20)
+    with pytest.raises(RuntimeError, match="no KV buffer size"):
+        server_kv_bytes("loading model\n")
+    metrics = ("# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+               "llamacpp:prompt_tokens_total 4096\nllamacpp:n_busy_slots_per_decode 3.5\n")
+    assert _prometheus(metrics) == {"prompt_tokens_total": 4096.0, "n_busy_slots_per_decode": 3.5}
+
+
+def test_the_llamacpp_baseline_without_its_server_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
+    assert main(["bench-serve", "--spawn", "--model", "reference", "--kv-memory", "1MiB",
+                 "--baseline", "llama.cpp"]) == 2
+
+
+def _llama_server() -> bool:
+    from sparsegen.bench.llamacpp import server_binary
+
+    try:
+        return server_binary() is not None
+    except ValueError:
+        return False
+
+
+@pytest.mark.skipif(not _llama_server(), reason="llama-server is not built (make llama-server)")
+def test_llamacpps_server_runs_under_the_same_cap_and_clients(tmp_path):
+    """llama.cpp's server on SmolLM2's GGUF under a cap of two of its sessions: two slots, every reply served, its
+    K/V what the cap holds, the same client-side measures as sparsegen's rows."""
+    out = tmp_path / "spawn.json"
+    assert main(["bench-serve", "--spawn", "--model", "smollm2", "--policies", "full", "--kv-memory", "64MiB",
+                 "--context", "512", "--sessions", "3", "--turns", "2", "--max-tokens", "8", "--chunk-size", "128",
+                 "--baseline", "llama.cpp", "--json", str(out)]) in (0, None)
+    rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
+    llama = rows["llama.cpp"]
+    per_session = llama["kv_bytes_per_session"]
+    assert llama["sessions_admitted"] == min(3, 64 * 2**20 // per_session) >= 1
+    assert llama["failed"] == 0 and llama["requests"] == 6 and llama["completion_tokens"] == 6 * 8
+    assert llama["kv_bytes_peak"] == llama["sessions_admitted"] * per_session <= 64 * 2**20
+    assert llama["streamed_tokens_per_s"] > 0 and llama["tokens_per_s"] > 0 and llama["decode_tokens_per_s"] is None
+    assert rows["full"]["streamed_tokens_per_s"] > 0 and llama["streamed_ratio_vs_full"] > 0
