@@ -263,7 +263,8 @@ def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: 
 def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path) -> dict:
     """llama.cpp's server on the model's GGUF under ``cap``: as many parallel slots of ``context`` tokens (continuous
     batching) as its K/V allocation fits in the cap — read from its own start-up log, first for one slot, then for
-    the count chosen — its prompt cache in RAM off so that the cap is all the K/V it keeps; the same clients drive it."""
+    the count chosen — its prompt cache in RAM off so that the cap is all the K/V it keeps; the same clients drive
+    it."""
     from sparsegen.bench import llamacpp
     from sparsegen.models.gguf import gguf_file
 

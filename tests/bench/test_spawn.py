@@ -65,7 +65,8 @@ def test_streamed_throughput_counts_tokens_over_the_time_any_reply_streamed():
     from sparsegen.bench.spawn import streamed_tokens_per_s
 
     # two replies overlapping in [1, 2], one alone later: busy 0-3 and 5-6 = 4 s, tokens after each first: 4+2+2
-    replies = [{"streamed": (0.0, 2.0, 4)}, {"streamed": (1.0, 3.0, 2)}, {"streamed": (5.0, 6.0, 2)}, {"streamed": None}]
+    replies = [{"streamed": (0.0, 2.0, 4)}, {"streamed": (1.0, 3.0, 2)}, {"streamed": (5.0, 6.0, 2)},
+               {"streamed": None}]
     assert streamed_tokens_per_s(replies) == 2.0
     assert streamed_tokens_per_s([{"streamed": (1.0, 1.0, 0)}]) is None  # one token each: no streaming time
 
