@@ -46,12 +46,8 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,6 +253,8 @@ def execute(run: Run) -> None:
             raise RuntimeError(f"{run.name}: {source} does not exist")
         shutil.copyfile(source, target)
         return
+    from sparsegen.bench.spawn import stop_server
+
     server, argv = None, run.argv
     try:
         if run.server is not None:
@@ -276,31 +274,25 @@ def execute(run: Run) -> None:
             raise RuntimeError(f"{run.name}: finished but did not write {run.creates}")
     finally:
         if server is not None:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_server(server, 60)
 
 
 def _start_server(run: Run) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = open(run.creates.with_name(f"serve-{run.name}.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "sparsegen", "serve", *run.server, "--port", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=run.folder)
+    """``sparsegen serve`` with the run's arguments on a free port, once it answers /health; its log beside the
+    run's output."""
+    from sparsegen.bench.spawn import free_port, stop_server, wait_healthy
+
+    port, log = free_port(), run.creates.with_name(f"serve-{run.name}.log")
+    with open(log, "w") as out:  # (the server writes to its own copy of the handle)
+        server = subprocess.Popen([sys.executable, "-m", "sparsegen", "serve", *run.server, "--port", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT, cwd=run.folder)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if server.poll() is not None:
-            raise RuntimeError(f"{run.name}: the server exited with status {server.returncode} (see {log.name})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return server, url
-        except OSError:
-            time.sleep(0.5)
-    server.kill()
-    raise RuntimeError(f"{run.name}: the server did not answer /health in 5 minutes (see {log.name})")
+    try:
+        wait_healthy(url, server, log)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server, url
 
 
 def needed(experiment: Experiment, only: list[str] | None = None) -> tuple[list[Run], list[Run]]:

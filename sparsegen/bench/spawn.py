@@ -49,7 +49,7 @@ class SpawnSetup:
     baseline: str | None = None  # "llama.cpp": its server on the model's GGUF, under each cap too
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -231,7 +231,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: Path) -> dict:
     """Start a server for ``spec`` under ``cap``, drive the conversations, stop it; one report row."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "sparsegen", "serve", "--model", setup.model, *policy_flags(spec, setup.context),
                "--kv-memory", str(cap), "--max-context", str(setup.context), "--chunk-size", str(setup.chunk_size),
@@ -245,19 +245,24 @@ def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: 
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            _wait_healthy(url, server, log)
+            wait_healthy(url, server, log)
             row = asyncio.run(drive(url, openings, setup.turns, setup.max_tokens, setup.timeout))
             row["peak_rss_bytes"] = peak_rss(server.pid)
         except NoRoom as err:
             row = {"skipped": str(err), "sessions_admitted": 0, "failed": 0, "server_errors": 0,
                    "decode_tokens_per_s": None, "tokens_per_s": None}
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_server(server)
     return {"policy": spec, "kv_memory_bytes": cap, **row}
+
+
+def stop_server(server: subprocess.Popen, seconds: float = 30) -> None:
+    """Ask a server to shut down (SIGTERM: a graceful stop), and kill it if it has not in ``seconds``."""
+    server.terminate()
+    try:
+        server.wait(seconds)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path) -> dict:
@@ -272,25 +277,18 @@ def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path) 
     threads = str(setup.threads or os.cpu_count() or 1)
 
     def start(slots: int, out, *flags: str) -> tuple[subprocess.Popen, str]:
-        port = _free_port()
+        port = free_port()
         server = subprocess.Popen([str(binary), "-m", str(gguf), "-c", str(slots * setup.context), "-np", str(slots),
                                    "--no-kv-unified", "--cache-ram", "0", "--metrics", "-t", threads, "-tb", threads,
                                    "-b", str(setup.chunk_size), "--host", "127.0.0.1", "--port", str(port), *flags],
                                   stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, server, log)
+        wait_healthy(url, server, log)
         return server, url
-
-    def stop(server: subprocess.Popen) -> None:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
     def allocated(slots: int) -> int:  # what llama.cpp allocates for that many slots (its info log says)
         with open(log, "w") as out:
-            stop(start(slots, out, "-lv", "4")[0])
+            stop_server(start(slots, out, "-lv", "4")[0])
         return llamacpp.server_kv_bytes(log.read_text())
 
     per_session = allocated(1)
@@ -311,7 +309,7 @@ def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path) 
             counters = _prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
             measured["peak_rss_bytes"] = peak_rss(server.pid)
         finally:
-            stop(server)
+            stop_server(server)
     return {**row, **measured, "sessions_admitted": slots, "kv_bytes_peak": kv_bytes,
             "decode_tokens_per_s": None,  # llama.cpp counts generation time per slot: no aggregate decode clock
             "mean_decode_batch": round(counters.get("n_busy_slots_per_decode", 0), 2) or None,
@@ -328,7 +326,7 @@ class NoRoom(Exception):
     """The cap holds not one session of this policy: a row of its own (0 admitted), not a failure of the run."""
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, log: Path, seconds: float = 300) -> None:
+def wait_healthy(url: str, server: subprocess.Popen, log: Path, seconds: float = 300) -> None:
     deadline = time.time() + seconds
     while time.time() < deadline:
         if server.poll() is not None:

@@ -21,6 +21,7 @@ POLICY_LIBRARY = ("h2o", "streaming-h2o", "scissorhands", "tova", "adakv", "pyra
                   "keydiff", "window", "knorm", "random")
 PRUNED = (["dense"] + [f"{m}_{a}" for m in ("magnitude", "wanda", "sparsegpt") for a in ("0.5", "4of8", "2of4")]
           + [f"{m}_neurons{a}" for m in ("magnitude", "wanda") for a in ("0.25", "0.5")])
+STREAM_RUNS = ["full"] + [f"{p}-{b}" for b in (256, 1024) for p in ("window", "streaming", "h2o", "streaming-h2o")]
 BLOCK = re.compile(r"(<!-- results: (?P<name>[\w./-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 
 
@@ -50,7 +51,7 @@ def span(result: dict, start: int = 0, end: float = math.inf) -> float:
 def streaming(root: Path, model: str) -> dict[str, str]:
     """``streaming.toml``: every policy streamed past the trained length, and the sink sweep."""
     trained, blocks, rows = TRAINED.get(model, 8192), {}, []
-    for name in ["full"] + [f"{p}-{b}" for b in (256, 1024) for p in ("window", "streaming", "h2o", "streaming-h2o")]:
+    for name in STREAM_RUNS:
         r = read(root / f"{name}.json")
         if r is not None:
             label = name if name == "full" else f"{name.rsplit('-', 1)[0]}, {int(name.rsplit('-', 1)[1]):,}"
@@ -78,7 +79,7 @@ def plot_streaming(root: Path, model: str) -> None:
     from sparsegen.eval.plots import plot_stream
 
     summaries, traces = [], []
-    for name in ["full"] + [f"{p}-{b}" for b in (256, 1024) for p in ("window", "streaming", "h2o", "streaming-h2o")]:
+    for name in STREAM_RUNS:
         r = read(root / f"{name}.json")
         if r is None:
             continue

@@ -12,17 +12,12 @@ import uvicorn
 
 import sparsegen
 from sparsegen.generation import generate
+from sparsegen.bench.spawn import free_port as _free_port
 from sparsegen.kv import make_policy
 from sparsegen.serve import Engine
 from sparsegen.serve.server import Limits, build_app
 
 BUDGET = 48
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, alive=lambda: True, seconds: float = 60) -> None:
