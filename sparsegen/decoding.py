@@ -75,8 +75,8 @@ class DecodeStep:
     so one compile per (batch, slots) shape serves every step, filling or evicting. On CUDA,
     ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token, with the
     cache's state marked static (it is updated in place). Eager where a cache cannot take a fixed step (padded rows
-    of a server's batch, quantized K/V, heads sharing slots, a policy that reads the host, a ``full`` cache out of
-    slots), and with ``compile=False``, for debugging."""
+    of a server's batch, heads sharing slots, a policy that reads the host, a ``full`` cache out of slots), and with
+    ``compile=False``, for debugging."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):
         self.model, self.compiled = model, compile

@@ -22,6 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sparsegen.models.families import family
 from sparsegen.kv.policy import TokenView
+from sparsegen.kv.quantized import HeldCodes
 from sparsegen.models.compat import attention_implementation, model_eager_attention, passed_cache
 
 BACKENDS = ("sdpa", "eager")
@@ -52,7 +53,7 @@ def _scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     batch, q_heads, q, head_dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * q, head_dim)
-    scores = grouped @ key.float().transpose(-1, -2) * scaling
+    scores = (key.scores(grouped) if isinstance(key, HeldCodes) else grouped @ key.float().transpose(-1, -2)) * scaling
     return scores.view(batch, kv_heads, q_heads // kv_heads, q, -1)
 
 
@@ -227,7 +228,7 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
         real = None if q == 1 and not cache.padded else step.new_valid[:, None, None, :, None]
         observe(layer.policy, layer.attention[:, :, :total], probs, visible, real, step.new_index)
     grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
-    out = grouped[..., :held] @ value
+    out = value.weigh(grouped[..., :held]) if isinstance(value, HeldCodes) else grouped[..., :held] @ value
     if incoming is not None:
         out = out + grouped[..., held:] @ incoming[1]
     return out.view(batch, q_heads, q, -1)

@@ -33,7 +33,7 @@ from sparsegen.kv.attention import prepare
 from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.window import Window
 from sparsegen.kv.policy import Policy, TokenView
-from sparsegen.kv.quantized import TINY, KVQuantization, as_quantization, dequantize, quantize
+from sparsegen.kv.quantized import TINY, HeldCodes, KVQuantization, as_quantization, dequantize, quantize
 from sparsegen.kv.rotary import Rotary
 from sparsegen.models.anatomy import pinned_tokens
 
@@ -211,6 +211,28 @@ class EvictionLayer(CacheLayerMixin):
             self._read_residual(keys, values, end)
         return keys, values
 
+    @property
+    def reads_codes(self) -> bool:
+        """Whether a decode step's attention reads this quantized layer's codes as they are (``HeldCodes``): on a
+        CPU in fp32 (the grouped-matmul path), with keys held rotated (rolling positions turn every held key)."""
+        return (self.quantization is not None and not self.cache.rolling and self.device.type == "cpu"
+                and self.dtype == torch.float32)
+
+    def held_codes(self, end: int) -> tuple[HeldCodes, HeldCodes]:
+        """Keys and values of slots ``:end`` as codes, for attention to read without decoding them; the slots whose
+        token is in the full-precision residual are marked, with their ring entry."""
+        bits, residual = self.quantization.bits, self.quantization.residual
+        fresh = entry = None
+        if residual:
+            index = self.index[:, :, :end]
+            entry = index % residual
+            fresh = self.ring_index.gather(1, entry.flatten(1)).view_as(index) == index
+        return tuple(HeldCodes(getattr(self, name + "s")[:, :, :end], getattr(self, name + "_scale")[:, :, :end],
+                               getattr(self, name + "_zero")[:, :, :end], bits, channels,
+                               ring[:, :, :residual] if residual else None, fresh, entry)
+                     for name, channels, ring in (("key", self.key_channels, self.ring_keys),
+                                                  ("value", None, self.ring_values)))
+
     def _read_residual(self, keys: torch.Tensor, values: torch.Tensor, end: int) -> None:
         """Put each ring token's full-precision K/V in place of its dequantized slot among ``:end``, in shapes that do
         not depend on the data (no ``nonzero``): the slots whose token is in the ring are zeroed, each ring entry's
@@ -293,7 +315,7 @@ class EvictionLayer(CacheLayerMixin):
         if not fixed:  # (a fixed step's caller counts: a number read here would be one the graph specialises on)
             self.peak_tokens = max(self.peak_tokens, end)
         if self.incoming is not None:  # attention reads the held slots and ``incoming``
-            return self.held(start)
+            return self.held_codes(start) if self.reads_codes else self.held(start)
         # the call's own tokens are attended in full precision
         keys, values = self.held(end) if self.quantization is None else self.held(start, key_states, value_states)
         if self.memo is not None:

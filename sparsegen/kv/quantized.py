@@ -99,3 +99,69 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     if out is not None and values is not out:
         out.copy_(values)
     return values if out is None else out
+
+
+@dataclass
+class HeldCodes:
+    """A quantized layer's held keys or values as a decode step's attention reads them on a CPU: straight from the
+    codes, never decoded into an fp32 copy of the cache. Dequantizing every held slot each step (unpack, scale,
+    shift, channel scales, residual) took several passes over an fp32 cache and made 4-bit K/V slower than fp32.
+    Here the scale, zero point and channel scales are moved out of the sums (``q . (c * (z + s * code)) = z *
+    sum(q * c) + s * ((q * c) . code)``; ``sum_t p * (z + s * code) = sum_t p * z + (p * s) . code``), and each
+    ``code`` is taken out of its byte inside the sum, so a compiled step reads each slot's bytes once (eager, where
+    nothing fuses, the codes are unpacked into one float copy for a matmul). Slots whose token is in the
+    full-precision residual (``fresh``) read its ring ``entry`` instead."""
+
+    codes: torch.Tensor  # uint8 [B, H, T, D * bits / 8]
+    scale: torch.Tensor  # float16 [B, H, T, 1]
+    zero: torch.Tensor  # float16 [B, H, T, 1]
+    bits: int
+    channels: torch.Tensor | None  # keys: each channel's scale [B, H, 1, D]; values: None
+    ring: torch.Tensor | None  # the residual's full-precision keys or values [B, H, R, D]; None without one
+    fresh: torch.Tensor | None  # bool [B, H, T]: the slot's token is in the ring
+    entry: torch.Tensor | None  # int64 [B, H, T]: its ring entry
+
+    dtype = torch.float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.codes.shape[:3], self.codes.shape[-1] * 8 // self.bits))
+
+    def _code(self, part: int) -> torch.Tensor:
+        """Each byte's ``part``-th value (the one at ``d = byte * per + part``), as floats ``[B, H, T, bytes]``."""
+        if self.bits == 8:
+            return self.codes.float()
+        return ((self.codes >> (self.bits * part)) & (2 ** self.bits - 1)).float()
+
+    def scores(self, queries: torch.Tensor) -> torch.Tensor:
+        """``queries @ keys.T``: ``[B, H, M, D]`` queries against the held keys, ``[B, H, M, T]``."""
+        scaled = queries * self.channels
+        if torch.compiler.is_compiling():
+            per = 8 // self.bits
+            parts = scaled.unflatten(-1, (-1, per))  # [B, H, M, bytes, per]
+            raw = sum((parts[:, :, :, None, :, s] * self._code(s)[:, :, None]).sum(-1) for s in range(per))
+        else:  # eager: one unpacked copy and a matmul (broadcast products cost more than the copy)
+            raw = scaled @ unpack(self.codes, self.bits).float().transpose(-1, -2)
+        out = self.zero.float().transpose(-1, -2) * scaled.sum(-1, keepdim=True) \
+            + self.scale.float().transpose(-1, -2) * raw
+        if self.ring is None:
+            return out
+        ring = (queries @ self.ring.transpose(-1, -2)).gather(-1, self.entry[:, :, None].expand_as(out))
+        return torch.where(self.fresh[:, :, None], ring, out)
+
+    def weigh(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs @ values``: ``[B, H, M, T]`` weights over the held values, ``[B, H, M, D]``."""
+        from_ring = None
+        if self.ring is not None:
+            fresh = self.fresh[:, :, None]
+            from_ring = probs.new_zeros(*probs.shape[:3], self.ring.shape[2]).scatter_add(
+                -1, self.entry[:, :, None].expand_as(probs), probs.masked_fill(~fresh, 0)) @ self.ring
+            probs = probs.masked_fill(fresh, 0)
+        weights = probs * self.scale.float().transpose(-1, -2)
+        if torch.compiler.is_compiling():
+            parts = [(weights[..., None] * self._code(s)[:, :, None]).sum(-2) for s in range(8 // self.bits)]
+            out = torch.stack(parts, -1).flatten(-2)
+        else:
+            out = weights @ unpack(self.codes, self.bits).float()
+        out = out + (probs * self.zero.float().transpose(-1, -2)).sum(-1, keepdim=True)
+        return out if from_ring is None else out + from_ring

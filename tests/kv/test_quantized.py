@@ -1,12 +1,15 @@
 """Quantized KV: codes round-trip within their bounds, a full-budget quantized cache matches a plain fake-quantizing
-reference, the residual and padding are handled, and the bytes held drop as the bit width says."""
+reference, the residual and padding are handled, a decode step reads the codes as the dequantizing read does, and the
+bytes held drop as the bit width says."""
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from sparsegen.decoding import DecodeStep, forward
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.quantized import KVQuantization, dequantize, pack, quantize, unpack
+from sparsegen.kv.cache import EvictionLayer
+from sparsegen.kv.quantized import HeldCodes, KVQuantization, dequantize, pack, quantize, unpack
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 from tests.kv.test_exactness import CHUNKS, _padded_batch, _run_chunks
@@ -187,3 +190,83 @@ def test_stepwise_replay_over_quantized_storage(policy):
         runs[bits is None] = _run_chunks(model, cache, ids, mask, [16, 16, 8])
         assert max(cache.held_tokens()) == 12
     assert (runs[True] - runs[False]).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("ring", [True, False])
+def test_codes_are_read_as_their_dequantized_values(bits, ring):
+    """``HeldCodes``'s scores and weighted sums equal plain matmuls over the dequantized keys and values, the fresh
+    slots' taken from the ring (the reference: what ``EvictionLayer.held`` decodes)."""
+    _check_codes_read(bits, ring, compiled=False)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_compiled_codes_are_read_as_their_dequantized_values(bits):
+    """Compiled, the codes are unpacked inside the sums (another form than eager's): the same values."""
+    _check_codes_read(bits, ring=True, compiled=True)
+
+
+def _check_codes_read(bits: int, ring: bool, compiled: bool) -> None:
+    generator = torch.Generator().manual_seed(bits)
+    batch, heads, slots, dim, residual, queries = 2, 3, 40, 16, 5, 4
+    keys, values = (torch.randn(batch, heads, slots, dim, generator=generator) for _ in range(2))
+    channels = keys.abs().amax(2, keepdim=True)
+    (key_codes, key_scale, key_zero), (value_codes, value_scale, value_zero) = (
+        quantize(keys / channels, bits), quantize(values, bits))
+    index = torch.randperm(slots, generator=generator).repeat(batch, heads, 1)  # slots out of token order
+    entry = index % residual
+    fresh = index >= slots - residual  # the newest tokens, each in ring entry (ordinal % residual)
+    ring_keys, ring_values = (torch.randn(batch, heads, residual, dim, generator=generator) for _ in range(2))
+    held = {}
+    for name, codes, scale, zero, channel, ring_x in (("key", key_codes, key_scale, key_zero, channels, ring_keys),
+                                                      ("value", value_codes, value_scale, value_zero, None, ring_values)):
+        held[name] = HeldCodes(codes, scale, zero, bits, channel, ring_x if ring else None,
+                               fresh if ring else None, entry if ring else None)
+    decoded_keys = dequantize(key_codes, key_scale, key_zero, bits) * channels
+    decoded_values = dequantize(value_codes, value_scale, value_zero, bits)
+    if ring:
+        take = entry[..., None].expand(-1, -1, -1, dim)
+        decoded_keys = torch.where(fresh[..., None], ring_keys.gather(2, take), decoded_keys)
+        decoded_values = torch.where(fresh[..., None], ring_values.gather(2, take), decoded_values)
+    query = torch.randn(batch, heads, queries, dim, generator=generator)
+    probs = torch.softmax(torch.randn(batch, heads, queries, slots, generator=generator), -1)
+    assert held["key"].shape == decoded_keys.shape
+
+    def read(keys: HeldCodes, values: HeldCodes, query: torch.Tensor, probs: torch.Tensor):
+        return keys.scores(query), values.weigh(probs)
+
+    scores, weighted = (torch.compile(read, fullgraph=True) if compiled else read)(held["key"], held["value"], query,
+                                                                                   probs)
+    torch.testing.assert_close(scores, query @ decoded_keys.transpose(-1, -2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weighted, probs @ decoded_values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("policy,residual", [("h2o", 4), ("full", 4), ("window", 0)])
+def test_a_decode_step_reads_the_codes_as_the_dequantizing_step_does(family, policy, residual, monkeypatch):
+    """fp32 on a CPU, the fixed-shape decode step reads the held codes without decoding them (``HeldCodes``): the
+    same logits, step by step (fp32 tolerance), as the step that dequantizes every held slot first."""
+    model = tiny_model(family)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    read = []
+    monkeypatch.setattr(HeldCodes, "scores", lambda self, queries, scores=HeldCodes.scores: (
+        read.append(1), scores(self, queries))[1])
+
+    def decode(reads_codes: bool) -> torch.Tensor:
+        with monkeypatch.context() as patch:
+            if not reads_codes:
+                patch.setattr(EvictionLayer, "reads_codes", property(lambda self: False))
+            cache = EvictionCache(model, make_policy(policy, None if policy == "full" else 10), chunk_size=8,
+                                  kv_bits=KVQuantization(4, residual), expected_length=20)
+            step = DecodeStep(model, compile=True)
+            with torch.inference_mode():
+                logits = [forward(model, cache, ids, torch.arange(6).expand(2, -1), last=True)]
+                for position in range(6, 16):  # the budget (10) fills, then the step evicts
+                    assert cache.fits_fixed_step()
+                    logits.append(step.uncompiled(cache, logits[-1].argmax(-1), torch.full((2,), position)))
+            return torch.stack(logits)
+
+    dequantizing = decode(False)
+    assert not read
+    torch.testing.assert_close(decode(True), dequantizing, atol=1e-5, rtol=1e-5)
+    assert read  # (the codes were read: the step took the path under test)
