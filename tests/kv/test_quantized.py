@@ -217,11 +217,11 @@ def _check_codes_read(bits: int, ring: bool, compiled: bool) -> None:
     entry = index % residual
     fresh = index >= slots - residual  # the newest tokens, each in ring entry (ordinal % residual)
     ring_keys, ring_values = (torch.randn(batch, heads, residual, dim, generator=generator) for _ in range(2))
-    held = {}
-    for name, codes, scale, zero, channel, ring_x in (("key", key_codes, key_scale, key_zero, channels, ring_keys),
-                                                      ("value", value_codes, value_scale, value_zero, None, ring_values)):
-        held[name] = HeldCodes(codes, scale, zero, bits, channel, ring_x if ring else None,
-                               fresh if ring else None, entry if ring else None)
+    residual_read = (fresh, entry) if ring else (None, None)
+    held = {"key": HeldCodes(key_codes, key_scale, key_zero, bits, channels, ring_keys if ring else None,
+                             *residual_read),
+            "value": HeldCodes(value_codes, value_scale, value_zero, bits, None, ring_values if ring else None,
+                               *residual_read)}
     decoded_keys = dequantize(key_codes, key_scale, key_zero, bits) * channels
     decoded_values = dequantize(value_codes, value_scale, value_zero, bits)
     if ring:
