@@ -365,8 +365,37 @@ def plot_policies(root: Path, model: str) -> None:
     plt.close(fig)
 
 
+def ruler(root: Path, model: str) -> dict[str, str]:
+    """``sparsegen ruler`` runs (``ruler-*.json``) and sweep cells (``sweep-*.json``): a row per policy, budget,
+    protocol, length and sample count, each task's score, and the average where every task was run."""
+    from sparsegen.eval.ruler import TASKS
+
+    scores: dict[tuple, dict[str, float]] = {}
+    for path in sorted(root.glob("ruler-*.json")):
+        r = read(path)
+        for row in r["rows"]:
+            budget = "all" if row["policy"] == "full" else f"{r['budget_arg']:.0%}"
+            key = (row["length"], row["policy"] != "full", -r["budget_arg"], row["policy"], budget, row["protocol"],
+                   r["samples_per_task"])
+            scores.setdefault(key, {})[row["task"]] = row["score"]
+    for path in sorted(root.glob("sweep-*.json")):
+        r = read(path)
+        options, budget = r["options"], float(r["budget"])
+        key = (int(r["length"]), r["policy"] != "full", -budget, r["policy"], f"{budget:.0%}", options["protocol"],
+               options["samples"])
+        scores.setdefault(key, {}).update(r["metrics"]["tasks"])
+    rows = []
+    for (length, _, _, policy, budget, protocol, samples), by_task in sorted(scores.items()):
+        average = f"{sum(by_task.values()) / len(TASKS):.2f}" if set(by_task) == set(TASKS) else "-"
+        rows.append([policy, budget, protocol, f"{length:,}", samples]
+                    + [f"{by_task[t]:.2f}" if t in by_task else "-" for t in TASKS] + [average])
+    return {f"{model}/ruler": table(["policy", "budget", "protocol", "length", "samples"] + list(TASKS)
+                                    + ["average"], rows)} if rows else {}
+
+
+# folder under docs/results/MODEL/ -> its tables
 SECTIONS = {"streaming": streaming, "h2o": h2o, "policies": policies, "passkey": passkey, "pruning": pruning,
-            "contextual": contextual, "prompt": prompt}  # folder under docs/results/MODEL/ -> its tables
+            "contextual": contextual, "prompt": prompt, "ruler": ruler}
 
 
 def blocks(root: Path) -> dict[str, str]:

@@ -63,3 +63,25 @@ def test_plots_are_drawn_from_the_json(tmp_path):
                     ignore=shutil.ignore_patterns("*.png"))
     results_page.plot(tmp_path)
     assert (tmp_path / "smollm2" / "policies" / "policies.png").stat().st_size > 10_000
+
+
+def test_ruler_runs_and_sweep_cells_make_one_table(tmp_path):
+    """A ``sparsegen ruler`` run and a sweep cell land in one table, full first; the average is RULER's over every
+    task, and a run of some tasks only shows none."""
+    from sparsegen.eval.ruler import TASKS
+
+    folder = tmp_path / "tiny" / "ruler"
+    folder.mkdir(parents=True)
+    rows = [{"policy": "full", "budget": None, "protocol": "context", "task": t, "length": 4096, "score": 1.0}
+            for t in TASKS] + [{"policy": "h2o", "budget": 819, "protocol": "stream", "task": "vt", "length": 4096,
+                                "score": 0.5}]
+    (folder / "ruler-a.json").write_text(json.dumps({"budget_arg": 0.2, "samples_per_task": 2, "rows": rows}))
+    (folder / "sweep-b.json").write_text(json.dumps({
+        "policy": "snapkv", "budget": "0.5", "length": "4096", "options": {"protocol": "context", "samples": 3},
+        "metrics": {"tasks": {t: 0.25 for t in TASKS}}}))
+    lines = results_page.ruler(folder, "tiny")["tiny/ruler"].splitlines()
+    cells = [line.split(" | ") for line in lines[2:]]
+    assert [c[:5] for c in cells] == [["| full", "all", "context", "4,096", "2"], ["| snapkv", "50%", "context",
+                                                                              "4,096", "3"],
+                                      ["| h2o", "20%", "stream", "4,096", "2"]]
+    assert cells[0][-1] == "1.00 |" and cells[1][-1] == "0.25 |" and cells[2][-1] == "- |"
