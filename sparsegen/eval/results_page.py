@@ -370,20 +370,22 @@ def ruler(root: Path, model: str) -> dict[str, str]:
     protocol, length and sample count, each task's score, and the average where every task was run."""
     from sparsegen.eval.ruler import TASKS
 
+    def key(length: int, policy: str, budget: float, protocol: str, samples: int) -> tuple:
+        """A row's identity, in table order: by length, the full cache first, then larger budgets first."""
+        label = "all" if policy == "full" else f"{budget:.0%}"
+        return length, policy != "full", -budget, policy, label, protocol, samples
+
     scores: dict[tuple, dict[str, float]] = {}
     for path in sorted(root.glob("ruler-*.json")):
         r = read(path)
         for row in r["rows"]:
-            budget = "all" if row["policy"] == "full" else f"{r['budget_arg']:.0%}"
-            key = (row["length"], row["policy"] != "full", -r["budget_arg"], row["policy"], budget, row["protocol"],
-                   r["samples_per_task"])
-            scores.setdefault(key, {})[row["task"]] = row["score"]
+            row_key = key(row["length"], row["policy"], r["budget_arg"], row["protocol"], r["samples_per_task"])
+            scores.setdefault(row_key, {})[row["task"]] = row["score"]
     for path in sorted(root.glob("sweep-*.json")):
         r = read(path)
-        options, budget = r["options"], float(r["budget"])
-        key = (int(r["length"]), r["policy"] != "full", -budget, r["policy"], f"{budget:.0%}", options["protocol"],
-               options["samples"])
-        scores.setdefault(key, {}).update(r["metrics"]["tasks"])
+        cell_key = key(int(r["length"]), r["policy"], float(r["budget"]), r["options"]["protocol"],
+                       r["options"]["samples"])
+        scores.setdefault(cell_key, {}).update(r["metrics"]["tasks"])
     rows = []
     for (length, _, _, policy, budget, protocol, samples), by_task in sorted(scores.items()):
         average = f"{sum(by_task.values()) / len(TASKS):.2f}" if set(by_task) == set(TASKS) else "-"

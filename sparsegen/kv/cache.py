@@ -222,16 +222,19 @@ class EvictionLayer(CacheLayerMixin):
         """Keys and values of slots ``:end`` as codes, for attention to read without decoding them; the slots whose
         token is in the full-precision residual are marked, with their ring entry."""
         bits, residual = self.quantization.bits, self.quantization.residual
-        fresh = entry = None
-        if residual:
-            index = self.index[:, :, :end]
-            entry = index % residual
-            fresh = self.ring_index.gather(1, entry.flatten(1)).view_as(index) == index
+        fresh, entry = self._ring_entries(end) if residual else (None, None)
         return tuple(HeldCodes(getattr(self, name + "s")[:, :, :end], getattr(self, name + "_scale")[:, :, :end],
                                getattr(self, name + "_zero")[:, :, :end], bits, channels,
                                ring[:, :, :residual] if residual else None, fresh, entry)
                      for name, channels, ring in (("key", self.key_channels, self.ring_keys),
                                                   ("value", None, self.ring_values)))
+
+    def _ring_entries(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For slots ``:end``: whether each slot's token is in the residual's ring, and the ring entry it would be in
+        (``[B, rows, end]`` each)."""
+        index = self.index[:, :, :end]
+        entry = index % self.quantization.residual
+        return self.ring_index.gather(1, entry.flatten(1)).view_as(index) == index, entry
 
     def _read_residual(self, keys: torch.Tensor, values: torch.Tensor, end: int) -> None:
         """Put each ring token's full-precision K/V in place of its dequantized slot among ``:end``, in shapes that do
@@ -242,7 +245,7 @@ class EvictionLayer(CacheLayerMixin):
         residual = self.quantization.residual
         batch, rows, _, dim = keys.shape
         index = self.index[:, :, :end]
-        fresh = (self.ring_index.gather(1, (index % residual).flatten(1)).view_as(index) == index)[..., None]
+        fresh = self._ring_entries(end)[0][..., None]
         matches = (index[..., None] == self.ring_index[:, None, None, :residual]) & self.valid[:, :, :end, None]
         if self.fan > 1:  # one shared row: entry (h, r) is head h's token in ring slot r
             heads = torch.arange(self.fan, device=self.device)[:, None]
