@@ -7,7 +7,9 @@ the fp32 bytes); ``"int4"`` as 4-bit codes with a scale per group of 32 inputs (
 the kernel torchao's int4 path calls: an eighth), asymmetric with a minimum per group as llama.cpp's Q4_1, the LM
 head at 8 bits as Q4 GGUF files keep it. Both kernels take bfloat16 activations: each linear casts its
 input to bfloat16 and its output back, so the rest of the model (attention, norms, the KV cache) keeps its dtype.
-Round-to-nearest, symmetric; the embedding table stays as it is (a step reads one row of it).
+Round-to-nearest; the embedding table stays as it is (a step reads one row of it). Linears that read one input
+and are stored alike (a block's q/k/v, a gated MLP's gate and up) are stacked into one kernel call
+(``SharedInput``): at one token a call costs about as much as its bytes.
 
 This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize`` writes GPTQ checkpoints.
 """
@@ -118,6 +120,71 @@ def gguf_plan(path) -> dict[str, str]:
             if kind is not None and kind not in ("F32", "F16", "BF16")}
 
 
+INPUT_SHARERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a block's linears that read one input
+_KERNELS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def _input_sharers(kinds: dict[str, str]) -> list[list[str]]:
+    """The groups of linears (full names) that read one input and are stored alike: each becomes one matmul."""
+    groups = []
+    for children in INPUT_SHARERS:
+        parents = dict.fromkeys(name.rpartition(".")[0] for name in kinds if name.rpartition(".")[2] in children)
+        for parent in parents:
+            names = [f"{parent}.{child}" for child in children if f"{parent}.{child}" in kinds]
+            for kind in dict.fromkeys(kinds[name] for name in names):
+                alike = [name for name in names if kinds[name] == kind]
+                if len(alike) > 1:
+                    groups.append(alike)
+    return groups
+
+
+def _stacked(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output rows are ``linears``' in order (each row is quantized on its own, so its codes are
+    the ones it would get alone)."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=any(linear.bias is not None for linear in linears),
+                        device="meta")  # (its weight and bias are set below: nothing to initialise)
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
+    if stacked.bias is not None:
+        stacked.bias = nn.Parameter(torch.cat([torch.zeros(linear.out_features) if linear.bias is None else
+                                               linear.bias.detach() for linear in linears]), requires_grad=False)
+    return stacked
+
+
+class SharedInput(nn.Module):
+    """Linears that read the same input (a block's q/k/v, a gated MLP's gate and up) as one matmul, each still called
+    where the model calls it (a ``Part``): a decode step's matmuls are small enough that a call costs as much as its
+    bytes (SmolLM2 int4, one token: q, k and v take 59 µs in three calls, 30 µs in one). The first part called with
+    an input computes every part's output; the others take theirs while that input is the one they are given, so a
+    part called alone, or with another input, is still right."""
+
+    class Part(nn.Module):
+        def __init__(self, shared: SharedInput, index: int):
+            super().__init__()
+            object.__setattr__(self, "shared", shared)  # (registered once, on the block: not a child of each part)
+            self.index = index
+            self.in_features, self.out_features = shared.kernel.in_features, shared.widths[index]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared.part(x, self.index)
+
+        def extra_repr(self) -> str:
+            return f"out_features={self.out_features}: output {self.index} of one {type(self.shared.kernel).__name__}"
+
+    def __init__(self, kernel: nn.Module, widths: list[int]):
+        super().__init__()
+        self.kernel, self.widths = kernel, widths
+        self.pending: tuple[torch.Tensor, tuple[torch.Tensor, ...], int] | None = None  # (input, outputs, taken)
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if self.pending is None or self.pending[0] is not x:
+            self.pending = (x, self.kernel(x).split(self.widths, -1), 0)
+        source, outputs, taken = self.pending
+        # (let go of the outputs once each part has its own: nothing is held between steps)
+        self.pending = None if taken + 1 == len(self.widths) else (source, outputs, taken + 1)
+        return outputs[index]
+
+
 def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None = None) -> nn.Module:
     """Re-store ``model``'s decoder linears and LM head as ``weights`` (``fp32``: unchanged), in place; returns it.
     ``gguf`` takes ``plan`` (``gguf_plan`` of the model's file): each linear at its file's bit width."""
@@ -134,13 +201,25 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
                if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
-    for name, module in targets:
-        # the LM head stays at 8 bits under int4, as a Q4 GGUF keeps it (SmolLM2's: Q8_0): 4 bits there cost 6%
-        # perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%)
-        bits = plan[name] if plan is not None else "int8" if name == "lm_head" else weights
-        kind = Int8Linear if bits == "int8" else Int4Linear
+    kinds = {name: plan[name] if plan is not None else "int8" if name == "lm_head" else weights
+             for name, _ in targets}
+    # (the LM head stays at 8 bits under int4, as a Q4 GGUF keeps it (SmolLM2's: Q8_0): 4 bits there cost 6%
+    # perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%))
+    linears = dict(targets)
+    for names in _input_sharers(kinds):
+        parent, _, _ = names[0].rpartition(".")
+        children = [name.rpartition(".")[2] for name in names]
+        shared = SharedInput(_KERNELS[kinds[names[0]]](_stacked([linears[name] for name in names])),
+                             [linears[name].out_features for name in names])
+        owner = model.get_submodule(parent)
+        owner.add_module("_".join(["fused", *children]), shared)
+        for index, child in enumerate(children):
+            setattr(owner, child, SharedInput.Part(shared, index))
+        for name in names:
+            page_out(linears.pop(name).weight)
+    for name, module in linears.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, kind(module))
+        setattr(model.get_submodule(parent) if parent else model, child, _KERNELS[kinds[name]](module))
         # (read from the mapped checkpoint to pack: its pages need not stay; a tied LM head's are the embedding's,
         # which ``_own_memory`` reads back once to copy: keeping them instead raised the peak by its size, measured)
         page_out(module.weight)

@@ -8,7 +8,8 @@ import torch
 
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
-from sparsegen.quant.fast import Int4Linear, Int8Linear, dequantized, page_out, quantize_weights
+from sparsegen.quant import fast
+from sparsegen.quant.fast import Int4Linear, Int8Linear, SharedInput, dequantized, page_out, quantize_weights
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
 from tests.models.test_real_models import _installed
@@ -48,6 +49,59 @@ def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     assert agree > (0.9 if weights == "int8" else 0.7)
     assert weight_bytes_per_step(model) < before / (2.5 if weights == "int8" else 4)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_linears_that_read_one_input_are_one_matmul_with_each_ones_own_output(weights, monkeypatch):
+    """q/k/v and gate/up run as one kernel call each: the logits are exactly those of each linear packed alone."""
+    model = _model()
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with monkeypatch.context() as patch:
+        patch.setattr(fast, "_input_sharers", lambda kinds: [])
+        alone = quantize_weights(_model(), weights)
+    quantize_weights(model, weights)
+    op = "_weight_int4pack_mm_for_cpu" if weights == "int4" else "_weight_int8pack_mm"
+    kernel, calls = getattr(torch.ops.aten, op), []
+    monkeypatch.setattr(torch.ops.aten, op, lambda *a: calls.append(1) or kernel(*a))
+    with torch.inference_mode():
+        expected = alone(input_ids=ids).logits
+        calls.clear()
+        logits = model(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 4 * layers + (weights == "int8")  # qkv, o, gate-up, down (+ the int8 LM head)
+    shared = [m for m in model.modules() if isinstance(m, SharedInput)]
+    assert len(shared) == 2 * layers and all(m.pending is None for m in shared)  # nothing held between calls
+
+    # a part called alone, or after a sibling took another input, gives its own linear's output
+    attention, reference = model.model.layers[0].self_attn, alone.model.layers[0].self_attn
+    x, y = torch.randn(3, 32), torch.randn(3, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(attention.k_proj(y), reference.k_proj(y), rtol=0, atol=0)
+        attention.q_proj(x)
+        torch.testing.assert_close(attention.v_proj(y), reference.v_proj(y), rtol=0, atol=0)
+        torch.testing.assert_close(attention.k_proj(x), reference.k_proj(x), rtol=0, atol=0)
+    assert attention.k_proj.out_features == reference.k_proj.out_features  # (head counts are read from it)
+
+
+def test_only_linears_stored_alike_share_a_matmul():
+    """A GGUF mixes bit widths within a block (Q4_K_M: v at Q6_K): only the alike are stacked."""
+    kinds = {"b.self_attn.q_proj": "int4", "b.self_attn.k_proj": "int4", "b.self_attn.v_proj": "int8",
+             "b.self_attn.o_proj": "int4", "b.mlp.gate_proj": "int8", "b.mlp.up_proj": "int4", "lm_head": "int8"}
+    assert fast._input_sharers(kinds) == [["b.self_attn.q_proj", "b.self_attn.k_proj"]]
+
+
+def test_a_decode_step_over_shared_matmuls_is_one_graph():
+    from sparsegen.decoding import DecodeStep, prefill
+    from sparsegen.kv import EvictionCache, make_policy
+
+    torch._dynamo.reset()
+    model = quantize_weights(_model(), "int4")
+    cache = EvictionCache(model, make_policy("h2o", 10), chunk_size=8)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        token = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1)
+        assert DecodeStep(model, compile=True).graph_breaks(cache, token, torch.full((2,), 12)) == 0
 
 
 def test_a_quantized_model_lets_go_of_the_file_it_was_mapped_from(tmp_path):
