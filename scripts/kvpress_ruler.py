@@ -16,6 +16,7 @@ row's peak K/V tokens after the context beside its score (kvpress's and ``sparse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -32,16 +33,44 @@ PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "Streami
            "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress", "pyramid": "PyramidKVPress"}
 
 
+def global_layers(model) -> list[int]:
+    """The layers that attend over the whole sequence (Gemma 3's sliding-window layers left out)."""
+    return [i for i, layer in enumerate(model.model.layers) if not getattr(layer.self_attn, "is_sliding", False)]
+
+
+@contextlib.contextmanager
+def pressed(model, press):
+    """``press`` on ``model``'s layers, or on its global layers alone where some slide: kvpress presses only a Gemma 3's
+    global layers, but its check names the multimodal class, so on the text model (``Gemma3ForCausalLM``) it would
+    press the sliding-window layers too, which sparsegen leaves to their window. This is its own hook on those
+    layers, set up as its ``press(model)`` does."""
+    layers = model.model.layers
+    if press is None or len(global_layers(model)) == len(layers):
+        with press(model) if press is not None else contextlib.nullcontext():
+            yield
+        return
+    press.post_init_from_model(model)
+    hooks = []
+    for index in global_layers(model):
+        layers[index].self_attn.rotary_emb = model.model.rotary_emb
+        hooks.append(layers[index].self_attn.register_forward_hook(press.forward_hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 @torch.inference_mode()
 def kvpress_answer(model, tokenizer, sample: ruler.Sample, press) -> tuple[str, int]:
     """kvpress's protocol by hand (what its pipeline does, without its chat formatting: the prompt is RULER's as
     sparsegen built it): the context through the press, then the question and a greedy answer on the pressed cache."""
     context = torch.tensor([sample.ids[:sample.context_tokens]])
     question = torch.tensor([sample.ids[sample.context_tokens:]])
-    cache = DynamicCache()
-    with press(model) if press is not None else torch.no_grad():
+    cache = DynamicCache(config=model.config)  # (sliding-window layers hold their window, as sparsegen's do)
+    with pressed(model, press):
         model.model(input_ids=context, past_key_values=cache)
-    held = cache.get_seq_length()  # after the context (it grows by the question and the answer)
+    held = cache.get_seq_length(global_layers(model)[0])  # after the context (it grows by the question and answer)
     position = torch.arange(sample.context_tokens, sample.context_tokens + question.shape[1])[None]
     logits = model(input_ids=question, past_key_values=cache, position_ids=position, logits_to_keep=1).logits[0, -1]
     tokens = [int(logits.argmax())]

@@ -170,12 +170,8 @@ def _compiled_step(graphs: bool):
     SmolLM2 on this CPU). Inductor's reordering for locality moved a layer's one cache write (the evicted slot's new
     K/V) above the attention that reads the cache, so the write could not be done in place: each step copied every
     layer's K and V (measured: 4 copies of the cache a step); without it the write is in place.
-    (``triton.cudagraphs`` is what mode="reduce-overhead" sets; a mode and options cannot both be given.)
-    Off CUDA the step runs from a C++ wrapper: the Python one called ~1,000 kernels a step one by one (SmolLM2 int4 at
-    512: 14.8 against 12.3 ms a step, profiled); its entry built apart from the kernels, which keeps the compile to
-    ~90 s (built together it did not finish in 15 minutes)."""
-    options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "cpp_wrapper": not graphs,
-               "cpp_wrapper_build_separate": not graphs}
+    (``triton.cudagraphs`` is what mode="reduce-overhead" sets; a mode and options cannot both be given.)"""
+    options = {"reorder_for_locality": False, "triton.cudagraphs": graphs}
     return torch.compile(_step, fullgraph=True, options=options, recompile_limit=COMPILED_SHAPES)
 
 
