@@ -177,9 +177,10 @@ class SharedInput(nn.Module):
         self.pending: tuple[torch.Tensor, tuple[torch.Tensor, ...], int] | None = None  # (input, outputs, taken)
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if self.pending is None or self.pending[0] is not x:
-            self.pending = (x, self.kernel(x).split(self.widths, -1), 0)
-        source, outputs, taken = self.pending
+        pending = self.pending  # (read once: a model called from two threads still gives each its own input's)
+        if pending is None or pending[0] is not x:
+            pending = (x, self.kernel(x).split(self.widths, -1), 0)
+        source, outputs, taken = pending
         # (let go of the outputs once each part has its own: nothing is held between steps)
         self.pending = None if taken + 1 == len(self.widths) else (source, outputs, taken + 1)
         return outputs[index]
