@@ -238,3 +238,20 @@ def test_a_quantized_model_is_refused_before_fitting_or_running_a_plan():
     ids = torch.randint(3, VOCAB, (2, 16))
     with pytest.raises(ValueError, match="float .*checkpoint"):
         fit_teal(model, ids, 0.5)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_model_packed_for_the_low_bit_kernels_is_refused(weights):
+    """``--weights int8|int4`` re-stores the linears as packed kernels, which have no float rows to gather: TEAL used to
+    find no linear to threshold and run dense without a word."""
+    from transformers import LlamaForCausalLM
+
+    from sparsegen.contextual.teal import fit_teal
+    from sparsegen.quant.fast import quantize_weights
+    from tests.conftest import tiny_llama_config
+
+    model = quantize_weights(LlamaForCausalLM(tiny_llama_config(320)).eval(), weights)
+    with pytest.raises(ValueError, match="--weights fp32"):
+        fit_teal(model, torch.randint(3, 320, (2, 16)), 0.5)
+    with pytest.raises(ValueError, match="--weights fp32"):
+        attach(model, None)  # (refused before the plan is read)
