@@ -8,6 +8,9 @@ cache grows by the question and the answer: sparsegen's ``context-once`` protoco
 (``sparsegen-once``); its ``context`` protocol (``sparsegen``) instead holds the budget through the question and the
 answer (its policy keeps evicting: a cap on memory). Scores are RULER's string match, per task; the table shows each
 row's peak K/V tokens after the context beside its score (kvpress's and ``sparsegen-once``'s grow past it).
+``--protocol query-aware``: the question is compressed with the context, in one pass (kvpress's
+``compress_questions``; sparsegen's ``query-aware`` protocol), each press keeping as many tokens as under
+``context``.
 
     .venv-kvpress/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 3 \\
         --tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming --budget 0.5 --json OUT
@@ -62,22 +65,25 @@ def pressed(model, press):
 
 
 @torch.inference_mode()
-def kvpress_answer(model, tokenizer, sample: ruler.Sample, press) -> tuple[str, int]:
+def kvpress_answer(model, tokenizer, sample: ruler.Sample, press, query_aware: bool = False) -> tuple[str, int]:
     """kvpress's protocol by hand (what its pipeline does, without its chat formatting: the prompt is RULER's as
-    sparsegen built it): the context through the press, then the question and a greedy answer on the pressed cache."""
-    context = torch.tensor([sample.ids[:sample.context_tokens]])
-    question = torch.tensor([sample.ids[sample.context_tokens:]])
+    sparsegen built it): the context through the press, then the question and a greedy answer on the pressed cache.
+    ``query_aware`` (kvpress's ``compress_questions``): the question is pressed with the context, in one pass."""
+    split = len(sample.ids) if query_aware else sample.context_tokens
+    context, question = torch.tensor([sample.ids[:split]]), torch.tensor([sample.ids[split:]])
     cache = DynamicCache(config=model.config)  # (sliding-window layers hold their window, as sparsegen's do)
     with pressed(model, press):
-        model.model(input_ids=context, past_key_values=cache)
-    held = cache.get_seq_length(global_layers(model)[0])  # after the context (it grows by the question and answer)
-    position = torch.arange(sample.context_tokens, sample.context_tokens + question.shape[1])[None]
-    logits = model(input_ids=question, past_key_values=cache, position_ids=position, logits_to_keep=1).logits[0, -1]
+        logits = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+    held = cache.get_seq_length(global_layers(model)[0])  # after the press (it grows by what is fed after)
+    if question.shape[1]:
+        position = torch.arange(split, len(sample.ids))[None]
+        logits = model(input_ids=question, past_key_values=cache, position_ids=position,
+                       logits_to_keep=1).logits[0, -1]
     tokens = [int(logits.argmax())]
     for step in range(sample.max_new_tokens - 1):
         if tokens[-1] == tokenizer.eos_token_id:
             break
-        position = torch.tensor([[sample.context_tokens + question.shape[1] + step]])
+        position = torch.tensor([[len(sample.ids) + step]])
         logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=position).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokenizer.decode(tokens, skip_special_tokens=True), held
@@ -112,6 +118,9 @@ def main() -> None:
     parser.add_argument("--libraries", default="kvpress,sparsegen,sparsegen-once",
                         help="sparsegen: its context protocol (the budget held through the question and answer); "
                              "sparsegen-once: its context-once protocol (kvpress's exactly)")
+    parser.add_argument("--protocol", choices=["context", "query-aware"], default="context",
+                        help="context: the question after the press (kvpress's default); query-aware: the question "
+                             "pressed with the context (kvpress's compress_questions, SnapKV's setting)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' rows and exit")
     args = parser.parse_args()
@@ -120,6 +129,9 @@ def main() -> None:
         print(table(rows))
         return
     libraries = args.libraries.split(",")
+    if args.protocol == "query-aware" and "sparsegen-once" in libraries:
+        parser.error("sparsegen-once is kvpress's context protocol; with --protocol query-aware, use --libraries "
+                     "kvpress,sparsegen")
     import kvpress
 
     model, tokenizer = sparsegen.load(args.model)
@@ -133,7 +145,7 @@ def main() -> None:
     def record(library: str, method: str, results: list[dict], seconds: float) -> None:
         for task in dict.fromkeys(r["task"] for r in results):
             mine = [r for r in results if r["task"] == task]
-            rows.append({"library": library, "policy": method, "budget": args.budget, "protocol": "context",
+            rows.append({"library": library, "policy": method, "budget": args.budget, "protocol": args.protocol,
                          "task": task, "length": args.length, "score": sum(r["score"] for r in mine) / len(mine),
                          "kv_tokens": max(r["kv_tokens"] for r in mine), "samples": mine,
                          "seconds_per_sample": round(seconds / len(results), 2)})
@@ -144,11 +156,14 @@ def main() -> None:
         press = None if method == "full" else getattr(kvpress, PRESSES[method])(compression_ratio=1 - args.budget)
         t0, results = time.perf_counter(), []
         for sample in samples:
-            answer, held = kvpress_answer(model, tokenizer, sample, press)
+            pressed_tokens = len(sample.ids) if args.protocol == "query-aware" else sample.context_tokens
+            if press is not None:  # as many tokens kept as sparsegen keeps: a share of the context, even query-aware
+                press.compression_ratio = 1 - args.budget * sample.context_tokens / pressed_tokens
+            answer, held = kvpress_answer(model, tokenizer, sample, press, args.protocol == "query-aware")
             results.append({"task": sample.task, "depth": sample.depth, "answer": answer, "answers": sample.answers,
                             "score": ruler.score(answer, sample.answers), "kv_tokens": held})
         record("kvpress", method, results, time.perf_counter() - t0)
-    protocols = {"sparsegen": "context", "sparsegen-once": "context-once"}
+    protocols = {"sparsegen": args.protocol, "sparsegen-once": "context-once"}
     for library in [lib for lib in libraries if lib in protocols]:
         for method in methods:
             t0 = time.perf_counter()
@@ -158,7 +173,8 @@ def main() -> None:
                 r["kv_tokens"] = round(args.budget * sample.context_tokens)  # after the context
             record(library, method, results, time.perf_counter() - t0)
 
-    print(f"\n{args.model}, RULER {args.length}, {args.samples} samples a task, context protocol, budget {args.budget} "
+    print(f"\n{args.model}, RULER {args.length}, {args.samples} samples a task, {args.protocol} protocol, budget "
+          f"{args.budget} "
           f"of the context (kvpress compression_ratio {1 - args.budget:g})\n")
     print(table(rows))
     if args.json:

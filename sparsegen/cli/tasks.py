@@ -64,7 +64,7 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     depths = [float(x) for x in args.depths.split(",")] if args.depths else None
 
     def show(row: dict) -> None:
-        print(f"{row['policy']:>14} {row['protocol']:>7} {row['length']:>6} {row['task']:>16}: {row['score']:.3f} "
+        print(f"{row['policy']:>14} {row['protocol']:>11} {row['length']:>6} {row['task']:>16}: {row['score']:.3f} "
               f"(K/V peak {row['kv_tokens_peak']:,} tokens; prompts up to {row['prompt_tokens']:,})", flush=True)
 
     report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
@@ -124,8 +124,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--protocol", default="stream",
                    help="stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
                         "compressed once, then the question, the budget holding throughout; context-once (kvpress's "
-                        "exactly): the same, nothing evicted after the context; several comma-separated (default "
-                        "stream)")
+                        "exactly): the same, nothing evicted after the context; query-aware: the whole prompt, "
+                        "question included, in one pass, compressed once (SnapKV's setting: its scores see the "
+                        "question), the budget holding after; several comma-separated (default stream)")
     p.add_argument("--depths", default=None, help="needle depths 0-1 the samples cycle through (default 0,.25,.5,.75,1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default RULER's per task)")
     p.add_argument("--chunk-size", type=int, default=512)

@@ -14,7 +14,10 @@ Three protocols compress the cache: ``stream`` feeds the whole prompt in chunks 
 streaming deployment does); ``context`` encodes the context in one pass, compresses it once to the budget with the
 policy's scores, then feeds the question and decodes, eviction continuing (the budget caps memory throughout);
 ``context-once`` is kvpress's exactly: the same compression, and nothing evicted after it (the cache grows by the
-question and the answer).
+question and the answer); ``query-aware`` encodes the whole prompt, question included, in one pass and compresses it
+once, so the policy's scores have seen the question (SnapKV's own setting: its observation window is the prompt's
+end; kvpress's ``compress_questions``), then decodes with the budget holding. A fractional budget is a share of the
+context under every protocol, so each keeps the same number of tokens.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ TASKS: dict[str, Niah | str] = {
     "cwe": "cwe",
     "fwe": "fwe",
 }
-PROTOCOLS = ("stream", "context", "context-once")
+PROTOCOLS = ("stream", "context", "context-once", "query-aware")
 NEW_TOKENS = {"vt": 30, "cwe": 120, "fwe": 50}  # RULER's answer lengths; 128 for the needle tasks
 
 
@@ -317,12 +320,18 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
             model, ids, torch.ones_like(ids), make(sample.context_tokens), positions,
             max_new_tokens=max_new_tokens or sample.max_new_tokens, chunk_size=chunk_size, eos_id=eos,
             pad_id=eos if eos is not None else 0, kv_bits=kv_bits, progress=False,
-            first_chunk=sample.context_tokens if protocol != "stream" else None,
+            first_chunk=_first_chunk(sample, protocol),
             hold_after_first=protocol == "context-once")
         answer = tokenizer.decode(new[0, :int(counts[0])], skip_special_tokens=True)
         results.append({"task": sample.task, "depth": sample.depth, "score": score(answer, sample.answers),
                         "answer": answer, "answers": sample.answers, "kv_tokens_peak": stats["kv_tokens_peak"]})
     return results
+
+
+def _first_chunk(sample: Sample, protocol: str) -> int | None:
+    """What a protocol encodes in one pass before compressing: nothing (``stream``: every chunk alike), the context
+    (``context``, ``context-once``) or the whole prompt, question included (``query-aware``)."""
+    return {"stream": None, "query-aware": len(sample.ids)}.get(protocol, sample.context_tokens)
 
 
 def summarize(results: list[dict]) -> dict:

@@ -92,6 +92,30 @@ def test_the_context_protocol_encodes_the_context_in_one_pass_and_keeps_the_full
     assert torch.equal(*outputs)
 
 
+def test_query_aware_encodes_the_whole_prompt_question_included_in_one_pass(tiny_checkpoint, monkeypatch):
+    """SnapKV's own setting: the compression's scores see the question, so the first pass is the whole prompt (the
+    context protocol's is the context alone); a budget of a share of the context keeps as many tokens either way."""
+    import sparsegen.decoding as decoding
+
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    sample = ruler.make_samples(ruler.Haystack(tokenizer, BOOK.read_text()[:60_000]), "niah_single_1", 600, 1)[0]
+    fed, forward = [], decoding.forward
+    monkeypatch.setattr(decoding, "forward", lambda model, cache, ids, *a, **k: fed.append(ids.shape[1]) or
+                        forward(model, cache, ids, *a, **k))
+    answers = {}
+    for protocol in ("context", "query-aware", "stream"):
+        fed.clear()
+        for policy in ("full", "snapkv"):
+            result, = ruler.evaluate(model, tokenizer, [sample],
+                                     lambda n, p=policy: make_policy(p, n // 4 if p != "full" else None), protocol,
+                                     chunk_size=128, max_new_tokens=3, progress=False)
+            answers[protocol, policy] = result["answer"]
+        first = {"context": sample.context_tokens, "query-aware": len(sample.ids), "stream": 128}[protocol]
+        assert fed[0] == first, (protocol, fed)
+    assert answers["query-aware", "full"] == answers["stream", "full"] == answers["context", "full"]
+    assert "query-aware" in ruler.PROTOCOLS
+
+
 def test_cli_rows_per_policy_protocol_task_and_length(tiny_checkpoint, book_slice, tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     assert main(["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--tasks",
