@@ -100,9 +100,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths, tokens (comma-separated)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0-1 (comma-separated)")
     p.add_argument("--trials", type=int, default=5, help="keys per (length, depth) (default 5)")
-    p.add_argument("--protocol", choices=["stream", "context"], default="stream",
+    p.add_argument("--protocol", choices=["stream", "context", "query-aware"], default="stream",
                    help="stream: the prompt in chunks, evicting as it goes (default); context (kvpress's): all before "
-                        "the question in one pass, compressed once, then the question")
+                        "the question in one pass, compressed once, then the question; query-aware: the whole "
+                        "prompt in one pass, compressed once (the policy's scores see the question)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

@@ -70,6 +70,9 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
     return head + hay[:cut] + needle + hay[cut:] + tail, len(head) + cut
 
 
+PROTOCOLS = ("stream", "context", "query-aware")
+
+
 @torch.inference_mode()
 def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], depths: list[float],
                      make: Callable[[], Policy], trials: int = 5, seed: int = 0, chunk_size: int = 512,
@@ -78,9 +81,10 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
     """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks
     (``chat``: asked in the model's chat template, see ``build_prompt``). ``protocol``: ``stream`` feeds the prompt
     in chunks, evicting as it goes; ``context`` (kvpress's) encodes everything before the question in one pass,
-    compressed once to the budget, then the question."""
-    if protocol not in ("stream", "context"):
-        raise ValueError(f"protocol must be 'stream' or 'context', got {protocol!r}")
+    compressed once to the budget, then the question; ``query-aware`` encodes the whole prompt, question included,
+    in one pass, compressed once (the policy's scores see the question)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     question = len(_head_and_question(tokenizer, chat)[1])
     device = next(model.parameters()).device
     rng = np.random.default_rng(seed)
@@ -93,7 +97,8 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
             ids = torch.tensor(prompts, device=device)
             new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), make(), positions,
                                                      max_new_tokens=8, chunk_size=chunk_size, kv_bits=kv_bits,
-                                                     first_chunk=length - question if protocol == "context" else None)
+                                                     first_chunk={"stream": None, "context": length - question,
+                                                                  "query-aware": length}[protocol])
             answers = tokenizer.batch_decode(new, skip_special_tokens=True)
             found = [re.search(r"\d{5}", a) for a in answers]
             correct = [bool(m) and int(m.group()) == int(k) for m, k in zip(found, keys)]
