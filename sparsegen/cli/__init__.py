@@ -5,11 +5,16 @@ share in ``common``); each parses, calls the library, and prints."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from sparsegen.cli import bench, bench_serve, contextual, evaluate, run, serve, sweep, tasks, weights
 from sparsegen.cli.common import Parser
 from sparsegen.cli.tasks import cmd_lm_eval
+
+# commands that run outside ``reusing_freed_memory``: bench's per-row memory peaks must not hold what an earlier row
+# freed, and a server hands memory back between requests
+MEASURED_OR_SERVING = ("bench", "bench-serve", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
     except SystemExit as exit:  # --help, or a usage mistake (already reported in one line)
         return exit.code
+    from sparsegen.allocator import reusing_freed_memory
     from sparsegen.models import ModelLoadError
 
+    memory = contextlib.nullcontext() if args.command in MEASURED_OR_SERVING else reusing_freed_memory()
     try:
-        args.func(args)
+        with memory:
+            args.func(args)
     except (ModelLoadError, OSError, ValueError) as err:  # what a user can cause; anything else is a bug: traceback
         message = str(err) if not isinstance(err, OSError) or not err.filename else \
             f"{err.filename}: {err.strerror or err}"
