@@ -94,7 +94,11 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         query, key, value = _rolling_chunk_frames(cache, layer, query, key, value, total, view, query_slot)
     elif cache.rolling:
         query, key = _rank_frames(cache, layer, query, key, total, view)
-    if layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
+    observed = observed_queries(layer.policy, q)
+    if (observed is not None and sink_query is None and incoming is None and not isinstance(key, HeldCodes)
+            and (mask is None or mask.shape[1] == 1)):
+        out = _attention_observing_last(cache, layer, query, key, value, mask, scaling, observed)
+    elif layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
         out = _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, incoming, mask, scaling)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -204,6 +208,30 @@ def _rank_frames(cache, layer, query, key, total: int, view):
     key = rotary.rotate(key, None, angles=key_angles, out=cache.workspace(key.shape, key))
     query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
     return query, key
+
+
+def observed_queries(policy, q: int) -> int | None:
+    """How many of a call's last queries a policy's statistic reads, where that is under half of the ``q``: SnapKV's
+    observation window, TOVA's last query (None: every query, as H2O's sums and Scissorhands' votes need, or a call
+    too short to gain)."""
+    if not policy.needs_attention or policy.history is not None:
+        return None
+    last = {"window": getattr(policy, "window", None), "latest": 1}.get(policy.attention_statistic)
+    return last if last is not None and 2 * last < q else None
+
+
+def _attention_observing_last(cache, layer, query, key, value, mask, scaling: float, observed: int):
+    """A long call's attention by SDPA, and the probabilities of its last ``observed`` queries alone, all that the
+    policy's statistic reads: a one-pass 4K prefill under SnapKV no longer writes every head's [4K, 4K] scores
+    (the same kept tokens as ``_grouped_attention``, which computes each of these rows the same way)."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    scores = _scores(query[:, :, -observed:], key, scaling)
+    if mask is not None:
+        scores.masked_fill_(~mask[:, :, None, -observed:], -torch.inf)
+    step, total = cache.step, key.shape[2]
+    real = step.new_valid[:, None, None, -observed:, None]
+    observe(layer.policy, layer.attention[:, :, :total], torch.softmax(scores, dim=-1), total, real, step.new_index)
+    return out
 
 
 def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, incoming, mask, scaling: float):
