@@ -10,7 +10,7 @@ frequent words of a list (``cwe``, ``fwe``). RULER's two QA tasks need SQuAD and
 cannot fetch, so they are not here. Prompts use RULER's wording, fill a given token length, place the (queried)
 needle at a given depth, and are seeded: the same arguments give the same prompts.
 
-Three protocols compress the cache: ``stream`` feeds the whole prompt in chunks and evicts as it goes (what a
+Four protocols compress the cache: ``stream`` feeds the whole prompt in chunks and evicts as it goes (what a
 streaming deployment does); ``context`` encodes the context in one pass, compresses it once to the budget with the
 policy's scores, then feeds the question and decodes, eviction continuing (the budget caps memory throughout);
 ``context-once`` is kvpress's exactly: the same compression, and nothing evicted after it (the cache grows by the
