@@ -268,5 +268,10 @@ def test_a_decode_step_reads_the_codes_as_the_dequantizing_step_does(family, pol
 
     dequantizing = decode(False)
     assert not read
-    torch.testing.assert_close(decode(True), dequantizing, atol=1e-5, rtol=1e-5)
+    reading = decode(True)
     assert read  # (the codes were read: the step took the path under test)
+    # fp32 rounding, except where the two paths' last-bit differences (1e-7) round a new token's 4-bit code the other
+    # way: a code step moves the logits by ~1e-5 (seen on an AVX-512 Xeon, gemma3 under window: 1.3e-7 at step 3,
+    # 1.5e-5 at step 4); the tokens picked stay the same
+    assert torch.equal(reading.argmax(-1), dequantizing.argmax(-1))
+    torch.testing.assert_close(reading, dequantizing, atol=1e-4, rtol=1e-4)
