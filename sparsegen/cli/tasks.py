@@ -7,6 +7,13 @@ import json
 from pathlib import Path
 
 from sparsegen.cli.common import budget_args, kv_quantization, load_model, model_args, policy_factories
+from sparsegen.eval.protocols import PROTOCOLS
+
+PROTOCOL_HELP = ("stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
+                 "compressed once, then the question, the budget holding throughout; context-once (kvpress's "
+                 "exactly): the same, nothing evicted after the context; query-aware: the whole prompt, question "
+                 "included, in one pass, compressed once (SnapKV's setting: its scores see the question), the "
+                 "budget holding after")
 
 
 def cmd_passkey(args: argparse.Namespace) -> None:
@@ -56,8 +63,8 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(ruler.TASKS)}")
     protocols = args.protocol.split(",")
-    if any(p not in ruler.PROTOCOLS for p in protocols):
-        raise ValueError(f"--protocol takes {', '.join(ruler.PROTOCOLS)} or several (stream,context), got "
+    if any(p not in PROTOCOLS for p in protocols):
+        raise ValueError(f"--protocol takes {', '.join(PROTOCOLS)} or several (stream,context), got "
                          f"{args.protocol!r}")
     args.policy = args.policies.split(",")
     lengths = [int(x) for x in args.length.split(",")]
@@ -100,10 +107,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths, tokens (comma-separated)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0-1 (comma-separated)")
     p.add_argument("--trials", type=int, default=5, help="keys per (length, depth) (default 5)")
-    p.add_argument("--protocol", choices=["stream", "context", "query-aware"], default="stream",
-                   help="stream: the prompt in chunks, evicting as it goes (default); context (kvpress's): all before "
-                        "the question in one pass, compressed once, then the question; query-aware: the whole "
-                        "prompt in one pass, compressed once (the policy's scores see the question)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="stream", help=PROTOCOL_HELP + " (default stream)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -123,11 +127,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--policies", default="full", help="comma-separated KV policies (default full)")
     budget_args(p, "KV tokens kept per layer, or a fraction of the context (0.5)")
     p.add_argument("--protocol", default="stream",
-                   help="stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
-                        "compressed once, then the question, the budget holding throughout; context-once (kvpress's "
-                        "exactly): the same, nothing evicted after the context; query-aware: the whole prompt, "
-                        "question included, in one pass, compressed once (SnapKV's setting: its scores see the "
-                        "question), the budget holding after; several comma-separated (default stream)")
+                   help=PROTOCOL_HELP + "; several comma-separated (default stream)")
     p.add_argument("--depths", default=None, help="needle depths 0-1 the samples cycle through (default 0,.25,.5,.75,1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default RULER's per task)")
     p.add_argument("--chunk-size", type=int, default=512)

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sparsegen.data import leading_bos
+from sparsegen.eval.protocols import check_protocol, protocol_feed
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import KVQuantization, Policy
 
@@ -70,21 +71,15 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
     return head + hay[:cut] + needle + hay[cut:] + tail, len(head) + cut
 
 
-PROTOCOLS = ("stream", "context", "query-aware")
-
-
 @torch.inference_mode()
 def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], depths: list[float],
                      make: Callable[[], Policy], trials: int = 5, seed: int = 0, chunk_size: int = 512,
                      positions: str | None = None, progress: bool = True, chat: bool = False,
                      kv_bits: int | KVQuantization | None = None, protocol: str = "stream") -> dict:
     """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks
-    (``chat``: asked in the model's chat template, see ``build_prompt``). ``protocol``: ``stream`` feeds the prompt
-    in chunks, evicting as it goes; ``context`` (kvpress's) encodes everything before the question in one pass,
-    compressed once to the budget, then the question; ``query-aware`` encodes the whole prompt, question included,
-    in one pass, compressed once (the policy's scores see the question)."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    (``chat``: asked in the model's chat template, see ``build_prompt``). ``protocol``: how the prompt is fed, one of
+    ``protocols.PROTOCOLS`` (``protocol_feed`` says how each differs)."""
+    check_protocol(protocol)
     question = len(_head_and_question(tokenizer, chat)[1])
     device = next(model.parameters()).device
     rng = np.random.default_rng(seed)
@@ -97,8 +92,7 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
             ids = torch.tensor(prompts, device=device)
             new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), make(), positions,
                                                      max_new_tokens=8, chunk_size=chunk_size, kv_bits=kv_bits,
-                                                     first_chunk={"stream": None, "context": length - question,
-                                                                  "query-aware": length}[protocol])
+                                                     **protocol_feed(protocol, length, length - question))
             answers = tokenizer.batch_decode(new, skip_special_tokens=True)
             found = [re.search(r"\d{5}", a) for a in answers]
             correct = [bool(m) and int(m.group()) == int(k) for m, k in zip(found, keys)]

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from sparsegen.data import leading_bos
 from sparsegen.eval.passkey import chat_frame
+from sparsegen.eval.protocols import check_protocol, protocol_feed
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import KVQuantization, Policy
 
@@ -80,7 +81,6 @@ TASKS: dict[str, Niah | str] = {
     "cwe": "cwe",
     "fwe": "fwe",
 }
-PROTOCOLS = ("stream", "context", "context-once", "query-aware")
 NEW_TOKENS = {"vt": 30, "cwe": 120, "fwe": 50}  # RULER's answer lengths; 128 for the needle tasks
 
 
@@ -309,8 +309,7 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
              max_new_tokens: int | None = None, progress: bool = True) -> list[dict]:
     """Greedy answers to ``samples`` (one at a time) through a cache under ``make(context_tokens)``'s policy, each
     with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    check_protocol(protocol)
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     results = []
@@ -320,18 +319,11 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
             model, ids, torch.ones_like(ids), make(sample.context_tokens), positions,
             max_new_tokens=max_new_tokens or sample.max_new_tokens, chunk_size=chunk_size, eos_id=eos,
             pad_id=eos if eos is not None else 0, kv_bits=kv_bits, progress=False,
-            first_chunk=_first_chunk(sample, protocol),
-            hold_after_first=protocol == "context-once")
+            **protocol_feed(protocol, len(sample.ids), sample.context_tokens))
         answer = tokenizer.decode(new[0, :int(counts[0])], skip_special_tokens=True)
         results.append({"task": sample.task, "depth": sample.depth, "score": score(answer, sample.answers),
                         "answer": answer, "answers": sample.answers, "kv_tokens_peak": stats["kv_tokens_peak"]})
     return results
-
-
-def _first_chunk(sample: Sample, protocol: str) -> int | None:
-    """What a protocol encodes in one pass before compressing: nothing (``stream``: every chunk alike), the context
-    (``context``, ``context-once``) or the whole prompt, question included (``query-aware``)."""
-    return {"stream": None, "query-aware": len(sample.ids)}.get(protocol, sample.context_tokens)
 
 
 def summarize(results: list[dict]) -> dict:

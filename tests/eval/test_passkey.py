@@ -6,6 +6,7 @@ import pytest
 import sparsegen
 from sparsegen.cli import main
 from sparsegen.eval.passkey import INTRO, NEEDLE, QUESTION, build_prompt, passkey_accuracy
+from sparsegen.eval.protocols import PROTOCOLS
 from sparsegen.kv import make_policy
 
 
@@ -131,10 +132,12 @@ def test_the_context_protocol_holds_the_haystack_once_and_changes_nothing_under_
     run = {(name, protocol): passkey_accuracy(model, tokenizer, filler, [240], [0.5],
                                               lambda name=name: make_policy(name, None if name == "full" else 64),
                                               trials=2, progress=False, chunk_size=32, protocol=protocol)["cells"][0]
-           for name in ("full", "streaming") for protocol in ("stream", "context", "query-aware")}
-    answers = [run["full", protocol]["answers"] for protocol in ("stream", "context", "query-aware")]
-    assert answers[0] == answers[1] == answers[2]
+           for name in ("full", "streaming") for protocol in PROTOCOLS}
+    answers = [run["full", protocol]["answers"] for protocol in PROTOCOLS]
+    assert all(a == answers[0] for a in answers[1:]), answers
     assert run["streaming", "stream"]["kv_tokens_peak"] <= 64 + 32 < 200 <= run["streaming", "context"]["kv_tokens_peak"]
     assert run["streaming", "query-aware"]["kv_tokens_peak"] == 240  # the whole prompt, question included, at once
+    # context-once encodes the context in one pass too (then holds the cache: nothing more is evicted)
+    assert run["streaming", "context-once"]["kv_tokens_peak"] == run["streaming", "context"]["kv_tokens_peak"]
     with pytest.raises(ValueError, match="protocol"):
         passkey_accuracy(model, tokenizer, filler, [240], [0.5], lambda: make_policy("full"), protocol="once")

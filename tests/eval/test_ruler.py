@@ -113,7 +113,6 @@ def test_query_aware_encodes_the_whole_prompt_question_included_in_one_pass(tiny
         first = {"context": sample.context_tokens, "query-aware": len(sample.ids), "stream": 128}[protocol]
         assert fed[0] == first, (protocol, fed)
     assert answers["query-aware", "full"] == answers["stream", "full"] == answers["context", "full"]
-    assert "query-aware" in ruler.PROTOCOLS
 
 
 def test_cli_rows_per_policy_protocol_task_and_length(tiny_checkpoint, book_slice, tmp_path, capsys):
