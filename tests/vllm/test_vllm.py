@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm")
 
@@ -25,16 +26,23 @@ TEACHER_FORCED_TOP = 20  # int8 inputs (W4A8, W8A8): vLLM's kernels round each t
 MISSING_OP = "'_OpNamespace' '_C' object has no attribute"  # the CPU build picked a kernel it was built without
 # (an AVX2 build and int4 W4A16: cpu_gemm_wna16)
 NO_KERNEL = "Failed to find a kernel"  # vLLM's CPU build has none for this scheme (its worker logs why, per kernel)
+AMX = torch.cpu._is_amx_tile_supported()  # vLLM's W8A8 kernel on an AMX CPU takes only bf16 or fp16 activations (in
+# fp32 its engine dies: "int8_scaled_mm_with_quant: expect A to be bfloat16 or half")
+W4A16_ONLY = ("VLLM_CPU_INT4_W4A8", "0")  # on a CPU with AMX, vLLM runs a W4A16 checkpoint as W4A8 by default: it
+# rounds each token's activations to int8 (greedy text drifts within a token or two); this keeps the checkpoint's own
+# scheme, bf16 activations (the default is checked on its own, below)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_vllm_gives_sparsegens_greedy_tokens(name, capfd):
+def test_vllm_gives_sparsegens_greedy_tokens(name, capfd, monkeypatch):
     case = CASES[name]
     quantized, int8_inputs = name.startswith("int"), name.endswith("a8")
+    monkeypatch.setenv(*W4A16_ONLY)  # read by vLLM's engine process, started below
     try:
         # gpu_memory_utilization on CPU: the share of RAM it reserves (its default 0.92 rarely fits)
-        llm = vllm.LLM(model=case["path"], dtype="bfloat16" if quantized and not int8_inputs else "float32",
-                       max_model_len=512, enforce_eager=True, seed=0, gpu_memory_utilization=0.3)
+        bf16 = quantized and (not int8_inputs or (AMX and name == "int8a8"))
+        llm = vllm.LLM(model=case["path"], dtype="bfloat16" if bf16 else "float32", max_model_len=512,
+                       enforce_eager=True, seed=0, gpu_memory_utilization=0.3)
         if int8_inputs:
             return _check_teacher_forced(llm, name, case["rows"])
         params = vllm.SamplingParams(temperature=0.0, max_tokens=len(case["rows"][0]["tokens"]), ignore_eos=True)
@@ -59,6 +67,17 @@ def test_vllm_gives_sparsegens_greedy_tokens(name, capfd):
             print(f"{name}: {row['prompt']!r}: vLLM and sparsegen agree for {agree} of {len(got)} tokens")
         else:
             assert got == row["tokens"], row["prompt"]
+
+
+@pytest.mark.skipif(not AMX, reason="vLLM's W4A8 default for int4 needs AMX")
+def test_vllms_default_int4_kernel_on_amx_rounds_activations_to_int8(monkeypatch):
+    """On a CPU with AMX, vLLM's default (``VLLM_CPU_INT4_W4A8=1``) runs the W4A16 checkpoint through its W4A8
+    kernel: the same int4 weights, each token's activations rounded to int8. So it is held to the int8-input checks:
+    fed sparsegen's continuation, it ranks most of its tokens first (a wrongly read weight would not)."""
+    monkeypatch.setenv(W4A16_ONLY[0], "1")
+    llm = vllm.LLM(model=CASES["int4"]["path"], dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0,
+                   gpu_memory_utilization=0.3)
+    _check_teacher_forced(llm, "int4 (vLLM's default W4A8 kernel)", CASES["int4"]["rows"])
 
 
 def _check_teacher_forced(llm, name: str, rows: list[dict]) -> None:
