@@ -39,10 +39,8 @@ def test_vllm_gives_sparsegens_greedy_tokens(name, capfd, monkeypatch):
     quantized, int8_inputs = name.startswith("int"), name.endswith("a8")
     monkeypatch.setenv(*W4A16_ONLY)  # read by vLLM's engine process, started below
     try:
-        # gpu_memory_utilization on CPU: the share of RAM it reserves (its default 0.92 rarely fits)
         bf16 = quantized and (not int8_inputs or (AMX and name == "int8a8"))
-        llm = vllm.LLM(model=case["path"], dtype="bfloat16" if bf16 else "float32", max_model_len=512,
-                       enforce_eager=True, seed=0, gpu_memory_utilization=0.3)
+        llm = _short_llm(case["path"], "bfloat16" if bf16 else "float32")
         if int8_inputs:
             return _check_teacher_forced(llm, name, case["rows"])
         params = vllm.SamplingParams(temperature=0.0, max_tokens=len(case["rows"][0]["tokens"]), ignore_eos=True)
@@ -75,9 +73,14 @@ def test_vllms_default_int4_kernel_on_amx_rounds_activations_to_int8(monkeypatch
     kernel: the same int4 weights, each token's activations rounded to int8. So it is held to the int8-input checks:
     fed sparsegen's continuation, it ranks most of its tokens first (a wrongly read weight would not)."""
     monkeypatch.setenv(W4A16_ONLY[0], "1")
-    llm = vllm.LLM(model=CASES["int4"]["path"], dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0,
-                   gpu_memory_utilization=0.3)
+    llm = _short_llm(CASES["int4"]["path"], "bfloat16")
     _check_teacher_forced(llm, "int4 (vLLM's default W4A8 kernel)", CASES["int4"]["rows"])
+
+
+def _short_llm(path: str, dtype: str):
+    """vLLM on CPU for the short prompts (gpu_memory_utilization there: the share of RAM it reserves; its default
+    0.92 rarely fits)."""
+    return vllm.LLM(model=path, dtype=dtype, max_model_len=512, enforce_eager=True, seed=0, gpu_memory_utilization=0.3)
 
 
 def _check_teacher_forced(llm, name: str, rows: list[dict]) -> None:
