@@ -22,6 +22,7 @@ from sparsegen.kv.policies.random import MULTIPLIER, SPAN
 from sparsegen.models.compat import cache_kwargs
 
 _STATE = {}
+ADAPTIVE = ("adakv", "ada-snapkv")  # a layer's heads share their budget
 
 
 def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], seen: int) -> set[int]:
@@ -42,12 +43,17 @@ def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], see
     protected = {t for t in candidates if t < sinks or t >= seen - policy.get("recent", 0)}
     if name == "lagkv":  # sinks, and partitions whose next one is not seen whole
         protected = {t for t in candidates if t not in scores}
-    if name == "snapkv":  # votes average-pooled over 5 neighbouring held tokens (zeros beyond the ends)
-        ordered = sorted(candidates)
-        votes = [scores.get(t, 0.0) for t in ordered]
-        scores = {t: sum(votes[max(0, j - 2):j + 3]) / 5 for j, t in enumerate(ordered)}
+    if name == "snapkv":
+        scores = pooled(candidates, scores)
     others = sorted((t for t in candidates if t not in protected), key=lambda t: (scores[t], t))
     return protected | set(others[len(others) - (budget - len(protected)):])
+
+
+def pooled(candidates, scores: dict[int, float]) -> dict[int, float]:
+    """SnapKV's votes average-pooled over 5 neighbouring held tokens (zeros beyond the ends)."""
+    ordered = sorted(candidates)
+    votes = [scores.get(t, 0.0) for t in ordered]
+    return {t: sum(votes[max(0, j - 2):j + 3]) / 5 for j, t in enumerate(ordered)}
 
 
 def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -95,7 +101,7 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                     counted = (probs > 1 / len(visible)).float().sum(0)
                 else:
                     counted = probs.sum(0)
-                votes = policy["policy"] != "snapkv" or i >= q - policy["window"]  # SnapKV: the last queries
+                votes = "window" not in policy or i >= q - policy["window"]  # SnapKV, ada-snapkv: the last queries
                 for tok, p in zip(visible, counted.tolist()):
                     scores[tok] = scores.get(tok, 0.0) + (p if votes else 0.0)
                     if policy.get("history"):  # each query's votes, to count only the latest `history` queries
@@ -114,14 +120,14 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 scores.update(_lagkv_scores(policy, candidates, key[b, h], value[b, h], seen=total))
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
-            if policy["policy"] == "adakv":  # chosen with the other heads of the layer, below
+            if policy["policy"] in ADAPTIVE:  # chosen with the other heads of the layer, below
                 state["kept"][layer][b][h] = set(candidates)
             else:
                 if policy.get("history"):
                     scores = {tok: sum(p for query, p in state["votes"].get((layer, b, h, tok), [])
                                        if query >= total - policy["history"]) for tok in candidates}
                 state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)
-        if policy["policy"] == "adakv":
+        if policy["policy"] in ADAPTIVE:
             state["kept"][layer][b] = adaptive_keep_rule(policy, state["kept"][layer][b], state["scores"][layer][b],
                                                          seen=total)
     return out.transpose(1, 2).contiguous(), None
@@ -129,10 +135,12 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
 
 def adaptive_keep_rule(policy: dict, candidates: list[set[int]], scores: list[dict], seen: int) -> list[set[int]]:
     """Ada-KV: each head's sinks and recent tokens, its best floor x heavy, then the layer's best of the rest,
-    heads x budget in all."""
+    heads x budget in all (ada-snapkv: by each head's pooled SnapKV votes)."""
     budget = policy["budget"] * len(candidates)
     if policy["budget"] is None or sum(map(len, candidates)) <= budget:
         return candidates
+    if policy["policy"] == "ada-snapkv":
+        scores = [pooled(tokens, votes) for tokens, votes in zip(candidates, scores)]
     sinks, recent = policy["sinks"], policy["recent"]
     guaranteed = math.floor(policy["floor"] * policy["heavy"])
     kept, rest = [], []

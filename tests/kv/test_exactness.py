@@ -83,7 +83,7 @@ def test_generate_with_full_budget_equals_plain_generate(family, name):
 SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streaming-h2o": {"recent": 4, "sinks": 1},
          "tova": {}, "scissorhands": {"recent": 4}, "snapkv": {},
          "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
-         "adakv": {"recent": 4}, "scissorhands-history": {"recent": 4, "history": 3}}
+         "adakv": {"recent": 4}, "ada-snapkv": {"window": 4}, "scissorhands-history": {"recent": 4, "history": 3}}
 
 
 def _rules(cache):
@@ -267,7 +267,7 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
 
 
 @pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv", "random",
-                "pyramid", "adakv", "scissorhands-history"])
+                "pyramid", "adakv", "ada-snapkv", "scissorhands-history"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):
     """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed

@@ -92,19 +92,21 @@ def test_adakv_refuses_rolling_positions():
         EvictionCache(tiny_model("llama"), make_policy("adakv", 10), positions="rolling")
 
 
-def test_adakv_on_a_single_kv_head_is_h2o_with_a_floor():
-    """A model with one KV head (Gemma-3-270M) has nothing to share: adakv runs H2O's rule in the head's own row."""
+@pytest.mark.parametrize("adaptive,rule,options", [("adakv", "h2o", {"recent": 4}), ("ada-snapkv", "snapkv", {"window": 4})])
+def test_ada_kv_on_a_single_kv_head_is_its_scores_rule_with_a_floor(adaptive, rule, options):
+    """A model with one KV head (Gemma-3-270M) has nothing to share: Ada-KV runs its scores' rule (H2O's, SnapKV's)
+    in the head's own row."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=1, intermediate_size=48)).eval()
     ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
-    caches = {name: EvictionCache(model, make_policy(name, 12, recent=4), chunk_size=8) for name in ("adakv", "h2o")}
+    caches = {name: EvictionCache(model, make_policy(name, 12, **options), chunk_size=8) for name in (adaptive, rule)}
     with torch.no_grad():
         logits = {name: model(input_ids=ids, **cache_kwargs(cache)).logits for name, cache in caches.items()}
         for _ in range(3):
             step = {name: model(input_ids=ids[:, :1], **cache_kwargs(cache)).logits for name, cache in caches.items()}
-    assert caches["adakv"].layers[0].fan == 1 and caches["adakv"].held_tokens() == [12, 12]
-    torch.testing.assert_close(logits["adakv"], logits["h2o"])
-    torch.testing.assert_close(step["adakv"], step["h2o"])  # the floor keeps what H2O keeps anyway
+    assert caches[adaptive].layers[0].fan == 1 and caches[adaptive].held_tokens() == [12, 12]
+    torch.testing.assert_close(logits[adaptive], logits[rule])
+    torch.testing.assert_close(step[adaptive], step[rule])  # the floor keeps what the rule keeps anyway

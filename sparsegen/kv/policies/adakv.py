@@ -26,16 +26,21 @@ class AdaKV(H2O):
         self.floor = floor
 
     def priority(self, view: TokenView) -> torch.Tensor:
+        return self.share_heavy(view, view.attention)
+
+    def share_heavy(self, view: TokenView, scores: torch.Tensor) -> torch.Tensor:
+        """Ada-KV's allocation over per-slot ``scores`` ``[batch, 1, slots]``: sinks, recent tokens and each head's
+        best ``floor`` share of its heavy hitters are kept (inf); the rest compete across the layer's heads."""
         protected = view.is_recent(self.recent) | view.is_sink(self.sinks)
-        scores = view.attention.masked_fill(protected | ~view.valid, -math.inf)  # [batch, 1, slots]
-        guaranteed = min(math.floor(self.floor * self.heavy), scores.shape[-1])
+        candidates = scores.masked_fill(protected | ~view.valid, -math.inf)
+        guaranteed = min(math.floor(self.floor * self.heavy), candidates.shape[-1])
         if guaranteed:  # each head's best `guaranteed` heavy hitters (ties at the cut included)
             heads = torch.arange(view.heads, device=scores.device)[None, :, None]
             head = 0 if view.head is None else view.head  # (one KV head: a row of its own)
-            per_head = scores.masked_fill(head != heads, -math.inf)  # [batch, heads, slots]
+            per_head = candidates.masked_fill(head != heads, -math.inf)  # [batch, heads, slots]
             cut = per_head.topk(guaranteed, dim=-1).values[..., -1:]
             protected = protected | ((per_head >= cut) & (per_head > -math.inf)).any(1, keepdim=True)
-        return view.attention.masked_fill(protected, math.inf)
+        return scores.masked_fill(protected, math.inf)
 
     def describe(self):
         return {**super().describe(), "per_head": "adaptive", "floor": self.floor}

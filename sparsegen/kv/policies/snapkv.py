@@ -5,6 +5,15 @@ from sparsegen.kv.policies.h2o import H2O
 from sparsegen.kv.policy import TokenView, register_policy
 
 
+def pooled_votes(index: torch.Tensor, valid: torch.Tensor, votes: torch.Tensor, kernel: int) -> torch.Tensor:
+    """``votes`` average-pooled over ``kernel`` neighbouring held tokens in position order (empty slots last, voting
+    0; zeros beyond the ends), returned in slot order."""
+    order = index.masked_fill(~valid, torch.iinfo(torch.long).max).argsort(dim=-1)
+    ordered = votes.masked_fill(~valid, 0).gather(-1, order)
+    pooled = F.avg_pool1d(ordered.flatten(0, 1)[:, None], kernel, 1, kernel // 2)[:, 0].view_as(ordered)
+    return torch.empty_like(pooled).scatter_(-1, order, pooled)
+
+
 @register_policy
 class SnapKV(H2O):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024): the last
@@ -22,12 +31,8 @@ class SnapKV(H2O):
         self.window = window
 
     def priority(self, view: TokenView) -> torch.Tensor:
-        # pool over the held tokens in position order (empty slots last, voting 0)
-        order = view.index.masked_fill(~view.valid, torch.iinfo(torch.long).max).argsort(dim=-1)
-        votes = view.attention.masked_fill(~view.valid, 0).gather(-1, order)
-        pooled = F.avg_pool1d(votes.flatten(0, 1)[:, None], self.kernel, 1, self.kernel // 2)[:, 0].view_as(votes)
-        priority = torch.empty_like(pooled).scatter_(-1, order, pooled)
-        return priority.masked_fill(view.is_recent(self.recent) | view.is_sink(self.sinks), torch.inf)
+        pooled = pooled_votes(view.index, view.valid, view.attention, self.kernel)
+        return pooled.masked_fill(view.is_recent(self.recent) | view.is_sink(self.sinks), torch.inf)
 
     def describe(self):
         return {**super().describe(), "window": self.window}
