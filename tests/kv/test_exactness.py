@@ -266,8 +266,8 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
     assert (chunked - one_by_one)[mask.bool()].abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv", "random",
-                "pyramid", "adakv", "ada-snapkv", "scissorhands-history"])
+@pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv",
+                                  "random", "pyramid", "adakv", "ada-snapkv", "scissorhands-history"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):
     """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed

@@ -92,7 +92,8 @@ def test_adakv_refuses_rolling_positions():
         EvictionCache(tiny_model("llama"), make_policy("adakv", 10), positions="rolling")
 
 
-@pytest.mark.parametrize("adaptive,rule,options", [("adakv", "h2o", {"recent": 4}), ("ada-snapkv", "snapkv", {"window": 4})])
+@pytest.mark.parametrize("adaptive,rule,options",
+                         [("adakv", "h2o", {"recent": 4}), ("ada-snapkv", "snapkv", {"window": 4})])
 def test_ada_kv_on_a_single_kv_head_is_its_scores_rule_with_a_floor(adaptive, rule, options):
     """A model with one KV head (Gemma-3-270M) has nothing to share: Ada-KV runs its scores' rule (H2O's, SnapKV's)
     in the head's own row."""
