@@ -34,6 +34,14 @@ from sparsegen.kv import make_policy
 
 PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress", "tova": "TOVAPress",
            "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress", "pyramid": "PyramidKVPress"}
+ADAPTIVE = {"ada-snapkv": "SnapKVPress"}  # kvpress's AdaKVPress over this scorer press
+
+
+def make_press(kvpress, method: str, budget: float):
+    """kvpress's press for a sparsegen policy name, keeping ``budget`` of what it presses."""
+    if method in ADAPTIVE:
+        return kvpress.AdaKVPress(getattr(kvpress, ADAPTIVE[method])(compression_ratio=1 - budget))
+    return getattr(kvpress, PRESSES[method])(compression_ratio=1 - budget)
 
 
 def global_layers(model) -> list[int]:
@@ -74,7 +82,11 @@ def kvpress_answer(model, tokenizer, sample: ruler.Sample, press, query_aware: b
     cache = DynamicCache(config=model.config)  # (sliding-window layers hold their window, as sparsegen's do)
     with pressed(model, press):
         logits = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits[0, -1]
-    held = cache.get_seq_length(global_layers(model)[0])  # after the press (it grows by what is fed after)
+    layer = global_layers(model)[0]
+    held = cache.get_seq_length(layer)  # after the press (it grows by what is fed after)
+    masked = getattr(model.model.layers[layer].self_attn, "masked_key_indices", None)
+    if masked is not None:  # AdaKVPress masks what it evicts (its cache keeps every key): the mean kept per head
+        held -= len(masked[0]) // cache.layers[layer].keys.shape[1]
     if question.shape[1]:
         position = torch.arange(split, len(sample.ids))[None]
         logits = model(input_ids=question, past_key_values=cache, position_ids=position,
@@ -132,6 +144,11 @@ def main() -> None:
     if args.protocol == "query-aware" and "sparsegen-once" in libraries:
         parser.error("sparsegen-once is kvpress's context protocol; with --protocol query-aware, use --libraries "
                      "kvpress,sparsegen")
+    methods = args.methods.split(",")
+    unmatched = [m for m in methods if m not in PRESSES and m not in ADAPTIVE]
+    if "kvpress" in libraries and unmatched:
+        parser.error(f"no kvpress press is matched to {', '.join(unmatched)}; choose from "
+                     f"{', '.join([*PRESSES, *ADAPTIVE])}")
     import kvpress
 
     model, tokenizer = sparsegen.load(args.model)
@@ -139,7 +156,6 @@ def main() -> None:
     chat = bool(getattr(tokenizer, "chat_template", None))
     samples = [s for task in args.tasks.split(",") for s in ruler.make_samples(hay, task, args.length, args.samples,
                                                                                   chat=chat)]
-    methods = args.methods.split(",")
     rows = []
 
     def record(library: str, method: str, results: list[dict], seconds: float) -> None:
@@ -153,7 +169,7 @@ def main() -> None:
 
     # kvpress first: sparsegen's cache switches the model's attention to its own registered functions
     for method in (["full"] + methods) if "kvpress" in libraries else []:
-        press = None if method == "full" else getattr(kvpress, PRESSES[method])(compression_ratio=1 - args.budget)
+        press = None if method == "full" else make_press(kvpress, method, args.budget)
         t0, results = time.perf_counter(), []
         for sample in samples:
             pressed_tokens = len(sample.ids) if args.protocol == "query-aware" else sample.context_tokens
