@@ -9,8 +9,8 @@ cache grows by the question and the answer: sparsegen's ``context-once`` protoco
 answer (its policy keeps evicting: a cap on memory). Scores are RULER's string match, per task; the table shows each
 row's peak K/V tokens after the context beside its score (kvpress's and ``sparsegen-once``'s grow past it).
 ``--protocol query-aware``: the question is compressed with the context, in one pass (kvpress's
-``compress_questions``; sparsegen's ``query-aware`` protocol), each press keeping as many tokens as under
-``context``.
+``compress_questions``; sparsegen's ``query-aware`` protocol, and ``query-aware-once`` for ``sparsegen-once``), each
+press keeping as many tokens as under ``context``.
 
     .venv-kvpress/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 3 \\
         --tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming --budget 0.5 --json OUT
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--haystack", default=str(data_dir() / "books" / "test" / "great_expectations.txt"))
     parser.add_argument("--libraries", default="kvpress,sparsegen,sparsegen-once",
                         help="sparsegen: its context protocol (the budget held through the question and answer); "
-                             "sparsegen-once: its context-once protocol (kvpress's exactly)")
+                             "sparsegen-once: its -once protocol (kvpress's exactly: nothing evicted after the press)")
     parser.add_argument("--protocol", choices=["context", "query-aware"], default="context",
                         help="context: the question after the press (kvpress's default); query-aware: the question "
                              "pressed with the context (kvpress's compress_questions, SnapKV's setting)")
@@ -141,9 +141,6 @@ def main() -> None:
         print(table(rows))
         return
     libraries = args.libraries.split(",")
-    if args.protocol == "query-aware" and "sparsegen-once" in libraries:
-        parser.error("sparsegen-once is kvpress's context protocol; with --protocol query-aware, use --libraries "
-                     "kvpress,sparsegen")
     methods = args.methods.split(",")
     unmatched = [m for m in methods if m not in PRESSES and m not in ADAPTIVE]
     if "kvpress" in libraries and unmatched:
@@ -179,7 +176,7 @@ def main() -> None:
             results.append({"task": sample.task, "depth": sample.depth, "answer": answer, "answers": sample.answers,
                             "score": ruler.score(answer, sample.answers), "kv_tokens": held})
         record("kvpress", method, results, time.perf_counter() - t0)
-    protocols = {"sparsegen": args.protocol, "sparsegen-once": "context-once"}
+    protocols = {"sparsegen": args.protocol, "sparsegen-once": f"{args.protocol}-once"}
     for library in [lib for lib in libraries if lib in protocols]:
         for method in methods:
             t0 = time.perf_counter()

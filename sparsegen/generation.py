@@ -95,13 +95,16 @@ def generate_tokens(
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
 
     t0 = time.perf_counter()
-    if hold_after_first and first_chunk:
-        prefill(model, cache, ids[:, :first_chunk], mask[:, :first_chunk], chunk_size, progress, first_chunk, start)
+    if hold_after_first and first_chunk:  # (a first chunk of the whole prompt leaves nothing more to feed)
+        logits = prefill(model, cache, ids[:, :first_chunk], mask[:, :first_chunk], chunk_size, progress,
+                         first_chunk, start)
         cache.stop_evicting()
         ids, mask, start = ids[:, first_chunk:], mask[:, first_chunk:], start + first_chunk
     elif hold_after_first:
         cache.stop_evicting()
-    logits = prefill(model, cache, ids, mask, chunk_size, progress, None if hold_after_first else first_chunk, start)
+    if ids.shape[1]:
+        logits = prefill(model, cache, ids, mask, chunk_size, progress, None if hold_after_first else first_chunk,
+                         start)
     prefill_seconds = time.perf_counter() - t0
 
     step = DecodeStep(model, compile)

@@ -13,7 +13,8 @@ PROTOCOL_HELP = ("stream: the whole prompt in chunks, evicting as it goes; conte
                  "compressed once, then the question, the budget holding throughout; context-once (kvpress's "
                  "exactly): the same, nothing evicted after the context; query-aware: the whole prompt, question "
                  "included, in one pass, compressed once (SnapKV's setting: its scores see the question), the "
-                 "budget holding after")
+                 "budget holding after; query-aware-once (kvpress's compress_questions exactly): the same, nothing "
+                 "evicted after the prompt")
 
 
 def cmd_passkey(args: argparse.Namespace) -> None:

@@ -10,13 +10,14 @@ frequent words of a list (``cwe``, ``fwe``). RULER's two QA tasks need SQuAD and
 cannot fetch, so they are not here. Prompts use RULER's wording, fill a given token length, place the (queried)
 needle at a given depth, and are seeded: the same arguments give the same prompts.
 
-Four protocols compress the cache: ``stream`` feeds the whole prompt in chunks and evicts as it goes (what a
+Five protocols compress the cache: ``stream`` feeds the whole prompt in chunks and evicts as it goes (what a
 streaming deployment does); ``context`` encodes the context in one pass, compresses it once to the budget with the
 policy's scores, then feeds the question and decodes, eviction continuing (the budget caps memory throughout);
 ``context-once`` is kvpress's exactly: the same compression, and nothing evicted after it (the cache grows by the
 question and the answer); ``query-aware`` encodes the whole prompt, question included, in one pass and compresses it
 once, so the policy's scores have seen the question (SnapKV's own setting: its observation window is the prompt's
-end; kvpress's ``compress_questions``), then decodes with the budget holding. A fractional budget is a share of the
+end), then decodes with the budget holding; ``query-aware-once`` is kvpress's ``compress_questions`` exactly (the same
+compression, nothing evicted after it). A fractional budget is a share of the
 context under every protocol, so each keeps the same number of tokens.
 """
 

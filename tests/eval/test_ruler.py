@@ -165,3 +165,25 @@ def test_context_once_holds_the_question_and_answer(tiny_checkpoint):
     assert torch.equal(once, full)  # a budget that holds the whole context: the model's own tokens
     with pytest.raises(ValueError, match="protocol must be one of"):
         ruler.evaluate(model, tokenizer, [], lambda n: make_policy("full"), protocol="twice")
+
+
+def test_query_aware_once_compresses_the_whole_prompt_once_then_holds(tiny_checkpoint):
+    """kvpress's ``compress_questions``: the prompt, question included, compressed once in one pass, then nothing
+    evicted (the cache grows by the answer); ``query-aware`` holds the budget through the answer. Both compress the
+    same, so their first answer token is the same."""
+    import torch
+
+    import sparsegen
+    from sparsegen.eval.protocols import protocol_feed
+    from sparsegen.generation import generate_tokens
+    from sparsegen.kv import make_policy
+
+    model, tokenizer = sparsegen.load(tiny_checkpoint)
+    ids = torch.tensor([tokenizer("it was the best of times, it was the worst of times " * 6)["input_ids"]])
+    runs = {protocol: generate_tokens(model, ids, torch.ones_like(ids), make_policy("knorm", 16), max_new_tokens=5,
+                                      **protocol_feed(protocol, ids.shape[1], ids.shape[1] - 6))
+            for protocol in ("query-aware", "query-aware-once")}
+    assert runs["query-aware"][2]["kv_tokens"] == 16
+    assert runs["query-aware-once"][2]["kv_tokens"] == 16 + 4  # the compressed prompt and the answer's fed tokens
+    assert runs["query-aware"][2]["kv_tokens_peak"] == runs["query-aware-once"][2]["kv_tokens_peak"] == ids.shape[1]
+    assert torch.equal(runs["query-aware"][0][:, 0], runs["query-aware-once"][0][:, 0])
