@@ -845,7 +845,9 @@ class EvictionCache(Cache):
         """Hold every token fed from now on (what it holds stays): kvpress's protocol, where a context is compressed
         once and the question and answer that follow are never evicted. Sliding-window layers keep their window."""
         if self.policy.shares_slots:
-            raise ValueError(f"{self.policy.name}'s heads share one pool of slots; it cannot stop evicting")
+            raise ValueError(f"{self.policy.name}'s heads share one pool of slots, which cannot grow: it cannot stop "
+                             "evicting after the context; use a protocol that holds the budget (context, query-aware) "
+                             "or a policy with a row per head")
         self.policy = Full()
         for layer in self.layers:
             if not layer.is_sliding:
