@@ -370,8 +370,10 @@ def ruler(root: Path, model: str) -> dict[str, str]:
     protocol, length and sample count, each task's score, and the average where every task was run."""
     from sparsegen.eval.ruler import TASKS
 
-    def key(length: int, policy: str, budget: float, protocol: str, samples: int) -> tuple:
-        """A row's identity, in table order: by length, the full cache first, then larger budgets first."""
+    def key(length: int, policy: str, budget: float | None, protocol: str, samples: int) -> tuple:
+        """A row's identity, in table order: by length, the full cache first (a run of it alone has no budget),
+        then larger budgets first."""
+        budget = 1.0 if policy == "full" else budget
         label = "all" if policy == "full" else f"{budget:.0%}"
         return length, policy != "full", -budget, policy, label, protocol, samples
 
