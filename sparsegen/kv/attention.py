@@ -415,7 +415,9 @@ def _held_and_own_blocks(layer, query, key, value, scaling: float, held_mask: to
     """``shared_attention`` of one call, without scoring a query against other heads' new tokens: the call's
     tokens sit in one block per head (``start + h * q + i``), so each head's queries score the held slots
     (``held_mask``: theirs, up to them) and their own block only — a one-pass 4K context scores 4K keys per query,
-    not heads × 4K (with the masks and probabilities that size, the slowest path of Ada-KV's context protocol)."""
+    not heads × 4K (with the masks and probabilities that size, the slowest path of Ada-KV's context protocol).
+    Where the policy's statistic reads only the call's last queries (``observed_queries``: ada-snapkv's window), the
+    output comes from SDPA and only those queries' probabilities are formed."""
     step = layer.cache.step
     batch, q_heads, q, _ = query.shape
     heads, start = layer.fan, key.shape[2] - layer.fan * q
@@ -427,21 +429,47 @@ def _held_and_own_blocks(layer, query, key, value, scaling: float, held_mask: to
         own_mask &= index[:, :, None] - index[:, None, :] < sliding_window
     own_mask |= torch.eye(q, dtype=torch.bool, device=query.device) & ~real[:, :, None]  # a pad sees its own slot
     own_keys, own_values = (x[:, 0, start:].view(batch, heads, q, -1) for x in (key, value))
-    logits = torch.cat([
-        _scores(query, key[:, :, :start], scaling).view(batch, heads, group, q, start).masked_fill(
-            ~held_mask[:, :, None], -torch.inf),
-        _scores(query, own_keys, scaling).masked_fill(~own_mask[:, None, None], -torch.inf)], dim=-1)
-    held_probs, own_probs = torch.softmax(logits, dim=-1).split([start, q], dim=-1)
+    observed = observed_queries(layer.policy, q) if layer.attention is not None else None
+    if observed is None or isinstance(key, HeldCodes) or isinstance(value, HeldCodes):
+        held_probs, own_probs = _block_probs(query, key[:, :, :start], own_keys, held_mask, own_mask, scaling)
+        out = _attend(held_probs, value[:, :, :start]) + (
+            own_probs.to(value.dtype).view(batch, heads, group * q, q) @ own_values).view(batch, q_heads, q, -1)
+    else:
+        # each KV head as a batch row of its own: its held slots and its block, the mask broadcast over its group
+        keys, values = (torch.cat((x[:, :, :start].expand(batch, heads, start, -1), own), dim=2).flatten(0, 1)[:, None]
+                        for x, own in ((key, own_keys), (value, own_values)))
+        mask = torch.cat((held_mask, own_mask[:, None].expand(batch, heads, q, q)), dim=-1).flatten(0, 1)[:, None]
+        out = F.scaled_dot_product_attention(query.reshape(batch * heads, group, q, -1), keys, values,
+                                             attn_mask=mask, scale=scaling, enable_gqa=True)
+        out = out.view(batch, q_heads, q, -1)
+        held_mask, own_mask, index, real = (held_mask[:, :, -observed:], own_mask[:, -observed:],
+                                            index[:, -observed:], real[:, -observed:])
+        held_probs, own_probs = _block_probs(query[:, :, -observed:], key[:, :, :start], own_keys, held_mask,
+                                             own_mask, scaling)
     if layer.attention is not None:
-        visible = (held_mask.sum(-1) + own_mask.sum(-1)[:, None])[:, :, None, :, None]  # [B, heads, 1, q, 1]
+        rows = held_probs.shape[3]
+        visible = (held_mask.sum(-1) + own_mask.sum(-1)[:, None])[:, :, None, :, None]  # [B, heads, 1, rows, 1]
         real = real[:, None, None, :, None]
-        observe(layer.policy, layer.attention[:, :, :start], held_probs.reshape(batch, 1, q_heads, q, start),
-                visible.expand(-1, -1, group, -1, -1).reshape(batch, 1, q_heads, q, 1), real, index)
+        observe(layer.policy, layer.attention[:, :, :start], held_probs.reshape(batch, 1, q_heads, rows, start),
+                visible.expand(-1, -1, group, -1, -1).reshape(batch, 1, q_heads, rows, 1), real, index)
         own_attention = layer.attention[:, 0, start:start + heads * q]
         observe(layer.policy, own_attention.view(batch, heads, q, *own_attention.shape[2:]), own_probs, visible,
                 real, index)
-    return _attend(held_probs, value[:, :, :start]) + (
-        own_probs.to(value.dtype).view(batch, heads, group * q, q) @ own_values).view(batch, q_heads, q, -1)
+    return out
+
+
+def _block_probs(query, held_keys, own_keys, held_mask: torch.Tensor, own_mask: torch.Tensor,
+                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention probabilities of ``query`` ``[B, q_heads, rows, D]`` over the held slots (one shared row,
+    ``held_mask`` ``[B, heads, rows, start]``) and its head's own block (``own_keys`` ``[B, heads, q, D]``,
+    ``own_mask`` ``[B, rows, q]``), one softmax over both: ``[B, heads, group, rows, start]`` and ``[..., q]``."""
+    batch, q_heads, rows, _ = query.shape
+    heads, start = own_keys.shape[1], held_mask.shape[-1]
+    logits = torch.cat([
+        _scores(query, held_keys, scaling).view(batch, heads, q_heads // heads, rows, start).masked_fill(
+            ~held_mask[:, :, None], -torch.inf),
+        _scores(query, own_keys, scaling).masked_fill(~own_mask[:, None, None], -torch.inf)], dim=-1)
+    return torch.softmax(logits, dim=-1).split([start, own_keys.shape[2]], dim=-1)
 
 
 def _check_unpadded(cache) -> None:

@@ -83,7 +83,7 @@ def test_generate_with_full_budget_equals_plain_generate(family, name):
 SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streaming-h2o": {"recent": 4, "sinks": 1},
          "tova": {}, "scissorhands": {"recent": 4}, "snapkv": {},
          "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
-         "adakv": {"recent": 4}, "ada-snapkv": {"window": 4}, "scissorhands-history": {"recent": 4, "history": 3}}
+         "adakv": {"recent": 4}, "ada-snapkv": {"window": 2}, "scissorhands-history": {"recent": 4, "history": 3}}
 
 
 def _rules(cache):
