@@ -15,6 +15,7 @@ import torch
 import sparsegen
 from sparsegen.data import data_dir
 from sparsegen.eval import ruler
+from sparsegen.eval.inspect import kept_tokens
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.compat import cache_kwargs
 
@@ -27,15 +28,6 @@ def needle_positions(tokenizer, ids: list[int], answer: str) -> list[int]:
             if ids[start:start + len(piece)] == piece:
                 return list(range(start, start + len(piece)))
     raise ValueError(f"the needle {answer!r} is not in the prompt as one run of tokens")
-
-
-def held(layer, head: int) -> set[int]:
-    """The token ordinals a KV head holds in one layer (heads sharing one row of slots: that head's)."""
-    used, row = layer.used, 0
-    if layer.fan > 1:
-        mine = layer.valid[row, 0, :used] & (layer.head[row, 0, :used] == head)
-        return set(layer.index[row, 0, :used][mine].tolist())
-    return set(layer.index[row, head, :used][layer.valid[row, head, :used]].tolist())
 
 
 def main() -> None:
@@ -60,8 +52,8 @@ def main() -> None:
             with torch.inference_mode():
                 model(input_ids=ids, **cache_kwargs(cache))
             heads = cache.layers[0].keys.shape[1] * cache.layers[0].fan
-            kept = [[held(layer, h) for h in range(heads)] for layer in cache.layers]
-            holding = [sum(set(needle) <= tokens for tokens in layer) for layer in kept]
+            kept = [kept_tokens(layer, heads) for layer in cache.layers]
+            holding = [sum(set(needle) <= set(tokens) for tokens in layer) for layer in kept]
             print(f"  {name:>12}: heads holding the whole needle, by layer {holding} (total {sum(holding)})")
             sizes = [len(tokens) for layer in kept for tokens in layer]
             print(f"  {'':>12}  tokens per head, smallest and largest: {min(sizes)}, {max(sizes)}")

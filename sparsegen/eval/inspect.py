@@ -25,8 +25,8 @@ SINKS = 4  # tokens whose attention share is the sink mass
 PAGE = "inspect.html"
 
 
-def _kept(cache: EvictionCache, layer, heads: int) -> list[list[int]]:
-    """Token ordinals each KV head of ``layer`` holds, ascending."""
+def kept_tokens(layer, heads: int) -> list[list[int]]:
+    """Token ordinals each KV head of a one-sequence cache's ``layer`` holds, ascending."""
     used = layer.used
     index, valid = layer.index[0, :, :used], layer.valid[0, :, :used]
     if layer.head is not None:  # one pool of slots shared by the heads: each slot says whose it is
@@ -141,7 +141,7 @@ def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | 
         cache = EvictionCache(model, policy, chunk_size=chunk_size, kv_bits=kv_bits)
         first = len(text_ids) if protocol == "context" else None
         logits = prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False, first_chunk=first)
-        kept = [_kept(cache, layer, heads) for layer in cache.layers]
+        kept = [kept_tokens(layer, heads) for layer in cache.layers]
         count = [0] * length
         layers_of = [[] for _ in range(length)]
         for layer_index, per_head in enumerate(kept):

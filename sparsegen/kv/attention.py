@@ -429,7 +429,7 @@ def _held_and_own_blocks(layer, query, key, value, scaling: float, held_mask: to
         own_mask &= index[:, :, None] - index[:, None, :] < sliding_window
     own_mask |= torch.eye(q, dtype=torch.bool, device=query.device) & ~real[:, :, None]  # a pad sees its own slot
     own_keys, own_values = (x[:, 0, start:].view(batch, heads, q, -1) for x in (key, value))
-    observed = observed_queries(layer.policy, q) if layer.attention is not None else None
+    observed = observed_queries(layer.policy, q)
     if observed is None or isinstance(key, HeldCodes) or isinstance(value, HeldCodes):
         held_probs, own_probs = _block_probs(query, key[:, :, :start], own_keys, held_mask, own_mask, scaling)
         out = _attend(held_probs, value[:, :, :start]) + (
