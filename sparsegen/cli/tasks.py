@@ -71,24 +71,68 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.length.split(",")]
     depths = [float(x) for x in args.depths.split(",")] if args.depths else None
 
+    header = {"model": args.model, "haystack": str(haystack), "chat": chat, "samples_per_task": args.samples,
+              "budget_arg": args.budget, "kv_bits": args.kv_bits, "settings": _ruler_settings(args, chat, haystack)}
+    done = _resumable_rows(args.json, header["settings"]) if args.resume else []
+    rows: list[dict] = []
+
     def show(row: dict) -> None:
+        rows.append(row)
+        if args.json:  # after every row, so an interrupted run loses at most the row it was on
+            _write_json(args.json, {**header, "rows": rows})
         print(f"{row['policy']:>14} {row['protocol']:>11} {row['length']:>6} {row['task']:>16}: {row['score']:.3f} "
               f"(K/V peak {row['kv_tokens_peak']:,} tokens; prompts up to {row['prompt_tokens']:,})", flush=True)
 
+    if done:
+        print(f"resuming {args.json}: {len(done)} rows done", flush=True)
     report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
                        dict(policy_factories(args)), lengths, tasks, args.samples, tuple(protocols), chat, depths,
                        args.seed, args.chunk_size, args.positions, kv_quantization(args), args.max_new_tokens,
-                       on_row=show)
+                       on_row=show, done=done)
     print()
     print(ruler.markdown(report["rows"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "haystack": str(haystack), "chat": chat, "samples_per_task": args.samples,
-                       "budget_arg": args.budget, "kv_bits": args.kv_bits, **report}, f, indent=2)
+        _write_json(args.json, {**header, **report})
     if args.plot:
         from sparsegen.eval.plots import plot_ruler
 
         plot_ruler(report["rows"], args.plot)
+
+
+_RULER_ROW_SELECTORS = {"policies", "protocol", "tasks", "length", "json", "plot", "resume", "func", "command",
+                        "policy"}
+
+
+def _ruler_settings(args: argparse.Namespace, chat: bool, haystack) -> dict:
+    """Every argument that changes a row's answers (not which rows run): what a resumed run must share."""
+    settings = {k: v for k, v in sorted(vars(args).items())
+                if k not in _RULER_ROW_SELECTORS and (v is None or isinstance(v, (str, int, float, bool)))}
+    return {**settings, "chat": chat, "haystack": str(haystack)}
+
+
+def _resumable_rows(path: str | None, settings: dict) -> list[dict]:
+    if path is None:
+        raise ValueError("--resume continues the run written to --json; give --json OUT")
+    if not Path(path).exists():
+        return []
+    earlier = json.loads(Path(path).read_text())
+    if "settings" not in earlier:
+        raise ValueError(f"{path} was written by a sparsegen that did not record its settings; it cannot be resumed "
+                         "safely: give another --json, or delete it")
+    differ = sorted(k for k in settings.keys() | earlier["settings"].keys()
+                    if settings.get(k) != earlier["settings"].get(k))
+    if differ:
+        shown = ", ".join(f"{k} ({earlier['settings'].get(k)!r} there, {settings.get(k)!r} now)" for k in differ)
+        raise ValueError(f"{path} was run with other settings: {shown}; run with the same ones to resume, or give "
+                         "another --json")
+    return earlier["rows"]
+
+
+def _write_json(path: str, report: dict) -> None:
+    """Through a temporary file, so an interrupted write never leaves a broken report."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> None:
@@ -135,7 +179,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="ask in the model's chat template (default: when the model has one)")
-    p.add_argument("--json", default=None, help="write the rows (with every answer) as JSON to this file")
+    p.add_argument("--json", default=None, help="write the rows (with every answer) as JSON to this file, after "
+                                                "every row")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows the --json file already holds (a run cut short, or fewer policies, protocols, "
+                        "tasks or lengths) and run only the others; the other settings must match")
     p.add_argument("--plot", default=None, help="write needle-depth x length heat maps per policy as a PNG")
     p.set_defaults(func=cmd_ruler)
 

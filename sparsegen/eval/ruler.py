@@ -344,18 +344,23 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
         chat: bool = False, depths: list[float] | None = None, seed: int = 0, chunk_size: int = 512,
         positions: str | None = None, kv_bits: int | KVQuantization | None = None,
         max_new_tokens: int | None = None, progress: bool = True,
-        on_row: Callable[[dict], None] | None = None) -> dict:
+        on_row: Callable[[dict], None] | None = None, done: list[dict] | None = None) -> dict:
     """RULER over ``policies`` (name -> policy for a context of n tokens) x ``protocols`` x ``lengths`` x ``tasks``:
     ``{"rows": [{"policy", "budget", "protocol", "task", "length", "score", "depths", "kv_tokens_peak",
-    "samples": [...]}]}``, the same prompts for every policy."""
+    "samples": [...]}]}``, the same prompts for every policy. ``done``: rows of an interrupted run with the same
+    settings; each (policy, protocol, task, length) among them is taken as it is, not evaluated again."""
     hay = Haystack(tokenizer, haystack)
     tasks = tasks or list(TASKS)
     prompts = {(task, length): make_samples(hay, task, length, samples, seed, chat, depths)
                for length in lengths for task in tasks}
+    finished = {(r["policy"], r["protocol"], r["task"], r["length"]): r for r in done or []}
     rows = []
     for name, make in policies.items():
         for protocol in protocols:
             for (task, length), task_samples in prompts.items():
+                if (name, protocol, task, length) in finished:
+                    rows.append(finished[name, protocol, task, length])
+                    continue
                 results = evaluate(model, tokenizer, task_samples, make, protocol, chunk_size, positions, kv_bits,
                                    max_new_tokens, progress)
                 summary = summarize(results)

@@ -187,3 +187,21 @@ def test_query_aware_once_compresses_the_whole_prompt_once_then_holds(tiny_check
     assert runs["query-aware-once"][2]["kv_tokens"] == 16 + 4  # the compressed prompt and the answer's fed tokens
     assert runs["query-aware"][2]["kv_tokens_peak"] == runs["query-aware-once"][2]["kv_tokens_peak"] == ids.shape[1]
     assert torch.equal(runs["query-aware"][0][:, 0], runs["query-aware-once"][0][:, 0])
+
+
+def test_cli_resume_keeps_finished_rows_and_runs_the_rest(tiny_checkpoint, book_slice, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    common = ["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--length", "600",
+              "--samples", "1", "--max-new-tokens", "2", "--chunk-size", "64", "--json", str(out)]
+    assert main([*common, "--tasks", "niah_single_1"]) == 0
+    first = json.loads(out.read_text())
+    first["rows"][0]["score"] = 0.123  # a row a resumed run would recompute shows up as changed
+    out.write_text(json.dumps(first))
+    assert main([*common, "--tasks", "niah_single_1,vt", "--resume"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["task"], r["score"] == 0.123) for r in rows] == [("niah_single_1", True), ("vt", False)]
+    assert "resuming" in capsys.readouterr().out
+    assert main([*common, "--tasks", "vt", "--resume", "--seed", "1"]) == 2
+    assert "other settings: seed (0 there, 1 now)" in capsys.readouterr().err
+    assert main([*common[:-2], "--resume"]) == 2
+    assert "give --json OUT" in capsys.readouterr().err
