@@ -33,7 +33,8 @@ from sparsegen.eval import ruler
 from sparsegen.kv import make_policy
 
 PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress", "tova": "TOVAPress",
-           "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress", "pyramid": "PyramidKVPress"}
+           "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress",
+           "pyramid-snapkv": "PyramidKVPress"}  # (sparsegen's `pyramid` scores by H2O's sums: no kvpress press does)
 ADAPTIVE = {"ada-snapkv": "SnapKVPress"}  # kvpress's AdaKVPress over this scorer press
 
 

@@ -58,7 +58,7 @@ def test_full_budget_equals_dynamic_cache(family, name, attn):
     ids, mask = _padded_batch([28, 20, 13], 28)
     expected = _run_chunks(model, DynamicCache(config=model.config), ids, mask, CHUNKS)
     # pyramid's budget is the mean per layer and its last layer holds 1/20 of it: every layer holds 28 at 20 x 64
-    budget = 64 * 20 if name == "pyramid" else 64
+    budget = 64 * 20 if name.startswith("pyramid") else 64
     cache = EvictionCache(model, _policy(name, budget), positions=_positions(family, name), chunk_size=8)
     got = _run_chunks(model, cache, ids, mask, CHUNKS)
     real = mask.bool()
@@ -83,7 +83,9 @@ def test_generate_with_full_budget_equals_plain_generate(family, name):
 SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streaming-h2o": {"recent": 4, "sinks": 1},
          "tova": {}, "scissorhands": {"recent": 4}, "snapkv": {},
          "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
-         "adakv": {"recent": 4}, "ada-snapkv": {"window": 2}, "scissorhands-history": {"recent": 4, "history": 3}}
+         "adakv": {"recent": 4}, "ada-snapkv": {"window": 2},
+         "scissorhands-history": {"recent": 4, "history": 3},
+         "pyramid-snapkv": {"window": 1}}  # (2 layers at a mean of 10: 19 and 1, which holds a window of 1)
 
 
 def _rules(cache):
@@ -267,7 +269,8 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
 
 
 @pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv",
-                                  "random", "pyramid", "adakv", "ada-snapkv", "scissorhands-history"])
+                                  "random", "pyramid", "pyramid-snapkv", "adakv", "ada-snapkv",
+                                  "scissorhands-history"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):
     """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed

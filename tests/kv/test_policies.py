@@ -31,6 +31,19 @@ def test_each_pyramid_layer_holds_and_allocates_its_own_budget():
     assert slots[1] < slots[0]  # storage sized by what the layer can hold, not one size for all
 
 
+def test_pyramid_snapkv_shapes_its_budgets_only_when_the_last_layer_holds_its_window():
+    assert [p.budget for p in _layers(make_policy("pyramid-snapkv", 40, window=2), 2)] == [78, 2]
+    assert [p.budget for p in _layers(make_policy("pyramid-snapkv", 40, window=3), 2)] == [40, 40]  # SnapKV's
+    # half of a 4K context over 30 layers: the last holds 102; a fifth would give it 41, below kvpress's window of 64
+    layer = make_policy("pyramid-snapkv", 2048, window=64).for_layer(29, 30)
+    assert (layer.name, layer.budget, layer.window, layer.attention_statistic) == ("snapkv", 102, 64, "window")
+    assert make_policy("pyramid-snapkv", 819, window=64).for_layer(29, 30).budget == 819
+
+
+def _layers(policy, layers):
+    return [policy.for_layer(i, layers) for i in range(layers)]
+
+
 def test_lagkv_scores_each_partition_once_against_the_next_and_keeps_the_recent_ones():
     """12 tokens, 2 sinks, partitions of 2: the sinks and the last partition (its next one is unseen) are kept; each
     scored partition's key and value shares sum to 2 over its held tokens, a lone survivor's to 2; the scores are
