@@ -31,18 +31,21 @@ import sparsegen
 from sparsegen.data import data_dir
 from sparsegen.eval import ruler
 from sparsegen.kv import make_policy
+from sparsegen.kv.policies import policy_class, policy_options
 
 PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress", "tova": "TOVAPress",
            "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress",
            "pyramid-snapkv": "PyramidKVPress"}  # (sparsegen's `pyramid` scores by H2O's sums: no kvpress press does)
 ADAPTIVE = {"ada-snapkv": "SnapKVPress"}  # kvpress's AdaKVPress over this scorer press
+# kvpress's presses that sparsegen has no policy for, run as reference rows (the sparsegen libraries skip them)
+REFERENCE = {"expected-attention": "ExpectedAttentionPress"}
 
 
 def make_press(kvpress, method: str, budget: float):
     """kvpress's press for a sparsegen policy name, keeping ``budget`` of what it presses."""
     if method in ADAPTIVE:
         return kvpress.AdaKVPress(getattr(kvpress, ADAPTIVE[method])(compression_ratio=1 - budget))
-    return getattr(kvpress, PRESSES[method])(compression_ratio=1 - budget)
+    return getattr(kvpress, {**PRESSES, **REFERENCE}[method])(compression_ratio=1 - budget)
 
 
 def global_layers(model) -> list[int]:
@@ -134,6 +137,9 @@ def main() -> None:
     parser.add_argument("--protocol", choices=["context", "query-aware"], default="context",
                         help="context: the question after the press (kvpress's default); query-aware: the question "
                              "pressed with the context (kvpress's compress_questions, SnapKV's setting)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="observation window of sparsegen's SnapKV-scored policies (default theirs, 32; kvpress's "
+                             "presses use 64)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' rows and exit")
     args = parser.parse_args()
@@ -143,10 +149,12 @@ def main() -> None:
         return
     libraries = args.libraries.split(",")
     methods = args.methods.split(",")
-    unmatched = [m for m in methods if m not in PRESSES and m not in ADAPTIVE]
+    unmatched = [m for m in methods if m not in PRESSES and m not in ADAPTIVE and m not in REFERENCE]
     if "kvpress" in libraries and unmatched:
         parser.error(f"no kvpress press is matched to {', '.join(unmatched)}; choose from "
-                     f"{', '.join([*PRESSES, *ADAPTIVE])}")
+                     f"{', '.join([*PRESSES, *ADAPTIVE, *REFERENCE])}")
+    if "kvpress" not in libraries and (alone := [m for m in methods if m in REFERENCE]):
+        parser.error(f"{', '.join(alone)} is a kvpress press only; add kvpress to --libraries")
     import kvpress
 
     model, tokenizer = sparsegen.load(args.model)
@@ -156,10 +164,11 @@ def main() -> None:
                                                                                   chat=chat)]
     rows = []
 
-    def record(library: str, method: str, results: list[dict], seconds: float) -> None:
+    def record(library: str, method: str, results: list[dict], seconds: float, window: int | None = None) -> None:
         for task in dict.fromkeys(r["task"] for r in results):
             mine = [r for r in results if r["task"] == task]
             rows.append({"library": library, "policy": method, "budget": args.budget, "protocol": args.protocol,
+                         "window": window,
                          "task": task, "length": args.length, "score": sum(r["score"] for r in mine) / len(mine),
                          "kv_tokens": max(r["kv_tokens"] for r in mine), "samples": mine,
                          "seconds_per_sample": round(seconds / len(results), 2)})
@@ -179,13 +188,15 @@ def main() -> None:
         record("kvpress", method, results, time.perf_counter() - t0)
     protocols = {"sparsegen": args.protocol, "sparsegen-once": f"{args.protocol}-once"}
     for library in [lib for lib in libraries if lib in protocols]:
-        for method in methods:
+        for method in [m for m in methods if m not in REFERENCE]:
             t0 = time.perf_counter()
-            results = ruler.evaluate(model, tokenizer, samples, lambda n, m=method: make_policy(m, args.budget, n),
+            options = {"window": args.window} if "window" in policy_options(policy_class(method)) else {}
+            results = ruler.evaluate(model, tokenizer, samples,
+                                     lambda n, m=method: make_policy(m, args.budget, n, **options),
                                      protocol=protocols[library], progress=False)
             for r, sample in zip(results, samples):
                 r["kv_tokens"] = round(args.budget * sample.context_tokens)  # after the context
-            record(library, method, results, time.perf_counter() - t0)
+            record(library, method, results, time.perf_counter() - t0, options.get("window"))
 
     print(f"\n{args.model}, RULER {args.length}, {args.samples} samples a task, {args.protocol} protocol, budget "
           f"{args.budget} of the context (kvpress keeping as many tokens)\n")
