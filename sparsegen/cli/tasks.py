@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from sparsegen.cli.common import budget_args, kv_quantization, load_model, model_args, policy_factories
+from sparsegen.cli.common import (budget_args, kv_quantization, load_draft_model, load_model, model_args,
+                                  policy_factories, speculative_args)
 from sparsegen.eval.protocols import PROTOCOLS
 
 PROTOCOL_HELP = ("stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
@@ -80,15 +81,31 @@ def cmd_ruler(args: argparse.Namespace) -> None:
         rows.append(row)
         if args.json:  # after every row, so an interrupted run loses at most the row it was on
             _write_json(args.json, {**header, "rows": rows})
+        draft = row.get("draft")
+        drafted = "" if draft is None else (f"; draft {draft['policy']}:{draft['budget']} accepted "
+                                            f"{draft['acceptance_rate'] or 0:.0%}, {draft['tokens_per_step'] or 0:.2f} "
+                                            "tokens a step")
         print(f"{row['policy']:>14} {row['protocol']:>11} {row['length']:>6} {row['task']:>16}: {row['score']:.3f} "
-              f"(K/V peak {row['kv_tokens_peak']:,} tokens; prompts up to {row['prompt_tokens']:,})", flush=True)
+              f"(K/V peak {row['kv_tokens_peak']:,} tokens; prompts up to {row['prompt_tokens']:,}{drafted})",
+              flush=True)
+
+    speculation = None
+    if args.speculative is not None:
+        from sparsegen.speculative import Speculation, draft_length, draft_policy
+
+        draft_model, draft_tokens = load_draft_model(args, tokenizer), draft_length(args.draft_tokens)
+        draft_policy(args.speculative, 1_000)  # a bad --speculative fails now, not after the model loads
+
+        def speculation(context_tokens: int) -> Speculation:
+            return Speculation(draft_policy(args.speculative, context_tokens), draft_tokens, args.positions,
+                               draft_model)
 
     if done:
         print(f"resuming {args.json}: {len(done)} rows done", flush=True)
     report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
                        dict(policy_factories(args)), lengths, tasks, args.samples, tuple(protocols), chat, depths,
                        args.seed, args.chunk_size, args.positions, kv_quantization(args), args.max_new_tokens,
-                       on_row=show, done=done)
+                       on_row=show, done=done, speculation=speculation)
     print()
     print(ruler.markdown(report["rows"]))
     if args.json:
@@ -179,6 +196,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="ask in the model's chat template (default: when the model has one)")
+    speculative_args(p)
     p.add_argument("--json", default=None, help="write the rows (with every answer) as JSON to this file, after "
                                                 "every row")
     p.add_argument("--resume", action="store_true",

@@ -368,20 +368,21 @@ def plot_policies(root: Path, model: str) -> None:
 def ruler(root: Path, model: str) -> dict[str, str]:
     """``sparsegen ruler`` runs (``ruler-*.json``) and sweep cells (``sweep-*.json``): a row per policy, budget,
     protocol, length and sample count, each task's score, and the average where every task was run."""
-    from sparsegen.eval.ruler import TASKS
+    from sparsegen.eval.ruler import TASKS, policy_label
 
-    def key(length: int, policy: str, budget: float | None, protocol: str, samples: int) -> tuple:
+    def key(length: int, policy: str, budget: float | None, protocol: str, samples: int, shown: str = "") -> tuple:
         """A row's identity, in table order: by length, the full cache first (a run of it alone has no budget),
-        then larger budgets first."""
+        then larger budgets first. ``shown``: the policy as the table names it (default ``policy``)."""
         budget = 1.0 if policy == "full" else budget
         label = "all" if policy == "full" else f"{budget:.0%}"
-        return length, policy != "full", -budget, policy, label, protocol, samples
+        return length, policy != "full", -budget, shown or policy, label, protocol, samples
 
     scores: dict[tuple, dict[str, float]] = {}
     for path in sorted(root.glob("ruler-*.json")):
         r = read(path)
         for row in r["rows"]:
-            row_key = key(row["length"], row["policy"], r["budget_arg"], row["protocol"], r["samples_per_task"])
+            row_key = key(row["length"], row["policy"], r["budget_arg"], row["protocol"], r["samples_per_task"],
+                          policy_label(row))
             scores.setdefault(row_key, {})[row["task"]] = row["score"]
     for path in sorted(root.glob("sweep-*.json")):
         r = read(path)

@@ -39,6 +39,7 @@ from sparsegen.eval.passkey import chat_frame
 from sparsegen.eval.protocols import check_protocol, protocol_feed
 from sparsegen.generation import generate_tokens
 from sparsegen.kv import KVQuantization, Policy
+from sparsegen.speculative import Speculation, speculative_tokens
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NIAH = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
@@ -307,23 +308,37 @@ def score(answer: str, references: list[str]) -> float:
 @torch.inference_mode()
 def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Policy], protocol: str = "stream",
              chunk_size: int = 512, positions: str | None = None, kv_bits: int | KVQuantization | None = None,
-             max_new_tokens: int | None = None, progress: bool = True) -> list[dict]:
+             max_new_tokens: int | None = None, progress: bool = True,
+             speculation: Callable[[int], Speculation] | None = None) -> list[dict]:
     """Greedy answers to ``samples`` (one at a time) through a cache under ``make(context_tokens)``'s policy, each
-    with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``."""
+    with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``. ``speculation``
+    (``make`` giving the full cache, ``stream`` protocol): the same answers, drafted over a cache under
+    ``speculation(context_tokens)``'s policy; each result then carries the round's ``speculation`` report."""
     check_protocol(protocol)
+    if speculation is not None and (protocol != "stream" or kv_bits is not None):
+        raise ValueError("speculative decoding drafts while streaming the prompt and verifies with the model's own "
+                         "full cache: use --protocol stream and no --kv-bits")
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     results = []
     for sample in tqdm(samples, desc="ruler", unit="sample", disable=not progress, leave=False):
-        ids = torch.tensor([sample.ids], device=device)
-        new, counts, stats, *_ = generate_tokens(
-            model, ids, torch.ones_like(ids), make(sample.context_tokens), positions,
-            max_new_tokens=max_new_tokens or sample.max_new_tokens, chunk_size=chunk_size, eos_id=eos,
-            pad_id=eos if eos is not None else 0, kv_bits=kv_bits, progress=False,
-            **protocol_feed(protocol, len(sample.ids), sample.context_tokens))
+        ids, policy = torch.tensor([sample.ids], device=device), make(sample.context_tokens)
+        common = dict(max_new_tokens=max_new_tokens or sample.max_new_tokens, chunk_size=chunk_size, eos_id=eos,
+                      pad_id=eos if eos is not None else 0, progress=False)
+        if speculation is None:
+            new, counts, stats, *_ = generate_tokens(
+                model, ids, torch.ones_like(ids), policy, positions, kv_bits=kv_bits,
+                **protocol_feed(protocol, len(sample.ids), sample.context_tokens), **common)
+        elif policy.budget is not None:
+            raise ValueError(f"speculative decoding verifies with the full cache: run --policies full, not "
+                             f"{policy.name} (the draft cache takes its policy from --speculative)")
+        else:
+            new, counts, stats, *_ = speculative_tokens(model, ids, torch.ones_like(ids),
+                                                        speculation(sample.context_tokens), **common)
         answer = tokenizer.decode(new[0, :int(counts[0])], skip_special_tokens=True)
         results.append({"task": sample.task, "depth": sample.depth, "score": score(answer, sample.answers),
-                        "answer": answer, "answers": sample.answers, "kv_tokens_peak": stats["kv_tokens_peak"]})
+                        "answer": answer, "answers": sample.answers, "kv_tokens_peak": stats["kv_tokens_peak"],
+                        **({"speculation": stats["speculation"]} if "speculation" in stats else {})})
     return results
 
 
@@ -344,11 +359,13 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
         chat: bool = False, depths: list[float] | None = None, seed: int = 0, chunk_size: int = 512,
         positions: str | None = None, kv_bits: int | KVQuantization | None = None,
         max_new_tokens: int | None = None, progress: bool = True,
-        on_row: Callable[[dict], None] | None = None, done: list[dict] | None = None) -> dict:
+        on_row: Callable[[dict], None] | None = None, done: list[dict] | None = None,
+        speculation: Callable[[int], Speculation] | None = None) -> dict:
     """RULER over ``policies`` (name -> policy for a context of n tokens) x ``protocols`` x ``lengths`` x ``tasks``:
     ``{"rows": [{"policy", "budget", "protocol", "task", "length", "score", "depths", "kv_tokens_peak",
     "samples": [...]}]}``, the same prompts for every policy. ``done``: rows of an interrupted run with the same
-    settings; each (policy, protocol, task, length) among them is taken as it is, not evaluated again."""
+    settings; each (policy, protocol, task, length) among them is taken as it is, not evaluated again.
+    ``speculation``: see ``evaluate``; each row then has the draft's ``acceptance_rate`` and ``tokens_per_step``."""
     hay = Haystack(tokenizer, haystack)
     tasks = tasks or list(TASKS)
     prompts = {(task, length): make_samples(hay, task, length, samples, seed, chat, depths)
@@ -362,17 +379,31 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
                     rows.append(finished[name, protocol, task, length])
                     continue
                 results = evaluate(model, tokenizer, task_samples, make, protocol, chunk_size, positions, kv_bits,
-                                   max_new_tokens, progress)
+                                   max_new_tokens, progress, speculation)
                 summary = summarize(results)
                 row = {"policy": name, "budget": make(task_samples[0].context_tokens).budget, "protocol": protocol,
                        "task": task, "length": length, "score": summary["tasks"][task],
                        "depths": summary["depths"].get(task),
                        "kv_tokens_peak": max(r["kv_tokens_peak"] for r in results),
                        "prompt_tokens": max(len(s.ids) for s in task_samples), "samples": results}
+                if speculation is not None:
+                    draft = speculation(task_samples[0].context_tokens).policy
+                    reports = [r["speculation"] for r in results]
+                    proposed = sum(r["proposed"] for r in reports)
+                    steps = [r["tokens_per_step"] for r in reports if r["tokens_per_step"] is not None]
+                    row["draft"] = {"policy": draft.name, "budget": draft.budget,
+                                    "acceptance_rate": sum(r["accepted"] for r in reports) / proposed if proposed
+                                    else None, "tokens_per_step": float(np.mean(steps)) if steps else None}
                 rows.append(row)
                 if on_row:
                     on_row(row)
     return {"rows": rows}
+
+
+def policy_label(row: dict) -> str:
+    """A row's policy, with the draft cache's where its answers were drafted speculatively."""
+    draft = row.get("draft")
+    return row["policy"] if draft is None else f"{row['policy']} (draft {draft['policy']}:{draft['budget']})"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -382,7 +413,7 @@ def markdown(rows: list[dict]) -> str:
              "|---|---|---|---|" + "---|" * (len(tasks) + 1)]
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        groups.setdefault((r["policy"], r["protocol"], r["length"]), {})[r["task"]] = r
+        groups.setdefault((policy_label(r), r["protocol"], r["length"]), {})[r["task"]] = r
     for (policy, protocol, length), by_task in groups.items():
         scores = [by_task[t]["score"] if t in by_task else None for t in tasks]
         budget = next(iter(by_task.values()))["budget"]

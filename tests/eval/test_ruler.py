@@ -205,3 +205,27 @@ def test_cli_resume_keeps_finished_rows_and_runs_the_rest(tiny_checkpoint, book_
     assert "other settings: seed (0 there, 1 now)" in capsys.readouterr().err
     assert main([*common[:-2], "--resume"]) == 2
     assert "give --json OUT" in capsys.readouterr().err
+
+
+def test_cli_speculative_rows_give_the_full_caches_answers_and_the_drafts_acceptance(tiny_checkpoint, book_slice,
+                                                                                      tmp_path, capsys):
+    common = ["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--tasks", "niah_single_1,vt",
+              "--length", "600", "--samples", "2", "--max-new-tokens", "6", "--chunk-size", "64"]
+    plain, drafted = tmp_path / "plain.json", tmp_path / "drafted.json"
+    assert main([*common, "--json", str(plain)]) == 0
+    assert main([*common, "--speculative", "streaming:0.2", "--draft-tokens", "3", "--json", str(drafted)]) == 0
+    expected, got = (json.loads(p.read_text())["rows"] for p in (plain, drafted))
+    assert [[s["answer"] for s in r["samples"]] for r in got] == [[s["answer"] for s in r["samples"]]
+                                                                   for r in expected]  # lossless
+    for row in got:
+        assert row["draft"]["policy"] == "streaming" and row["draft"]["budget"] < 600 // 4
+        assert 0 <= row["draft"]["acceptance_rate"] <= 1 and 1 <= row["draft"]["tokens_per_step"] <= 4
+        assert all(s["speculation"]["draft_tokens"] == 3 for s in row["samples"])
+    out = capsys.readouterr().out
+    assert "accepted" in out and "| full (draft streaming:" in out
+    assert main([*common, "--speculative", "streaming:0.2", "--policies", "h2o", "--budget", "0.5"]) == 2
+    assert "run --policies full, not h2o" in capsys.readouterr().err
+    assert main([*common, "--speculative", "streaming:0.2", "--protocol", "context"]) == 2
+    assert "use --protocol stream" in capsys.readouterr().err
+    assert main([*common, "--speculative", "full"]) == 2
+    assert "give an evicting policy" in capsys.readouterr().err
