@@ -75,7 +75,7 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     header = {"model": args.model, "haystack": str(haystack), "chat": chat, "samples_per_task": args.samples,
               "budget_arg": args.budget, "kv_bits": args.kv_bits, "settings": _ruler_settings(args, chat, haystack)}
     done = _resumable_rows(args.json, header["settings"]) if args.resume else []
-    rows: list[dict] = []
+    rows = list(done)  # what the file holds: what it held, and each row as it is done
 
     def show(row: dict) -> None:
         rows.append(row)
@@ -108,8 +108,8 @@ def cmd_ruler(args: argparse.Namespace) -> None:
                        on_row=show, done=done, speculation=speculation)
     print()
     print(ruler.markdown(report["rows"]))
-    if args.json:
-        _write_json(args.json, {**header, **report})
+    if args.json:  # in table order; rows of the file this run did not ask for stay in it
+        _write_json(args.json, {**header, "rows": report["rows"] + [r for r in done if r not in report["rows"]]})
     if args.plot:
         from sparsegen.eval.plots import plot_ruler
 

@@ -189,7 +189,8 @@ def test_query_aware_once_compresses_the_whole_prompt_once_then_holds(tiny_check
     assert torch.equal(runs["query-aware"][0][:, 0], runs["query-aware-once"][0][:, 0])
 
 
-def test_cli_resume_keeps_finished_rows_and_runs_the_rest(tiny_checkpoint, book_slice, tmp_path, capsys):
+def test_cli_resume_keeps_finished_rows_and_runs_the_rest(tiny_checkpoint, book_slice, tmp_path, capsys,
+                                                          monkeypatch):
     out = tmp_path / "r.json"
     common = ["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--length", "600",
               "--samples", "1", "--max-new-tokens", "2", "--chunk-size", "64", "--json", str(out)]
@@ -201,6 +202,20 @@ def test_cli_resume_keeps_finished_rows_and_runs_the_rest(tiny_checkpoint, book_
     rows = json.loads(out.read_text())["rows"]
     assert [(r["task"], r["score"] == 0.123) for r in rows] == [("niah_single_1", True), ("vt", False)]
     assert "resuming" in capsys.readouterr().out
+    real = ruler.evaluate
+
+    def cut_off(model, tokenizer, samples, *args):  # the run stops on its second new task
+        if samples[0].task == "niah_single_2":
+            raise KeyboardInterrupt
+        return real(model, tokenizer, samples, *args)
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(ruler, "evaluate", cut_off)
+        main([*common, "--tasks", "niah_single_1,vt,fwe,niah_single_2", "--resume"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["task"] for r in rows] == ["niah_single_1", "vt", "fwe"] and rows[0]["score"] == 0.123
+    assert main([*common, "--tasks", "vt", "--resume"]) == 0  # a resumed run of fewer tasks keeps the others
+    assert [r["task"] for r in json.loads(out.read_text())["rows"]] == ["vt", "niah_single_1", "fwe"]
     assert main([*common, "--tasks", "vt", "--resume", "--seed", "1"]) == 2
     assert "other settings: seed (0 there, 1 now)" in capsys.readouterr().err
     assert main([*common[:-2], "--resume"]) == 2
