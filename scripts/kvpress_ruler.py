@@ -93,8 +93,14 @@ def kvpress_answer(model, tokenizer, sample: ruler.Sample, press, query_aware: b
         held -= len(masked[0]) // cache.layers[layer].keys.shape[1]
     if question.shape[1]:
         position = torch.arange(split, len(sample.ids))[None]
-        logits = model(input_ids=question, past_key_values=cache, position_ids=position,
-                       logits_to_keep=1).logits[0, -1]
+        # per-layer budgets (PyramidKV) leave the global layers different lengths; transformers builds one mask for a
+        # call of several tokens from the first layer's length, which the others do not match (its pipeline fails
+        # there), while a call of one token needs no mask: then the question goes in a token at a time (the same
+        # attention, causal within the question)
+        step = 1 if len({cache.get_seq_length(i) for i in global_layers(model)}) > 1 else question.shape[1]
+        for start in range(0, question.shape[1], step):
+            logits = model(input_ids=question[:, start:start + step], past_key_values=cache,
+                           position_ids=position[:, start:start + step], logits_to_keep=1).logits[0, -1]
     tokens = [int(logits.argmax())]
     for step in range(sample.max_new_tokens - 1):
         if tokens[-1] == tokenizer.eos_token_id:

@@ -392,6 +392,7 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
                     proposed = sum(r["proposed"] for r in reports)
                     steps = [r["tokens_per_step"] for r in reports if r["tokens_per_step"] is not None]
                     row["draft"] = {"policy": draft.name, "budget": draft.budget,
+                                    "context_share": round(draft.budget / task_samples[0].context_tokens, 2),
                                     "acceptance_rate": sum(r["accepted"] for r in reports) / proposed if proposed
                                     else None, "tokens_per_step": float(np.mean(steps)) if steps else None}
                 rows.append(row)
@@ -401,9 +402,10 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
 
 
 def policy_label(row: dict) -> str:
-    """A row's policy, with the draft cache's where its answers were drafted speculatively."""
+    """A row's policy, with the draft cache's where its answers were drafted speculatively (its budget as a share
+    of the context, which tasks of one length share)."""
     draft = row.get("draft")
-    return row["policy"] if draft is None else f"{row['policy']} (draft {draft['policy']}:{draft['budget']})"
+    return row["policy"] if draft is None else f"{row['policy']} (draft {draft['policy']} {draft['context_share']:.0%})"
 
 
 def markdown(rows: list[dict]) -> str:

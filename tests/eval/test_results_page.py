@@ -76,7 +76,8 @@ def test_ruler_runs_and_sweep_cells_make_one_table(tmp_path):
             for t in TASKS] + [{"policy": "h2o", "budget": 819, "protocol": "stream", "task": "vt", "length": 4096,
                                 "score": 0.5}]
     (folder / "ruler-a.json").write_text(json.dumps({"budget_arg": 0.2, "samples_per_task": 2, "rows": rows}))
-    drafted = [{**rows[0], "score": 0.5, "draft": {"policy": "streaming", "budget": 819}}]  # (lossless: in fact 1.0)
+    drafted = [{**rows[0], "score": 0.5, "draft": {"policy": "streaming", "budget": 819,
+                                                               "context_share": 0.2}}]  # (lossless: in fact 1.0)
     (folder / "ruler-c.json").write_text(json.dumps({"budget_arg": None, "samples_per_task": 2, "rows": drafted}))
     (folder / "sweep-b.json").write_text(json.dumps({
         "policy": "snapkv", "budget": "0.5", "length": "4096", "options": {"protocol": "context", "samples": 3},
@@ -84,7 +85,7 @@ def test_ruler_runs_and_sweep_cells_make_one_table(tmp_path):
     lines = results_page.ruler(folder, "tiny")["tiny/ruler"].splitlines()
     cells = [line.split(" | ") for line in lines[2:]]
     assert [c[:5] for c in cells] == [["| full", "all", "context", "4,096", "2"],
-                                      ["| full (draft streaming:819)", "all", "context", "4,096", "2"],
+                                      ["| full (draft streaming 20%)", "all", "context", "4,096", "2"],
                                       ["| snapkv", "50%", "context", "4,096", "3"],
                                       ["| h2o", "20%", "stream", "4,096", "2"]]
     assert [c[-1] for c in cells] == ["1.00 |", "- |", "0.25 |", "- |"]

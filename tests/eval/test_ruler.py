@@ -237,7 +237,7 @@ def test_cli_speculative_rows_give_the_full_caches_answers_and_the_drafts_accept
         assert 0 <= row["draft"]["acceptance_rate"] <= 1 and 1 <= row["draft"]["tokens_per_step"] <= 4
         assert all(s["speculation"]["draft_tokens"] == 3 for s in row["samples"])
     out = capsys.readouterr().out
-    assert "accepted" in out and "| full (draft streaming:" in out
+    assert "accepted" in out and "| full (draft streaming 20%) |" in out
     assert main([*common, "--speculative", "streaming:0.2", "--policies", "h2o", "--budget", "0.5"]) == 2
     assert "run --policies full, not h2o" in capsys.readouterr().err
     assert main([*common, "--speculative", "streaming:0.2", "--protocol", "context"]) == 2
