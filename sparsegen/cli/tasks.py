@@ -136,8 +136,8 @@ def _resumable_rows(path: str | None, settings: dict) -> list[dict]:
     if "settings" not in earlier:
         raise ValueError(f"{path} was written by a sparsegen that did not record its settings; it cannot be resumed "
                          "safely: give another --json, or delete it")
-    differ = sorted(k for k in settings.keys() | earlier["settings"].keys()
-                    if settings.get(k) != earlier["settings"].get(k))
+    # an option the file does not name did not exist when it was written: that run had its default behaviour
+    differ = sorted(k for k in earlier["settings"] if settings.get(k) != earlier["settings"][k])
     if differ:
         shown = ", ".join(f"{k} ({earlier['settings'].get(k)!r} there, {settings.get(k)!r} now)" for k in differ)
         raise ValueError(f"{path} was run with other settings: {shown}; run with the same ones to resume, or give "
