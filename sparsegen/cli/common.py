@@ -111,6 +111,12 @@ def speculative_args(p: argparse.ArgumentParser, with_policy: bool = True, with_
                           help="draft with this model instead (same tokenizer), e.g. a pruned + int4 copy of --model")
 
 
+def check_draft_model(args: argparse.Namespace) -> None:
+    """``--draft-model`` only drafts for ``--speculative``: refuse it alone (before any model loads)."""
+    if getattr(args, "draft_model", None) is not None and getattr(args, "speculative", None) is None:
+        raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
+
+
 def load_draft_model(args: argparse.Namespace, tokenizer):
     """``--draft-model``, checked to share ``tokenizer``'s vocabulary; None without it."""
     if args.draft_model is None:

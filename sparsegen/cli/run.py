@@ -10,6 +10,7 @@ from pathlib import Path
 
 from sparsegen.cli.common import (
     budget_arg,
+    check_draft_model,
     compile_arg,
     kv_quantization,
     load_draft_model,
@@ -39,8 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     prompt = read_prompt(args)
     draft_tokens = draft_length(args.draft_tokens)
-    if args.draft_model is not None and args.speculative is None:
-        raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
+    check_draft_model(args)
     model, tokenizer = load_model(args)
     draft_model = load_draft_model(args, tokenizer)
     context = None

@@ -7,6 +7,7 @@ import json
 import sys
 
 from sparsegen.cli.common import (
+    check_draft_model,
     compile_arg,
     conversation_args,
     kv_quantization,
@@ -34,8 +35,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
 
         def speculation():
             return Speculation(draft_policy(args.speculative), draft_tokens, model=draft_model)
-    elif getattr(args, "draft_model", None) is not None:
-        raise ValueError("--draft-model drafts for --speculative: give --speculative too, e.g. streaming:512")
+    check_draft_model(args)
     return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
                   max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
                   speculation=speculation, kv_bits=kv_quantization(args), compile=args.compile,

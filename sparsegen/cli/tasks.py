@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from sparsegen.cli.common import (budget_args, kv_quantization, load_draft_model, load_model, model_args,
-                                  policy_factories, speculative_args)
+from sparsegen.cli.common import (budget_args, check_draft_model, kv_quantization, load_draft_model, load_model,
+                                  model_args, policy_factories, speculative_args)
 from sparsegen.eval.protocols import PROTOCOLS
 
 PROTOCOL_HELP = ("stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
@@ -54,7 +54,12 @@ def cmd_ruler(args: argparse.Namespace) -> None:
 
     from sparsegen.data import data_dir
     from sparsegen.eval import ruler
+    from sparsegen.speculative import Speculation, draft_length, draft_policy
 
+    check_draft_model(args)
+    if args.speculative is not None:  # a bad --speculative or --draft-tokens fails before the model loads
+        draft_tokens = draft_length(args.draft_tokens)
+        draft_policy(args.speculative, 1_000)
     model, tokenizer = load_model(args)
     chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
     if chat and not getattr(tokenizer, "chat_template", None):
@@ -91,10 +96,7 @@ def cmd_ruler(args: argparse.Namespace) -> None:
 
     speculation = None
     if args.speculative is not None:
-        from sparsegen.speculative import Speculation, draft_length, draft_policy
-
-        draft_model, draft_tokens = load_draft_model(args, tokenizer), draft_length(args.draft_tokens)
-        draft_policy(args.speculative, 1_000)  # a bad --speculative fails now, not after the model loads
+        draft_model = load_draft_model(args, tokenizer)
 
         def speculation(context_tokens: int) -> Speculation:
             return Speculation(draft_policy(args.speculative, context_tokens), draft_tokens, args.positions,

@@ -315,9 +315,6 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
     (``make`` giving the full cache, ``stream`` protocol): the same answers, drafted over a cache under
     ``speculation(context_tokens)``'s policy; each result then carries the round's ``speculation`` report."""
     check_protocol(protocol)
-    if speculation is not None and (protocol != "stream" or kv_bits is not None):
-        raise ValueError("speculative decoding drafts while streaming the prompt and verifies with the model's own "
-                         "full cache: use --protocol stream and no --kv-bits")
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     results = []
@@ -329,10 +326,8 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
             new, counts, stats, *_ = generate_tokens(
                 model, ids, torch.ones_like(ids), policy, positions, kv_bits=kv_bits,
                 **protocol_feed(protocol, len(sample.ids), sample.context_tokens), **common)
-        elif policy.budget is not None:
-            raise ValueError(f"speculative decoding verifies with the full cache: run --policies full, not "
-                             f"{policy.name} (the draft cache takes its policy from --speculative)")
         else:
+            check_speculation(policy, protocol, kv_bits)
             new, counts, stats, *_ = speculative_tokens(model, ids, torch.ones_like(ids),
                                                         speculation(sample.context_tokens), **common)
         answer = tokenizer.decode(new[0, :int(counts[0])], skip_special_tokens=True)
@@ -340,6 +335,16 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
                         "answer": answer, "answers": sample.answers, "kv_tokens_peak": stats["kv_tokens_peak"],
                         **({"speculation": stats["speculation"]} if "speculation" in stats else {})})
     return results
+
+
+def check_speculation(policy: Policy, protocol: str, kv_bits) -> None:
+    """Speculative answers are the full cache's, with the prompt streamed: refuse anything else."""
+    if protocol != "stream" or kv_bits is not None:
+        raise ValueError("speculative decoding drafts while streaming the prompt and verifies with the model's own "
+                         "full cache: use --protocol stream and no --kv-bits")
+    if policy.budget is not None:
+        raise ValueError(f"speculative decoding verifies with the full cache: run --policies full, not "
+                         f"{policy.name} (the draft cache takes its policy from --speculative)")
 
 
 def summarize(results: list[dict]) -> dict:
@@ -366,6 +371,9 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
     "samples": [...]}]}``, the same prompts for every policy. ``done``: rows of an interrupted run with the same
     settings; each (policy, protocol, task, length) among them is taken as it is, not evaluated again.
     ``speculation``: see ``evaluate``; each row then has the draft's ``acceptance_rate`` and ``tokens_per_step``."""
+    if speculation is not None:  # before any row runs, not when the first one it cannot run comes up
+        for make, protocol in ((make, protocol) for make in policies.values() for protocol in protocols):
+            check_speculation(make(max(lengths)), protocol, kv_bits)
     hay = Haystack(tokenizer, haystack)
     tasks = tasks or list(TASKS)
     prompts = {(task, length): make_samples(hay, task, length, samples, seed, chat, depths)

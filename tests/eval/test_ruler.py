@@ -239,8 +239,11 @@ def test_cli_speculative_rows_give_the_full_caches_answers_and_the_drafts_accept
         assert all(s["speculation"]["draft_tokens"] == 3 for s in row["samples"])
     out = capsys.readouterr().out
     assert "accepted" in out and "| full (draft streaming 20%) |" in out
-    assert main([*common, "--speculative", "streaming:0.2", "--policies", "h2o", "--budget", "0.5"]) == 2
-    assert "run --policies full, not h2o" in capsys.readouterr().err
+    assert main([*common, "--speculative", "streaming:0.2", "--policies", "full,h2o", "--budget", "0.5"]) == 2
+    refused = capsys.readouterr()
+    assert "run --policies full, not h2o" in refused.err and "niah_single_1:" not in refused.out  # before any row
+    assert main([*common, "--draft-model", str(tiny_checkpoint)]) == 2
+    assert "give --speculative too" in capsys.readouterr().err
     assert main([*common, "--speculative", "streaming:0.2", "--protocol", "context"]) == 2
     assert "use --protocol stream" in capsys.readouterr().err
     assert main([*common, "--speculative", "full"]) == 2
