@@ -28,6 +28,10 @@ from sparsegen.models.compat import attention_implementation, model_eager_attent
 BACKENDS = ("sdpa", "eager")
 CACHE_KWARG = "sparsegen_cache"  # how the decoder hook hands the cache to every layer's attention, through the call
 FEW_QUERIES = 17  # up to a speculative verification: the pending token and 16 drafts
+# a long call's queries per pass of ``_grouped_attention``: each block's scores stay in cache and read only the keys
+# its queries can see (a causal one-pass 4K prefill, one SmolLM2 layer's 9 heads: 1.39 s whole, 0.69 s in blocks of
+# 512, 0.43 s in blocks of 256, measured)
+QUERY_BLOCK = 256
 
 
 def slot_ranks(index: torch.Tensor, valid: torch.Tensor, sinks: int | None = None) -> torch.Tensor:
@@ -240,6 +244,8 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
     both frames scored in one pass over the keys; ``incoming``: the new token's K/V, beside ``key``/``value``."""
     step = cache.step
     batch, q_heads, q, _ = query.shape
+    if q > QUERY_BLOCK and incoming is None and sink_query is None and _blockable(layer, key, value):
+        return _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling)
     held = key.shape[2]
     total = held + (q if incoming is not None else 0)
     queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)
@@ -260,6 +266,43 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
     if incoming is not None:
         out = out + grouped[..., held:] @ incoming[1]
     return out.view(batch, q_heads, q, -1)
+
+
+def _blockable(layer, key, value) -> bool:
+    """Whether a call's attention can be taken a block of queries at a time: plain K/V (codes are weighed whole), and
+    a statistic that adds up over queries (H2O's sums, Scissorhands' votes) or none."""
+    if isinstance(key, HeldCodes) or isinstance(value, HeldCodes):
+        return False
+    return layer.attention is None or (layer.attention.dim() == 3
+                                       and layer.policy.attention_statistic in ("sum", "pivotal"))
+
+
+def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: float):
+    """``_grouped_attention`` of a long call, ``QUERY_BLOCK`` queries at a time, each block over the keys up to the
+    last one any of its queries sees: the same rows of probabilities, none of them for keys a causal mask hides.
+    One host read per call (the blocks' reach): a prefill's, never a decode step's."""
+    batch, q_heads, q, _ = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    if mask is None:
+        reach = torch.full((q,), total, device=query.device)
+    else:  # one past the last key each query sees, in any row or head
+        columns = torch.arange(1, total + 1, device=query.device)
+        reach = torch.where(mask.any(dim=(0, 1)), columns, 0).amax(-1)
+    limits = F.pad(reach, (0, -q % QUERY_BLOCK)).view(-1, QUERY_BLOCK).amax(-1).clamp(min=1).tolist()
+    outs = []
+    for start, limit in zip(range(0, q, QUERY_BLOCK), limits):
+        rows = slice(start, start + QUERY_BLOCK)
+        scores = _scores(query[:, :, rows], key[:, :, :limit], scaling)
+        if mask is not None:
+            scores.masked_fill_(~mask[:, :, None, rows, :limit], -torch.inf)
+        probs = torch.softmax(scores, dim=-1)
+        if layer.attention is not None:
+            visible = total if mask is None else mask[:, :, rows].sum(-1)[:, :, None, :, None]
+            real = cache.step.new_valid[:, None, None, rows, None]
+            observe(layer.policy, layer.attention[:, :, :limit], probs, visible, real)
+        out = probs.to(value.dtype).view(batch, kv_heads, -1, limit) @ value[:, :, :limit]
+        outs.append(out.view(batch, q_heads, scores.shape[3], -1))
+    return torch.cat(outs, dim=2)
 
 
 def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real: torch.Tensor | None = None,

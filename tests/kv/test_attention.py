@@ -7,11 +7,11 @@ from sparsegen.kv import EvictionCache, make_policy
 from tests.kv.families import VOCAB, tiny_model
 
 
-def _kept_and_logits(model, policy: str, ids: torch.Tensor, mask: torch.Tensor):
-    """Each layer's kept token positions after a one-pass prefill (a long call, compressed once), then the logits of
-    the prefill and of three decode steps."""
+def _kept_and_logits(model, policy: str, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int | None = None):
+    """Each layer's kept token positions after a prefill (by default in one pass: a long call, compressed once), then
+    the logits of the prefill and of three decode steps."""
     cache = EvictionCache(model, make_policy(policy, 24))
-    logits = [prefill(model, cache, ids, mask, chunk_size=ids.shape[1])]
+    logits = [prefill(model, cache, ids, mask, chunk_size=chunk_size or ids.shape[1])]
     kept = [layer.index.masked_fill(~layer.valid, -1).sort(-1).values for layer in cache.layers]
     step, position = DecodeStep(model), mask.sum(-1)
     for _ in range(3):
@@ -49,3 +49,30 @@ def test_which_queries_a_policy_reads():
     assert attention.observed_queries(make_policy("h2o", 128), 4096) is None  # sums every query's attention
     assert attention.observed_queries(make_policy("pyramid", 128), 4096) is None  # H2O's rule, per layer
     assert attention.observed_queries(make_policy("streaming", 128), 4096) is None  # reads no attention
+
+
+@pytest.mark.parametrize("chunk_size", [None, 50])
+@pytest.mark.parametrize("family,policy", [("llama", "h2o"), ("llama", "scissorhands"), ("gemma3", "h2o"),
+                                           ("qwen3", "pyramid")])
+def test_a_long_call_attends_a_block_of_queries_at_a_time_and_keeps_what_one_pass_keeps(family, policy, chunk_size,
+                                                                                       monkeypatch):
+    """H2O's sums and Scissorhands' votes over a long call (the whole prompt, or a chunk after held tokens), its
+    queries taken a block at a time over the keys each block can see: the kept tokens and logits of one pass over
+    every query, in a left-padded batch too, and on Gemma 3's sliding-window layers (whose masks hide the keys behind
+    each query's window)."""
+    model = tiny_model(family)
+    ids = torch.randint(3, VOCAB, (2, 120), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    blocks = []
+    blocked = attention._attention_by_query_blocks
+    monkeypatch.setattr(attention, "_attention_by_query_blocks", lambda *a, **k: blocks.append(1) or blocked(*a, **k))
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    kept, logits = _kept_and_logits(model, policy, ids, mask, chunk_size)
+    assert blocks
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 1 << 20)
+    blocks.clear()
+    kept_ref, logits_ref = _kept_and_logits(model, policy, ids, mask, chunk_size)
+    assert not blocks
+    assert all(torch.equal(a, b) for a, b in zip(kept, kept_ref))
+    torch.testing.assert_close(logits, logits_ref, atol=1e-5, rtol=1e-5)
