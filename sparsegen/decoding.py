@@ -74,9 +74,10 @@ class DecodeStep:
     or a ``full`` cache's allocation, free ones masked, and writes the token into a free slot or the one it evicts),
     so one compile per (batch, slots) shape serves every step, filling or evicting. On CUDA,
     ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token, with the
-    cache's state marked static (it is updated in place). Eager where a cache cannot take a fixed step (padded rows
-    of a server's batch, heads sharing slots, a policy that reads the host, a ``full`` cache out of slots), and with
-    ``compile=False``, for debugging."""
+    cache's state marked static (it is updated in place). Rows of different lengths (a server's stacked batch,
+    speculation's rows after they accepted different counts) take it too: each row writes into its own first free
+    slot or evicts its own lowest. Eager where a cache cannot take a fixed step (heads sharing slots, a policy that
+    reads the host, a ``full`` cache out of slots), and with ``compile=False``, for debugging."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):
         self.model, self.compiled = model, compile

@@ -122,6 +122,7 @@ class _Counters:
             "rounds": self.rounds,
             "proposed": self.proposed,
             "accepted": self.accepted,
+            "draft_steps": self.draft_steps,
             "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None,
             "tokens_per_step": round(self.committed / self.row_rounds, 3) if self.row_rounds else None,
             "draft_ms": round(1000 * self.draft_seconds / self.draft_steps, 3) if self.draft_steps else None,
@@ -252,7 +253,8 @@ def speculative_tokens(
     new, counts = out.tensors(pad_id, device)
     if on_token is not None:
         on_token(new, counts)
-    stats = {**target.stats(), "draft_cache": draft.stats(), "speculation": counters.report(speculation.draft_tokens)}
+    report = {**counters.report(speculation.draft_tokens), "draft_compiled_steps": draft_step.compiled_steps}
+    stats = {**target.stats(), "draft_cache": draft.stats(), "speculation": report}
     return new, counts, stats, prefill_seconds, decode_seconds
 
 

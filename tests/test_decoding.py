@@ -19,13 +19,16 @@ FIXED = sorted(name for name, cls in POLICIES.items() if not cls.shares_slots an
 
 
 def _prefilled(name: str, family: str = "llama", budget: int | None = BUDGET, prompt: int = PROMPT,
-               **cache_options):
+               shorter: int = 0, **cache_options):
+    """Two rows of ``prompt`` tokens, the second left-padded by ``shorter`` (rows of different lengths)."""
     model = tiny_model(family)
     cache = EvictionCache(model, make_policy(name, budget), chunk_size=8, **cache_options)
     ids = torch.randint(3, VOCAB, (2, prompt), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :shorter] = 0
     with torch.inference_mode():
-        token = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1)
-        position = torch.full((2,), prompt)  # (an inference tensor, as the steps' next positions are)
+        token = prefill(model, cache, ids, mask, 8).argmax(-1)
+        position = mask.sum(-1)  # (an inference tensor, as the steps' next positions are)
     return model, cache, token, position
 
 
@@ -59,11 +62,13 @@ def test_a_fixed_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, 
                                                              if name == "full" else {}))
 
 
+@pytest.mark.parametrize("shorter", [0, 3])
 @pytest.mark.parametrize("name, family", [(name, "llama") for name in FIXED] + [("h2o", "gemma3")])
-def test_a_fixed_step_over_quantized_kv_gives_the_eager_steps_logits(name, family):
-    """4-bit K/V with a residual of 3 full-precision tokens (so the ring wraps within the test's steps)."""
+def test_a_fixed_step_over_quantized_kv_gives_the_eager_steps_logits(name, family, shorter):
+    """4-bit K/V with a residual of 3 full-precision tokens (so the ring wraps within the test's steps), rows of one
+    length and of two."""
     budget = None if name == "full" else BUDGET
-    _assert_fixed_steps_match_eager(name, family, budget, kv_bits=KVQuantization(4, residual=3),
+    _assert_fixed_steps_match_eager(name, family, budget, shorter, kv_bits=KVQuantization(4, residual=3),
                                     **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
 
 
@@ -76,9 +81,21 @@ def test_a_sequence_announced_shorter_than_the_budget_attends_over_its_length(na
     assert fixed.layers[0].fixed_slots == 63  # (pyramid: later layers' budgets are smaller)
 
 
-def _assert_fixed_steps_match_eager(name, family, budget, **room) -> EvictionCache:
-    model, reference, token, position = _prefilled(name, family, budget, **room)
-    _, fixed, _, _ = _prefilled(name, family, budget, **room)
+@pytest.mark.parametrize("name, family", [(name, "llama") for name in FIXED] + [("h2o", "gemma3"),
+                                                                                ("streaming", "gpt_neox")])
+def test_rows_of_different_lengths_take_the_fixed_step(name, family):
+    """A left-padded batch (a server's stacked rows; speculation's rows after they accepted different counts): each
+    row writes into its own first free slot, or evicts its own lowest, as the eager step over the padded rows does.
+    An unbounded cache keeps the padding's holes (it never compacts): its rows' tokens go into them."""
+    budget = None if name == "full" else BUDGET
+    _assert_fixed_steps_match_eager(name, family, budget, shorter=3,
+                                    **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
+
+
+def _assert_fixed_steps_match_eager(name, family, budget, shorter: int = 0, **room) -> EvictionCache:
+    model, reference, token, position = _prefilled(name, family, budget, shorter=shorter, **room)
+    _, fixed, _, _ = _prefilled(name, family, budget, shorter=shorter, **room)
+    assert fixed.padded == bool(shorter)
     step = _fixed_as_compiled(model)
     expected = _decode(DecodeStep(model), model, reference, token, position)
     torch.testing.assert_close(_decode(step, model, fixed, token, position), expected, rtol=1e-5, atol=1e-5)
@@ -97,9 +114,7 @@ def test_which_caches_take_a_fixed_step():
     assert fits("streaming") and fits("h2o") and fits("full", None, expected_length=PROMPT + 2)
     assert not fits("full", None, prompt=63)  # 64 slots: none free beside the spare (it grows, eagerly)
     assert not fits("adakv") and not fits("lagkv") and fits("streaming", kv_bits=4)
-    model, cache, _, _ = _prefilled("h2o")
-    cache.padded = True  # (a server's stacked batch)
-    assert not cache.fits_fixed_step()
+    assert fits("h2o", shorter=2) and fits("full", None, shorter=2, expected_length=PROMPT + 2)  # padded rows too
 
 
 def test_a_bounded_cache_gets_its_spare_slot_before_its_first_fixed_step():
@@ -147,6 +162,25 @@ def test_a_compiled_step_compiles_once(name):
     _decode(step, model, cache, token, position)
     assert step.compiled_steps == STEPS and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert cache.length == PROMPT + STEPS
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_another_announced_length_takes_the_same_compiled_step(name):
+    """Every ``generate`` announces its own length (prompt + new tokens): a bounded cache's step over the same slots
+    is the same graph (it compiled anew for every length, a minute each for SmolLM2 here, when the step read the
+    length itself)."""
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    step = _fixed_as_compiled(model)
+    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
+    ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.utils.counters.clear()
+    for length in (PROMPT + STEPS + 20, PROMPT + STEPS + 30):
+        cache = EvictionCache(model, make_policy(name, BUDGET), chunk_size=8, expected_length=length)
+        with torch.inference_mode():
+            token, position = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1), torch.full((2,), PROMPT)
+        _decode(step, model, cache, token, position)
+    assert step.compiled_steps == 2 * STEPS and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("name", ["streaming", "h2o"])

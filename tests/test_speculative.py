@@ -156,6 +156,24 @@ def test_a_separate_draft_model_drafts_losslessly():
     assert stats["speculation"]["acceptance_rate"] < 0.5  # an unrelated drafter is mostly wrong
 
 
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_compiled_drafting_is_lossless_and_runs_the_compiled_step(name, monkeypatch):
+    """``compile=True``: the draft's one-token steps take the compiled fixed-shape step (dynamo only, backend "eager":
+    what is checked is the capture and the output, not a kernel), and the output is still the full cache's."""
+    import sparsegen.decoding as decoding
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: torch.compile(
+        decoding._step, fullgraph=True, backend="eager"))
+    model = tiny_model("llama")
+    ids, mask = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3)), torch.ones(2, 30).long()
+    expected, _, _, _, _ = _full(model, ids, mask, max_new_tokens=16)
+    new, _, stats, _, _ = _speculate(model, ids, mask, make_policy(name, 8), 3, max_new_tokens=16, compile=True)
+    report = stats["speculation"]
+    assert torch.equal(new, expected)
+    assert 0 < report["draft_compiled_steps"] <= report["draft_steps"]
+
+
 def test_generate_cli_speculative_prints_the_full_caches_text(tiny_checkpoint, capsys):
     from sparsegen.cli import main
 
@@ -194,6 +212,7 @@ def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus):
     row = json.loads(out.read_text())["rows"][1]
     assert row["policy"] == "speculative:streaming:16" and row["tokens_per_s"] > 0
     assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_step"] >= 1 and 0 < row["kv_share"] < 1
+    assert row["compiled_share"] == 0  # (without --compile)
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -280,8 +280,16 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
                          "without --prefill synthetic")
     batch, context = ids.shape
     tokens = setup.warmup + setup.new_tokens
+    compile_seconds = None
+    if setup.compiled:  # the draft step's shape is its budget's, not the context's: compiled here, outside the timing
+        t0 = time.perf_counter()
+        warm = ids[:, :min(context, 2 * speculation.policy.budget + setup.chunk_size)]
+        speculative_tokens(setup.model, warm, torch.ones_like(warm), speculation, max_new_tokens=setup.warmup + 2,
+                           chunk_size=setup.chunk_size, compile=True)
+        compile_seconds = time.perf_counter() - t0
     new, counts, stats, prefill_seconds, decode_seconds = speculative_tokens(
-        setup.model, ids, torch.ones_like(ids), speculation, max_new_tokens=tokens, chunk_size=setup.chunk_size)
+        setup.model, ids, torch.ones_like(ids), speculation, max_new_tokens=tokens, chunk_size=setup.chunk_size,
+        compile=setup.compiled)
     per_row = decode_seconds / float(counts.float().mean())
     report = stats["speculation"]
     kv_bytes = context * setup.kv_per_token * batch  # what one step of the full cache reads besides the weights
@@ -294,6 +302,10 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
         "peak_kv_bytes": stats["kv_bytes_peak"] + stats["draft_cache"]["kv_bytes_peak"],
         **{key: report[key] for key in ("acceptance_rate", "tokens_per_step", "draft_ms", "verify_ms",
                                          "mean_draft_length")},
+        # the draft's one-token steps that ran compiled (a round's first call feeds two tokens where a row carried
+        # its last accepted draft: eager)
+        "compiled_share": report["draft_compiled_steps"] / max(report["draft_steps"], 1),
+        "compile_seconds": compile_seconds,  # a short speculative run on the same draft shape, before the timed one
     }
 
 

@@ -362,7 +362,7 @@ class EvictionLayer(CacheLayerMixin):
         no such step runs (no storage yet, heads sharing slots, a policy that reads the host to choose)."""
         if not self.is_initialized or self.fan > 1 or self.policy.reads_host:
             return None
-        if self.policy.budget is None or self.cache.expected_length:
+        if self.policy.budget is None or self.cache.length_announced:
             # a sequence announced shorter than the budget is allocated its length, and attends over no more
             return min(self.slot_budget or sys.maxsize, self.keys.shape[2] - 1)
         return self.slot_budget
@@ -457,13 +457,15 @@ class EvictionLayer(CacheLayerMixin):
         return view.index.masked_fill(~candidates, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
 
     def free_or_lowest_slot(self, seen: torch.Tensor) -> torch.Tensor:
-        """Where a fixed step's token goes (``[batch, heads, 1]``): the first free one of the fixed slots (unpadded
-        rows hold theirs in slots 0, 1, ...), or, where none is free, the slot of the lowest-priority token."""
+        """Where a fixed step's token goes (``[batch, heads, 1]``): the first free one of the fixed slots (a row that
+        was fed padding, or forgot tokens, may hold fewer than the others, or holes where it never evicted), or,
+        where none is free, the slot of the lowest-priority token."""
         slots = self.fixed_slots
-        held = self.valid[:, :, :slots].sum(-1, keepdim=True)
+        free = ~self.valid[:, :, :slots]
+        first_free = free.byte().argmax(-1, keepdim=True)  # (0 where none is free)
         if slots != self.slot_budget:  # (unbounded, or a sequence shorter than the budget): never evicts
-            return held
-        return torch.where(held < slots, held, self.lowest_slot(self.view(seen)))
+            return first_free
+        return torch.where(free.any(-1, keepdim=True), first_free, self.lowest_slot(self.view(seen)))
 
     def _overwrite(self, slot: torch.Tensor, newest: int) -> None:
         """Every row is one token over its budget, its newest in slot ``newest``: move that token's state into the
@@ -584,6 +586,9 @@ class EvictionCache(Cache):
             raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
                              f"prefix (never evicted) and any text; raise the budget above {self.pinned}")
         self.expected_length = expected_length or 0
+        # what the decode step reads of it (a compiled step guards on the Python values it reads: the length itself
+        # would compile the step anew for every announced length, every generate call)
+        self.length_announced = bool(expected_length)
         if max_length is not None and max_length < 1:
             raise ValueError("max_length must be at least 1")
         self.max_length = max_length
@@ -662,8 +667,8 @@ class EvictionCache(Cache):
 
     def fits_fixed_step(self) -> bool:
         """Whether the next decode step can be fixed-shape (``fixed_shape_step``), giving a bounded layer its spare slot
-        if it has none yet: rows unpadded, every layer with fixed slots and, if unbounded, one free."""
-        if self.seen is None or self.padded:
+        if it has none yet: every layer with fixed slots and, if unbounded, one free."""
+        if self.seen is None:
             return False
         for layer in self.layers:
             slots = layer.fixed_slots

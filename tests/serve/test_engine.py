@@ -40,18 +40,44 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits, 
     """Sessions at different lengths, stacked into one batch (joining and leaving at different steps), give the
     tokens each gives alone, and their caches come back as they would be (quantized ones too); a prompt that
     arrives while they decode is encoded in their steps' forwards (``packed``) or in forwards of its own."""
+    _assert_batched_sessions_equal_each_alone(policy, kv_bits, packed)
+
+
+@pytest.mark.parametrize("policy,kv_bits", [("full", None), ("streaming", None), ("h2o", 4), ("snapkv", None)])
+def test_compiled_batched_decode_takes_the_fixed_step_and_equals_each_alone(policy, kv_bits, monkeypatch):
+    """``serve --compile``: the stacked rows (different lengths, joining and leaving) decode through the compiled
+    fixed-shape step (dynamo only, backend "eager": the capture and the tokens are checked, not a kernel) and give
+    the tokens each session gives alone, uncompiled."""
+    import sparsegen.decoding as decoding
+
+    torch._dynamo.reset()
+    compiled, batches = torch.compile(decoding._step, fullgraph=True, backend="eager"), []
+
+    def step(model, cache, token, position):
+        batches.append(token.shape[0])
+        return compiled(model, cache, token, position)
+
+    monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: step)
+    _assert_batched_sessions_equal_each_alone(policy, kv_bits, packed=True, compile=True)
+    assert max(batches) == 3  # (stacked rows: the batch of three, then four less those that left)
+
+
+def _assert_batched_sessions_equal_each_alone(policy: str, kv_bits, packed: bool, compile: bool = False) -> None:
     model = tiny_model("llama")
 
-    engine = Engine(model, IdTokenizer(), lambda: make_policy(policy, None if policy == "full" else 12), chunk_size=5,
-                    kv_bits=kv_bits, packed_prefill=packed)
+    def engine_of(compile: bool) -> Engine:
+        return Engine(model, IdTokenizer(), lambda: make_policy(policy, None if policy == "full" else 12),
+                      chunk_size=5, kv_bits=kv_bits, packed_prefill=packed, compile=compile)
+
+    engine, single_engine = engine_of(compile), engine_of(False)
     generator = torch.Generator().manual_seed(0)
     prompts = [" ".join(map(str, torch.randint(3, VOCAB, (n,), generator=generator).tolist())) for n in (7, 19, 3, 11)]
     limits = [10, 7, 4, 6]
 
-    def start(i):
-        return engine.begin(engine.session(None), Sampling(max_tokens=limits[i]), prompt=prompts[i])
+    def start(i, on=engine):
+        return on.begin(on.session(None), Sampling(max_tokens=limits[i]), prompt=prompts[i])
 
-    alone = [_run(engine, start(i)) for i in range(4)]
+    alone = [_run(single_engine, start(i, single_engine)) for i in range(4)]
     jobs = [start(i) for i in range(3)]
     for _ in range(2):
         engine.step(jobs)
