@@ -146,8 +146,6 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="observation window of sparsegen's SnapKV-scored policies (default theirs, 32; kvpress's "
                              "presses use 64)")
-    parser.add_argument("--no-full", action="store_true",
-                        help="skip kvpress's full-cache row (the same answers as sparsegen's full cache)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' rows and exit")
     args = parser.parse_args()
@@ -183,7 +181,7 @@ def main() -> None:
             print(f"{library:>9} {method:>10} {task:>16}: {rows[-1]['score']:.3f}", flush=True)
 
     # kvpress first: sparsegen's cache switches the model's attention to its own registered functions
-    for method in ([] if args.no_full else ["full"]) + methods if "kvpress" in libraries else []:
+    for method in (["full"] + methods) if "kvpress" in libraries else []:
         press = None if method == "full" else make_press(kvpress, method, args.budget)
         t0, results = time.perf_counter(), []
         for sample in samples:
