@@ -200,19 +200,26 @@ def test_compare_cli_has_a_speculative_row(tiny_checkpoint, capsys):
     assert rows["speculative:h2o"]["cache"]["draft_cache"]["budget"] == 8
 
 
-def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus):
+@pytest.mark.parametrize("compile", [False, True])
+def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus, monkeypatch, compile):
+    """``--compile``: the draft's steps run compiled (dynamo only, backend "eager" here), compiled before the timing
+    by a short run of the same draft shape."""
+    import sparsegen.decoding as decoding
     from sparsegen.cli import main
 
+    torch._dynamo.reset()
+    monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: torch.compile(
+        decoding._step, fullgraph=True, backend="eager"))
     out = tmp_path / "b.json"
     assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "full,speculative:streaming:16",
                  "--contexts", "64", "--batch", "2", "--new-tokens", "8", "--warmup", "1", "--chunk-size", "32",
-                 "--text", str(corpus / "books/test"), "--json", str(out)]) == 0
+                 "--text", str(corpus / "books/test"), "--json", str(out)] + ["--compile"] * compile) == 0
     printed = capsys.readouterr().out
     assert "speculative:streaming:16 vs full at 64 x 2" in printed and "lossless" in printed
     row = json.loads(out.read_text())["rows"][1]
     assert row["policy"] == "speculative:streaming:16" and row["tokens_per_s"] > 0
     assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_step"] >= 1 and 0 < row["kv_share"] < 1
-    assert row["compiled_share"] == 0  # (without --compile)
+    assert (row["compiled_share"] > 0.5, row["compile_seconds"] is not None) == (compile, compile)
 
 
 @pytest.mark.parametrize("argv, words", [
