@@ -168,10 +168,13 @@ def test_compiled_drafting_is_lossless_and_runs_the_compiled_step(name, monkeypa
     model = tiny_model("llama")
     ids, mask = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3)), torch.ones(2, 30).long()
     expected, _, _, _, _ = _full(model, ids, mask, max_new_tokens=16)
+    torch._dynamo.utils.counters.clear()
     new, _, stats, _, _ = _speculate(model, ids, mask, make_policy(name, 8), 3, max_new_tokens=16, compile=True)
     report = stats["speculation"]
     assert torch.equal(new, expected)
     assert 0 < report["draft_compiled_steps"] <= report["draft_steps"]
+    # one graph, though the rows came to hold different counts midway (a second compile there stalled a run)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_generate_cli_speculative_prints_the_full_caches_text(tiny_checkpoint, capsys):
