@@ -216,9 +216,9 @@ def speculative_tokens(
     t0 = _synchronized(device)
     logits = prefill(model, target, ids, mask, chunk_size, progress)
     prefill(drafter, draft, ids, mask, chunk_size, progress)
-    # rows that accept different counts hold different numbers of draft tokens from then on: the draft's steps take
-    # that shape from the first one (a compiled step: one graph for the run, not a second compile midway)
-    draft.padded = draft.padded or batch > 1
+    # rows that accept different counts hold different numbers of draft tokens from then on: compiled, the draft's
+    # steps take that shape from the first one (one graph for the run, not a second compile midway)
+    draft.padded = draft.padded or (compile and batch > 1)
     prefill_seconds = _synchronized(device) - t0
     t0 = time.perf_counter()
     rows = torch.arange(batch, device=device)
