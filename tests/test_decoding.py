@@ -92,6 +92,26 @@ def test_rows_of_different_lengths_take_the_fixed_step(name, family):
                                     **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
 
 
+@pytest.mark.parametrize("shorter", [0, 3])
+@pytest.mark.parametrize("name", ["h2o", "streaming", "full"])
+def test_a_fixed_step_writes_its_tokens_keys_and_values_once(name, shorter):
+    """The new token's K/V wait beside the slots until the step puts them where they go (a free slot or the evicted
+    one), padded rows too: never stored in the spare slot and moved (compiled, that move copied every layer's
+    cache: a padded batch-8 step of SmolLM2 took 1.5x an unpadded one)."""
+    budget = None if name == "full" else BUDGET
+    model, cache, token, position = _prefilled(name, budget=budget, shorter=shorter,
+                                               **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
+    step = _fixed_as_compiled(model)
+    for _ in range(BUDGET - PROMPT + 2):  # filling, then evicting
+        spare = [(layer.keys[:, :, layer.fixed_slots].clone(), layer.values[:, :, layer.fixed_slots].clone())
+                 for layer in cache.layers]
+        token = _decode(step, model, cache, token, position, steps=1)[0].argmax(-1)
+        position = position + 1
+        for layer, (keys, values) in zip(cache.layers, spare):
+            assert torch.equal(layer.keys[:, :, layer.fixed_slots], keys)
+            assert torch.equal(layer.values[:, :, layer.fixed_slots], values)
+
+
 def _assert_fixed_steps_match_eager(name, family, budget, shorter: int = 0, **room) -> EvictionCache:
     model, reference, token, position = _prefilled(name, family, budget, shorter=shorter, **room)
     _, fixed, _, _ = _prefilled(name, family, budget, shorter=shorter, **room)
