@@ -128,6 +128,9 @@ class _Counters:
             "draft_ms": round(1000 * self.draft_seconds / self.draft_steps, 3) if self.draft_steps else None,
             "verify_ms": round(1000 * self.verify_seconds / self.rounds, 3) if self.rounds else None,
             "mean_draft_length": round(self.draft_steps / self.rounds, 2) if self.rounds else None,
+            # a batch runs rounds until its slowest row is done: rows done sooner wait (verified and drafted all the
+            # same), so a batch's tokens per round fall below tokens_per_step
+            "rows_per_round": round(self.row_rounds / self.rounds, 2) if self.rounds else None,
         }
 
 

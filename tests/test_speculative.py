@@ -223,6 +223,18 @@ def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus, m
     assert row["policy"] == "speculative:streaming:16" and row["tokens_per_s"] > 0
     assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_step"] >= 1 and 0 < row["kv_share"] < 1
     assert (row["compiled_share"] > 0.5, row["compile_seconds"] is not None) == (compile, compile)
+    assert 0 < row["rows_per_round"] <= 2
+
+
+def test_rounds_count_the_rows_still_generating():
+    """A batch runs rounds until its slowest row is done; the report says how many rows a round served."""
+    from sparsegen.speculative import _Counters
+
+    counters = _Counters()
+    counters.add(torch.tensor([4, 1]), 4, [True, True], 0.1, 0.2)
+    counters.add(torch.tensor([0, 2]), 4, [False, True], 0.1, 0.2)
+    report = counters.report(4)
+    assert report["rows_per_round"] == 1.5 and report["tokens_per_step"] == round((5 + 2 + 3) / 3, 3)
 
 
 @pytest.mark.parametrize("argv, words", [

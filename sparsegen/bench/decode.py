@@ -301,7 +301,7 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
         "bytes_per_step": None, "roofline_fraction": None, "mlp_ms_per_token": None,
         "peak_kv_bytes": stats["kv_bytes_peak"] + stats["draft_cache"]["kv_bytes_peak"],
         **{key: report[key] for key in ("acceptance_rate", "tokens_per_step", "draft_ms", "verify_ms",
-                                         "mean_draft_length")},
+                                         "mean_draft_length", "rows_per_round")},
         # the draft's one-token steps that ran compiled (a round's first call feeds two tokens where a row carried
         # its last accepted draft: eager)
         "compiled_share": report["draft_compiled_steps"] / max(report["draft_steps"], 1),
