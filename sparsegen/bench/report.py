@@ -82,7 +82,8 @@ def goals(rows: list[dict]) -> list[str]:
             ratio = full / r["ms_per_token"]
             lines.append(f"{r['policy']} vs full at {r['context']:,} x {r['batch']}: {ratio:.2f}x the tokens/s, "
                          f"lossless; {r['acceptance_rate']:.0%} of drafts accepted, {r['tokens_per_step']:.2f} tokens "
-                         f"per full-cache step, {r['rows_per_round']:.1f} of {r['batch']} rows still generating a round; the KV cache is {r['kv_share']:.0%} of a full step's bytes, so "
+                         f"per full-cache step, {r['rows_per_round']:.1f} of {r['batch']} rows still generating a "
+                         f"round; the KV cache is {r['kv_share']:.0%} of a full step's bytes, so "
                          f"speculation {'pays' if ratio > 1 else 'does not pay'} here"
                          + (" (goal >= 1.5x)" if (r["context"], r["batch"]) == (8192, 8) else ""))
     return lines
