@@ -78,7 +78,7 @@ def goals(rows: list[dict]) -> list[str]:
                          f"per token (goal <= +5%)")
     for r in rows:
         full = ms.get(("full", r["context"], r["batch"]))
-        if r["policy"].startswith("speculative") and "ms_per_token" in r and full:
+        if r["policy"].startswith("speculative") and "ms_per_token" in r and full and r["rows_per_round"]:
             ratio = full / r["ms_per_token"]
             lines.append(f"{r['policy']} vs full at {r['context']:,} x {r['batch']}: {ratio:.2f}x the tokens/s, "
                          f"lossless; {r['acceptance_rate']:.0%} of drafts accepted, {r['tokens_per_step']:.2f} tokens "
