@@ -20,6 +20,23 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def compiled_step_batches(monkeypatch) -> list[int]:
+    """``compile=True`` steps through dynamo with backend "eager" (the capture and the output are checked, not a
+    kernel): the batch size of every step that ran compiled, in order."""
+    import sparsegen.decoding as decoding
+
+    torch._dynamo.reset()
+    compiled, batches = torch.compile(decoding._step, fullgraph=True, backend="eager"), []
+
+    def step(model, cache, token, position):
+        batches.append(token.shape[0])
+        return compiled(model, cache, token, position)
+
+    monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: step)
+    return batches
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A folder laid out like ../shared/data, with a little text in each place."""

@@ -32,6 +32,12 @@ def _prefilled(name: str, family: str = "llama", budget: int | None = BUDGET, pr
     return model, cache, token, position
 
 
+def _sizes(name: str) -> tuple[int | None, dict]:
+    """The budget, and the room an unbounded ``full`` cache is told of (its fixed step's slots: the sequence's
+    length)."""
+    return (None, {"expected_length": PROMPT + STEPS + 1}) if name == "full" else (BUDGET, {})
+
+
 def _fixed_as_compiled(model) -> DecodeStep:
     """A DecodeStep that takes the fixed-shape path as ``compile=True`` does, with the eager step as its "graph"."""
     step = DecodeStep(model)
@@ -57,9 +63,8 @@ def _kept(layer) -> torch.Tensor:
                                                                                 ("streaming", "gemma3"),
                                                                                 ("streaming", "gpt_neox")])
 def test_a_fixed_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, family):
-    budget = None if name == "full" else BUDGET
-    _assert_fixed_steps_match_eager(name, family, budget, **({"expected_length": PROMPT + STEPS + 1}
-                                                             if name == "full" else {}))
+    budget, room = _sizes(name)
+    _assert_fixed_steps_match_eager(name, family, budget, **room)
 
 
 @pytest.mark.parametrize("shorter", [0, 3])
@@ -67,9 +72,8 @@ def test_a_fixed_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, 
 def test_a_fixed_step_over_quantized_kv_gives_the_eager_steps_logits(name, family, shorter):
     """4-bit K/V with a residual of 3 full-precision tokens (so the ring wraps within the test's steps), rows of one
     length and of two."""
-    budget = None if name == "full" else BUDGET
-    _assert_fixed_steps_match_eager(name, family, budget, shorter, kv_bits=KVQuantization(4, residual=3),
-                                    **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
+    budget, room = _sizes(name)
+    _assert_fixed_steps_match_eager(name, family, budget, shorter, kv_bits=KVQuantization(4, residual=3), **room)
 
 
 @pytest.mark.parametrize("name", [name for name in FIXED if name != "full"])
@@ -87,9 +91,8 @@ def test_rows_of_different_lengths_take_the_fixed_step(name, family):
     """A left-padded batch (a server's stacked rows; speculation's rows after they accepted different counts): each
     row writes into its own first free slot, or evicts its own lowest, as the eager step over the padded rows does.
     An unbounded cache keeps the padding's holes (it never compacts): its rows' tokens go into them."""
-    budget = None if name == "full" else BUDGET
-    _assert_fixed_steps_match_eager(name, family, budget, shorter=3,
-                                    **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
+    budget, room = _sizes(name)
+    _assert_fixed_steps_match_eager(name, family, budget, shorter=3, **room)
 
 
 @pytest.mark.parametrize("shorter", [0, 3])
@@ -98,9 +101,8 @@ def test_a_fixed_step_writes_its_tokens_keys_and_values_once(name, shorter):
     """The new token's K/V wait beside the slots until the step puts them where they go (a free slot or the evicted
     one), padded rows too: never stored in the spare slot and moved (compiled, that move copied every layer's
     cache: a padded batch-8 step of SmolLM2 took 1.5x an unpadded one)."""
-    budget = None if name == "full" else BUDGET
-    model, cache, token, position = _prefilled(name, budget=budget, shorter=shorter,
-                                               **({"expected_length": PROMPT + STEPS + 1} if name == "full" else {}))
+    budget, room = _sizes(name)
+    model, cache, token, position = _prefilled(name, budget=budget, shorter=shorter, **room)
     step = _fixed_as_compiled(model)
     for _ in range(BUDGET - PROMPT + 2):  # filling, then evicting
         spare = [(layer.keys[:, :, layer.fixed_slots].clone(), layer.values[:, :, layer.fixed_slots].clone())

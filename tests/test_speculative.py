@@ -157,14 +157,9 @@ def test_a_separate_draft_model_drafts_losslessly():
 
 
 @pytest.mark.parametrize("name", ["streaming", "h2o"])
-def test_compiled_drafting_is_lossless_and_runs_the_compiled_step(name, monkeypatch):
-    """``compile=True``: the draft's one-token steps take the compiled fixed-shape step (dynamo only, backend "eager":
-    what is checked is the capture and the output, not a kernel), and the output is still the full cache's."""
-    import sparsegen.decoding as decoding
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: torch.compile(
-        decoding._step, fullgraph=True, backend="eager"))
+def test_compiled_drafting_is_lossless_and_runs_the_compiled_step(name, compiled_step_batches):
+    """``compile=True``: the draft's one-token steps take the compiled fixed-shape step, and the output is still the
+    full cache's."""
     model = tiny_model("llama")
     ids, mask = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3)), torch.ones(2, 30).long()
     expected, _, _, _, _ = _full(model, ids, mask, max_new_tokens=16)
@@ -204,15 +199,11 @@ def test_compare_cli_has_a_speculative_row(tiny_checkpoint, capsys):
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus, monkeypatch, compile):
-    """``--compile``: the draft's steps run compiled (dynamo only, backend "eager" here), compiled before the timing
-    by a short run of the same draft shape."""
-    import sparsegen.decoding as decoding
+def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus, compiled_step_batches, compile):
+    """``--compile``: the draft's steps run compiled, compiled before the timing by a short run of the same draft
+    shape."""
     from sparsegen.cli import main
 
-    torch._dynamo.reset()
-    monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: torch.compile(
-        decoding._step, fullgraph=True, backend="eager"))
     out = tmp_path / "b.json"
     assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "full,speculative:streaming:16",
                  "--contexts", "64", "--batch", "2", "--new-tokens", "8", "--warmup", "1", "--chunk-size", "32",

@@ -44,22 +44,11 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits, 
 
 
 @pytest.mark.parametrize("policy,kv_bits", [("full", None), ("streaming", None), ("h2o", 4), ("snapkv", None)])
-def test_compiled_batched_decode_takes_the_fixed_step_and_equals_each_alone(policy, kv_bits, monkeypatch):
+def test_compiled_batched_decode_takes_the_fixed_step_and_equals_each_alone(policy, kv_bits, compiled_step_batches):
     """``serve --compile``: the stacked rows (different lengths, joining and leaving) decode through the compiled
-    fixed-shape step (dynamo only, backend "eager": the capture and the tokens are checked, not a kernel) and give
-    the tokens each session gives alone, uncompiled."""
-    import sparsegen.decoding as decoding
-
-    torch._dynamo.reset()
-    compiled, batches = torch.compile(decoding._step, fullgraph=True, backend="eager"), []
-
-    def step(model, cache, token, position):
-        batches.append(token.shape[0])
-        return compiled(model, cache, token, position)
-
-    monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: step)
+    fixed-shape step and give the tokens each session gives alone, uncompiled."""
     _assert_batched_sessions_equal_each_alone(policy, kv_bits, packed=True, compile=True)
-    assert max(batches) == 3  # (stacked rows: the batch of three, then four less those that left)
+    assert max(compiled_step_batches) == 3  # (stacked rows: the batch of three, then four less those that left)
 
 
 def _assert_batched_sessions_equal_each_alone(policy: str, kv_bits, packed: bool, compile: bool = False) -> None:

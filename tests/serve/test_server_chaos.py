@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from sparsegen.serve.server import Limits, build_app, run_server
 from tests.serve.test_server import Running, _free_port, reference, wait_healthy  # noqa: F401  (the fixture)
@@ -58,22 +57,9 @@ def _settle(running: Running) -> dict:
 
 @pytest.mark.parametrize("policy,kv_bits,compile", [("streaming", None, False), ("h2o", None, False),
                                                     ("adakv", None, False), ("h2o", 4, False), ("h2o", None, True)])
-def test_clients_hanging_up_mid_stream_leave_the_others_exact(reference, server_log, monkeypatch, policy, kv_bits,
-                                                              compile):
-    """``compile``: ``serve --compile``'s stacked batches through the compiled step (dynamo, backend "eager"), rows
-    leaving it mid-stream."""
-    batches = []
-    if compile:
-        import sparsegen.decoding as decoding
-
-        torch._dynamo.reset()
-        compiled = torch.compile(decoding._step, fullgraph=True, backend="eager")
-
-        def step(model, cache, token, position):
-            batches.append(token.shape[0])
-            return compiled(model, cache, token, position)
-
-        monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: step)
+def test_clients_hanging_up_mid_stream_leave_the_others_exact(reference, server_log, compiled_step_batches, policy,
+                                                              kv_bits, compile):
+    """``compile``: ``serve --compile``'s stacked batches through the compiled step, rows leaving it mid-stream."""
     running = Running(*reference, Limits(max_sessions=16, max_batch=8, max_tokens=2000), policy=policy,
                       kv_bits=kv_bits, compile=compile)
     try:
@@ -97,7 +83,7 @@ def test_clients_hanging_up_mid_stream_leave_the_others_exact(reference, server_
         again = httpx.post(f"{running.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24}, timeout=60)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected[1]
         assert not [r for r in server_log if r.levelno >= logging.ERROR], [r.getMessage() for r in server_log]
-        assert (max(batches, default=0) > 1) == compile  # stacked rows took the compiled step
+        assert (max(compiled_step_batches, default=0) > 1) == compile  # stacked rows took the compiled step
     finally:
         running.stop()
 
