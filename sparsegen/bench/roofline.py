@@ -43,12 +43,15 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 
 def weights(model: torch.nn.Module):
-    """The parameters and the saved (persistent) buffers: what a checkpoint stores, rotary tables left out."""
+    """The parameters and the saved (persistent) buffers: what a checkpoint stores, rotary tables left out; and what
+    a module stores outside tensors it owns (``stored_tensors()``: FBGEMM's packed weights)."""
     yield from model.parameters()
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if name not in module._non_persistent_buffers_set:
                 yield buffer
+        if hasattr(module, "stored_tensors"):
+            yield from module.stored_tensors()
 
 
 def decode_bytes(weight_bytes: int, kv_tokens: float, kv_bytes_per_token: int, batch: int) -> float:

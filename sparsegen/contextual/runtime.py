@@ -178,14 +178,14 @@ def _hidden(args, kwargs) -> torch.Tensor:
 def check_float_weights(model: nn.Module) -> None:
     """Contextual sparsity gathers rows and columns of float weights: a quantized checkpoint is refused."""
     from sparsegen.quant import QuantLinear
-    from sparsegen.quant.fast import Int4Linear, Int8Linear
+    from sparsegen.quant.fast import PACKED_LINEARS
 
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("contextual sparsity gathers rows and columns of float weights, and this checkpoint is "
                          "quantized; fit and run the plan on the float (optionally pruned) checkpoint")
-    if any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()):
+    if any(isinstance(m, PACKED_LINEARS) for m in model.modules()):
         raise ValueError("contextual sparsity gathers rows and columns of float weights, and this model's linears "
-                         "are packed for the int8/int4 kernels; run the plan with --weights fp32")
+                         "are packed for the int8/int4/w8a8 kernels; run the plan with --weights fp32")
 
 
 def attach(model: nn.Module, plan: Contextual) -> nn.Module:

@@ -21,11 +21,13 @@ import ctypes.util
 import functools
 import mmap
 import sys
+import warnings
+import weakref
 
 import torch
 from torch import nn
 
-WEIGHTS = ("fp32", "int8", "int4", "gguf")
+WEIGHTS = ("fp32", "int8", "int4", "w8a8", "gguf")
 # ``gguf``: each linear at the bit width its GGUF file stores it with (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0)
 GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # every other quantized type (Q5_*, Q6_K, Q8_0, ...) runs at 8 bits
 GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -57,6 +59,70 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+_PACKED: dict[int, torch.ScriptObject] = {}  # W8A8Linear's packed weights, by handle (see _w8a8_linear)
+_LIBRARY = torch.library.Library("sparsegen", "DEF")
+_LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
+
+
+def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """``quantized::linear_dynamic`` over the packed weights ``handle`` names, as an op ``torch.compile`` keeps whole
+    (dynamo cannot trace a call that takes the packed weights' ``ScriptObject``; an int it can). A plain library op,
+    not ``torch.library.custom_op``, whose wrapping cost ~20 µs a call (121 calls a SmolLM2 token)."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle], True)
+
+
+_LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
+
+
+@torch.library.register_fake("sparsegen::w8a8_linear", lib=_LIBRARY)
+def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+class W8A8Linear(nn.Module):
+    """``y = q(x) (codes * scale)^T + b``: int8 codes ``[out, in]`` with one fp32 scale per output channel, and the
+    input quantized on the fly to 7-bit unsigned codes with one scale and zero point per call (FBGEMM's dynamic
+    linear, ``quantized::linear_dynamic``): integer dot products, as llama.cpp's AVX2 kernels multiply its 4-bit
+    weights by 8-bit activations. On a CPU with AVX2 and no native bfloat16 the weight-only kernels (``int8``,
+    ``int4``) take bfloat16 activations and were no faster than fp32 matmuls (SmolLM2's 30 blocks: int4 11.5 ms a
+    token, fp32 11.1, int8 8.1, this 5.9; its LM head: 2.46, 12.3, 3.57 and 0.82 ms; measured on a 2-core AMD EPYC).
+    The input's 7 bits (``reduce_range``: AVX2's 16-bit pair sums cannot hold 8-bit products) cost accuracy: see
+    ``docs/benchmarks.md``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            raise ValueError("--weights w8a8 needs PyTorch's FBGEMM kernels (x86 CPUs); use --weights int8")
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(1) / 127).clamp(min=1e-8).double()
+        with warnings.catch_warnings():  # (PyTorch 2.13 marks quantized tensors deprecated: docs/benchmarks.md)
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            codes = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0,
+                                               torch.qint8)
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.packed = torch.ops.quantized.linear_prepack(codes, bias)
+        self.handle = id(self.packed)
+        _PACKED[self.handle] = self.packed
+        weakref.finalize(self, _PACKED.pop, self.handle, None)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """The codes, scales and bias the packed weights hold (FBGEMM's packing is not a tensor): what a step reads."""
+        codes, bias = torch.ops.quantized.linear_unpack(self.packed)
+        return [codes.int_repr(), codes.q_per_channel_scales().float()] + ([] if bias is None else [bias])
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        y = torch.ops.sparsegen.w8a8_linear(flat, self.handle, self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, 7-bit inputs"
 
 
 class Int4Linear(nn.Module):
@@ -121,7 +187,8 @@ def gguf_plan(path) -> dict[str, str]:
 
 
 INPUT_SHARERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a block's linears that read one input
-_KERNELS = {"int8": Int8Linear, "int4": Int4Linear}
+_KERNELS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
+PACKED_LINEARS = tuple(_KERNELS.values())
 
 
 def _input_sharers(kinds: dict[str, str]) -> list[list[str]]:
@@ -202,7 +269,7 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
                if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
-    kinds = {name: plan[name] if plan is not None else "int8" if name == "lm_head" else weights
+    kinds = {name: plan[name] if plan is not None else "int8" if name == "lm_head" and weights == "int4" else weights
              for name, _ in targets}
     # (the LM head stays at 8 bits under int4, as a Q4 GGUF keeps it (SmolLM2's: Q8_0): 4 bits there cost 6%
     # perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%))
@@ -263,7 +330,7 @@ def _own_memory(model: nn.Module) -> None:
     1,006 MiB resident with the mapping, 601 MiB without, measured)."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (Int8Linear, Int4Linear)):
+            if isinstance(module, PACKED_LINEARS):
                 continue  # (built in memory)
             for registry in (module._parameters, module._buffers):
                 for tensor in registry.values():
@@ -273,8 +340,8 @@ def _own_memory(model: nn.Module) -> None:
 
 def dequantized(linear: nn.Linear, weights: str) -> torch.Tensor:
     """The weight ``weights`` stores for ``linear``, in fp32: what the kernels multiply by (the tests' reference)."""
-    if weights == "int8":
-        return Int8Linear(linear).dequantized()
+    if weights in ("int8", "w8a8"):
+        return _KERNELS[weights](linear).dequantized()
     codes, scale, low = int4_grid(linear.weight, INT4_GROUP)
     pairs = int4_pairs(scale, low).float()  # as the kernel holds them
     grouped = codes.float().view(*scale.shape, -1) - 8
