@@ -102,24 +102,15 @@ class DecodeStep:
         syncs: dynamo does not run under the counting dispatch mode)."""
         return self._fixed(cache, token, position, compiled=False)
 
-    def verify(self, cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Several tokens per row, ``tokens`` and ``positions`` ``[B, q]``, into a cache that never evicts (the full
-        cache of a speculative verification): logits ``[B, q, vocab]``. Compiled, it is the one step's graph over
-        ``q`` tokens, fixed-shape as a one-token step is (the tokens wait in the spare slots, then take each row's
-        first free ones); one compile per ``q``. Eager where the cache cannot take it (a layer that evicts, such
-        as a sliding-window layer; fewer free slots than ``q``)."""
-        return self._fixed(cache, tokens, positions, compiled=True)
-
     def _fixed(self, cache, token: torch.Tensor, position: torch.Tensor, compiled: bool) -> torch.Tensor:
-        tokens = 1 if token.dim() == 1 else token.shape[1]
-        if not self.compiled or not cache.fits_fixed_step(tokens):
+        if not self.compiled or not cache.fits_fixed_step():
             return self.eager(cache, token, position)
         run = self._run if compiled else self.eager
         if self.graphs and compiled:
             for tensor in cache.step_state():
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
         started = time.perf_counter()
-        with cache.fixed_shape_step(tokens):
+        with cache.fixed_shape_step():
             logits = run(cache, _unit_stride(token), _unit_stride(position))
         if compiled:
             self.compiled_steps += 1
@@ -165,9 +156,6 @@ class DecodeStep:
 
 
 def _step(model: torch.nn.Module, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """One token per row (``[B]``: the last logits ``[B, vocab]``), or several (``[B, q]``: every one's)."""
-    if token.dim() == 2:
-        return forward(model, cache, token, position)
     return forward(model, cache, token[:, None], position[:, None], last=True)
 
 
@@ -189,10 +177,9 @@ def _compiled_step(graphs: bool):
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with row-major strides: dynamo guards on strides, even of one row (which ``is_contiguous`` ignores), and a
-    column of a prompt's ids has the prompt's length as its stride (each new length compiled the step anew)."""
-    row_major = tuple(math.prod(x.shape[i + 1:]) for i in range(x.dim()))
-    return x if x.stride() == row_major else x.clone(memory_format=torch.contiguous_format)
+    """``x`` ``[B]`` with stride 1: dynamo guards on strides, even of one row, and a column of a prompt's ids has the
+    prompt's length as its stride (each new length compiled the step anew)."""
+    return x if x.stride() == (1,) else x.clone(memory_format=torch.contiguous_format)
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,

@@ -198,18 +198,13 @@ def speculative_tokens(
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
     compile: bool = False,
-    length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """What ``generation.generate_tokens`` returns under the full cache, drafted as ``speculation`` says: ``(new
     [B, n], counts [B], the full cache's stats with "draft_cache" and "speculation" entries, prefill s, decode s)``.
 
     Rows accept different numbers of tokens: each row's caches forget what that row rejected. A row that accepted
     every draft has one the draft cache never saw; it is fed with the next round's first draft step. ``compile``:
-    the draft's one-token steps and the verifications of a whole round (the pending token and ``draft_tokens``
-    drafts) go through ``torch.compile`` (``DecodeStep``; a row set's last, shorter rounds verify eagerly rather than
-    compile once more). ``length``: tokens per row the caches are sized for (default: the prompt and
-    ``max_new_tokens``); the full cache's compiled shapes are its size, so a warm-up run on a shorter prompt that
-    gives the real run's ``length`` compiles what the real run uses.
+    the draft's one-token steps go through ``torch.compile`` (``DecodeStep``).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -218,16 +213,15 @@ def speculative_tokens(
     drafter = speculation.model if speculation.model is not None else model
     _check_vocabularies(model, drafter)
     device, batch = ids.device, ids.shape[0]
-    target, draft = _caches(model, drafter, speculation, length or ids.shape[1] + max_new_tokens, chunk_size)
+    target, draft = _caches(model, drafter, speculation, ids.shape[1] + max_new_tokens, chunk_size)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature >= GREEDY_BELOW else None
-    draft_step, verify_step = DecodeStep(drafter, compile), DecodeStep(model, compile)
+    draft_step = DecodeStep(drafter, compile)
     t0 = _synchronized(device)
     logits = prefill(model, target, ids, mask, chunk_size, progress)
     prefill(drafter, draft, ids, mask, chunk_size, progress)
-    # rows that accept different counts hold different numbers of tokens from then on: compiled, both caches' steps
-    # take that shape from the first one (one graph for the run, not a second compile midway)
-    for cache in (target, draft):
-        cache.padded = cache.padded or (compile and batch > 1)
+    # rows that accept different counts hold different numbers of draft tokens from then on: compiled, the draft's
+    # steps take that shape from the first one (one graph for the run, not a second compile midway)
+    draft.padded = draft.padded or (compile and batch > 1)
     prefill_seconds = _synchronized(device) - t0
     t0 = time.perf_counter()
     rows = torch.arange(batch, device=device)
@@ -245,9 +239,8 @@ def speculative_tokens(
         drafted, draft_probs = _draft(drafter, draft, draft_step, k_round, pending, last_draft, carried, fed,
                                       (temperature, top_p, generator))
         t2 = _synchronized(device)
-        verified = torch.cat([pending[:, None], drafted], 1)
-        at = fed[:, None] + torch.arange(k_round + 1, device=device)
-        logits = verify_step.verify(target, verified, at) if k_round == k else forward(model, target, verified, at)
+        logits = forward(model, target, torch.cat([pending[:, None], drafted], 1),
+                         fed[:, None] + torch.arange(k_round + 1, device=device))
         accepted, bonus = accept(drafted, draft_probs, logits, temperature, top_p, generator)
         t3 = _synchronized(device)
         # both caches keep the pending token and the accepted drafts; the draft cache was never fed the last draft
@@ -266,17 +259,15 @@ def speculative_tokens(
     new, counts = out.tensors(pad_id, device)
     if on_token is not None:
         on_token(new, counts)
-    report = {**counters.report(speculation.draft_tokens), "draft_compiled_steps": draft_step.compiled_steps,
-              "verify_compiled_rounds": verify_step.compiled_steps}
+    report = {**counters.report(speculation.draft_tokens), "draft_compiled_steps": draft_step.compiled_steps}
     stats = {**target.stats(), "draft_cache": draft.stats(), "speculation": report}
     return new, counts, stats, prefill_seconds, decode_seconds
 
 
 def _caches(model: torch.nn.Module, drafter: torch.nn.Module, speculation: Speculation, length: int,
             chunk_size: int) -> tuple[EvictionCache, EvictionCache]:
-    """The target's full cache and the draft's, each with room for ``length`` tokens and a round of drafts, and the
-    spare slots where a fixed-shape step's tokens wait (``EvictionCache.fits_fixed_step``)."""
-    room = length + 2 * (MOST_DRAFT_TOKENS + 1)
+    """The target's full cache and the draft's, each with room for ``length`` tokens and a round of drafts."""
+    room = length + MOST_DRAFT_TOKENS + 1
     target = EvictionCache(model, Full(), chunk_size=chunk_size, expected_length=room, rollback=MOST_DRAFT_TOKENS)
     draft = EvictionCache(drafter, speculation.policy, positions=speculation.positions, chunk_size=chunk_size,
                           expected_length=room, rollback=MOST_DRAFT_TOKENS)

@@ -27,7 +27,7 @@ from sparsegen.bench.syncs import count_syncs
 from sparsegen.decoding import DecodeStep, forward, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
-from sparsegen.speculative import FIRST_AUTO_DRAFT, Speculation, speculative_tokens
+from sparsegen.speculative import Speculation, speculative_tokens
 
 BASELINES = ("dense", "recompute")
 SYNC_STEPS = 2  # decode steps whose host reads are counted, after the timed ones
@@ -281,14 +281,11 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
     batch, context = ids.shape
     tokens = setup.warmup + setup.new_tokens
     compile_seconds = None
-    if setup.compiled:
-        # compiled here, outside the timing, on a shorter prompt: the draft step (its shape is its budget's) and the
-        # verification of a whole round (its shape is the full cache's size: the timed run's ``length``)
+    if setup.compiled:  # the draft step's shape is its budget's, not the context's: compiled here, outside the timing
         t0 = time.perf_counter()
         warm = ids[:, :min(context, 2 * speculation.policy.budget + setup.chunk_size)]
-        round_tokens = speculation.draft_tokens if speculation.draft_tokens != "auto" else FIRST_AUTO_DRAFT
-        speculative_tokens(setup.model, warm, torch.ones_like(warm), speculation, chunk_size=setup.chunk_size,
-                           max_new_tokens=max(setup.warmup, round_tokens) + 2, compile=True, length=context + tokens)
+        speculative_tokens(setup.model, warm, torch.ones_like(warm), speculation, max_new_tokens=setup.warmup + 2,
+                           chunk_size=setup.chunk_size, compile=True)
         compile_seconds = time.perf_counter() - t0
     new, counts, stats, prefill_seconds, decode_seconds = speculative_tokens(
         setup.model, ids, torch.ones_like(ids), speculation, max_new_tokens=tokens, chunk_size=setup.chunk_size,
@@ -308,7 +305,6 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
         # the draft's one-token steps that ran compiled (a round's first call feeds two tokens where a row carried
         # its last accepted draft: eager)
         "compiled_share": report["draft_compiled_steps"] / max(report["draft_steps"], 1),
-        "verify_compiled_share": report["verify_compiled_rounds"] / max(report["rounds"], 1),
         "compile_seconds": compile_seconds,  # a short speculative run on the same draft shape, before the timed one
     }
 

@@ -364,11 +364,8 @@ class EvictionLayer(CacheLayerMixin):
         if not self.is_initialized or self.fan > 1 or self.policy.reads_host:
             return None
         if self.policy.budget is None or self.cache.length_announced:
-            # a sequence announced shorter than the budget is allocated its length, and attends over no more; the
-            # slots after these are where a step's tokens wait (one, or an unbounded layer's ``most_step_tokens``: a
-            # verification's)
-            spare = self.cache.most_step_tokens if self.policy.budget is None else 1
-            return min(self.slot_budget or sys.maxsize, self.keys.shape[2] - spare)
+            # a sequence announced shorter than the budget is allocated its length, and attends over no more
+            return min(self.slot_budget or sys.maxsize, self.keys.shape[2] - 1)
         return self.slot_budget
 
     @property
@@ -399,12 +396,9 @@ class EvictionLayer(CacheLayerMixin):
         Ties go to the more recent token. A decode step drops at most one token per row, found with two
         reductions; a longer step sorts by (priority, index).
         """
-        tokens, self.pending = self.pending, 0
+        self.pending = 0
         if self.cache.fixed_step:
-            if tokens > 1:
-                self._take_free_slots(tokens)
-            else:
-                self._overwrite(self.free_or_lowest_slot(seen), newest=self.fixed_slots)
+            self._overwrite(self.free_or_lowest_slot(seen), newest=self.fixed_slots)
             return
         budget = self.slot_budget
         if budget is None:
@@ -488,18 +482,6 @@ class EvictionLayer(CacheLayerMixin):
         self.valid[:, :, newest] = False
         self.used = newest
 
-    def _take_free_slots(self, tokens: int) -> None:
-        """A fixed step of several ``tokens`` per row in a layer that never evicts (a speculative verification over
-        the full cache): move them from the slots after ``fixed_slots``, where they wait, into each row's first free
-        slots (``EvictionCache.fits_fixed_step`` made sure every row has that many)."""
-        slots = self.fixed_slots
-        slot = torch.arange(slots, device=self.device)
-        free_first = torch.where(self.valid[:, :, :slots], slots, slot).topk(tokens, dim=-1, largest=False).values
-        for _, buf in self.buffers():
-            to = free_first if buf.dim() == 3 else free_first[..., None].expand(-1, -1, -1, buf.shape[-1])
-            buf.scatter_(2, to, buf[:, :, slots:slots + tokens].clone())
-        self.valid[:, :, slots:slots + tokens] = False
-
     def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor, moves: int | None = None,
                  used: int | None = None) -> None:
         """Move kept tokens from behind ``keep_count`` into the holes in front of it. ``moves`` (at least the most
@@ -581,8 +563,7 @@ class EvictionCache(Cache):
 
         ``rollback``: tokens a caller may ``forget_last`` after a call (speculative decoding). Sliding-window layers
         then hold that many tokens beyond their window (attention still sees only the window), so that forgetting
-        never leaves them short of it. A fixed-shape step may then feed up to ``rollback + 1`` tokens into layers that
-        never evict (a verification: the pending token and its drafts), each of which keeps that many spare slots.
+        never leaves them short of it.
 
         ``kv_bits`` (8, 4 or 2, or a ``KVQuantization`` to set the residual too): hold keys and values as low-bit
         codes (``sparsegen.kv.quantized``); None holds them as the model computes them."""
@@ -601,7 +582,6 @@ class EvictionCache(Cache):
         if rollback < 0:
             raise ValueError("rollback must be >= 0")
         self.rollback = rollback
-        self.most_step_tokens = rollback + 1  # what one fixed-shape step may feed (``fixed_shape_step``)
         self.pinned = pinned_tokens(model)  # the first tokens of every sequence are a prompt prefix: never evicted
         if policy.budget is not None and policy.budget <= self.pinned:
             raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
@@ -686,18 +666,14 @@ class EvictionCache(Cache):
                 self.length += self.step.new_valid.shape[1]
         self.step = None
 
-    def fits_fixed_step(self, tokens: int = 1) -> bool:
-        """Whether the next step of ``tokens`` per row can be fixed-shape (``fixed_shape_step``), giving a bounded
-        layer its spare slot if it has none yet: every layer with fixed slots and, if it cannot evict, as many free;
-        several tokens only where no layer evicts (an eviction takes one token's slot) and the cache was built to
-        take back that many (``rollback``)."""
-        if self.seen is None or tokens > self.most_step_tokens:
+    def fits_fixed_step(self) -> bool:
+        """Whether the next decode step can be fixed-shape (``fixed_shape_step``), giving a bounded layer its spare slot
+        if it has none yet: every layer with fixed slots and, if unbounded, one free."""
+        if self.seen is None:
             return False
         for layer in self.layers:
             slots = layer.fixed_slots
-            evicts = slots == layer.slot_budget
-            if slots is None or (evicts and tokens > 1) or layer.used + tokens * (not evicts) > slots \
-                    or (tokens > 1 and layer.keys.shape[2] < slots + tokens):
+            if slots is None or layer.used + (slots != layer.slot_budget) > slots:  # a free slot, if it cannot evict
                 return False
         for layer in self.layers:
             if layer.keys.shape[2] <= layer.fixed_slots:
@@ -705,22 +681,21 @@ class EvictionCache(Cache):
         return True
 
     @contextmanager
-    def fixed_shape_step(self, tokens: int = 1):
-        """Run one decode step (``tokens`` per row, one unless it verifies drafts) in fixed shapes: each layer attends
-        over its ``fixed_slots`` (free ones masked) and writes the tokens into free slots or the one it evicts, so
-        every step, filling or evicting, has the same shapes and reads no count that changes: what one compiled graph
-        (one CUDA graph) serves step after step. The counts are kept here, outside the step. Needs
-        ``fits_fixed_step(tokens)``."""
+    def fixed_shape_step(self):
+        """Run one decode step (one token per row) in fixed shapes: each layer attends over its ``fixed_slots``
+        (free ones masked) and writes the token into a free slot or the one it evicts, so every step, filling or
+        evicting, has the same shapes and reads no count that changes: what one compiled graph (one CUDA graph)
+        serves step after step. The counts are kept here, outside the step. Needs ``fits_fixed_step()``."""
         before = [layer.used for layer in self.layers]
         self.fixed_step = True
         try:
             yield
         finally:
             self.fixed_step = False
-        self.length += tokens
+        self.length += 1
         for layer, used in zip(self.layers, before):
-            layer.used = min(used + tokens, layer.fixed_slots)
-            layer.peak_tokens = max(layer.peak_tokens, used + tokens)
+            layer.used = min(used + 1, layer.fixed_slots)
+            layer.peak_tokens = max(layer.peak_tokens, used + 1)
 
     def step_state(self) -> list[torch.Tensor]:
         """Every tensor a decode step updates in place: the layers' slots and row state, and the tokens seen."""
