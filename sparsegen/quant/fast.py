@@ -70,9 +70,10 @@ def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tenso
     """``quantized::linear_dynamic`` over the packed weights ``handle`` names, as an op ``torch.compile`` keeps whole
     (dynamo cannot trace a call that takes the packed weights' ``ScriptObject``; an int it can). A plain library op,
     not ``torch.library.custom_op``, whose wrapping cost ~20 µs a call (121 calls a SmolLM2 token)."""
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle], True)
+    return _LINEAR_DYNAMIC(x, _PACKED[handle], True)
 
 
+_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # (the overload resolved once: a call costs less)
 _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
 
 
