@@ -46,9 +46,9 @@ def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest); w8a8 "
                         "(experimental): int8 weights times inputs quantized to 7 bits per call (FBGEMM's integer "
                         "kernels: the fastest on an x86 CPU without native bfloat16, e.g. AVX2), at a cost in "
-                        "quality (SmolLM2: +15%% perplexity decoding, +92%% over 1,024-token calls; docs/benchmarks.md);"
-                        " gguf: each linear at the bit width its "
-                        "GGUF file has (4-bit types at 4, the others at 8)"
+                        "quality (SmolLM2: +15%% perplexity one token a call, +337%% over 1,024-token calls; "
+                        "docs/benchmarks.md); gguf: each linear at the bit width its GGUF file has (4-bit types at 4, "
+                        "the others at 8)"
                         + ("; several, comma-separated, are measured in turn and compared" if several else "")
                         + " (default fp32: as loaded)")
 
