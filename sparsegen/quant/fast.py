@@ -11,6 +11,9 @@ Round-to-nearest; the embedding table stays as it is (a step reads one row of it
 and are stored alike (a block's q/k/v, a gated MLP's gate and up) are stacked into one kernel call
 (``SharedInput``): at one token a call costs about as much as its bytes.
 
+``"w8a8"`` (experimental) multiplies int8 weights by inputs quantized per call (FBGEMM's integer kernels: faster on
+a CPU without native bfloat16, at a measured cost in quality; ``W8A8Linear``).
+
 This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize`` writes GPTQ checkpoints.
 """
 
@@ -89,8 +92,8 @@ class W8A8Linear(nn.Module):
     weights by 8-bit activations. On a CPU with AVX2 and no native bfloat16 the weight-only kernels (``int8``,
     ``int4``) take bfloat16 activations and were no faster than fp32 matmuls (SmolLM2's 30 blocks: int4 11.5 ms a
     token, fp32 11.1, int8 8.1, this 5.9; its LM head: 2.46, 12.3, 3.57 and 0.82 ms; measured on a 2-core AMD EPYC).
-    The input's 7 bits (``reduce_range``: AVX2's 16-bit pair sums cannot hold 8-bit products) cost accuracy: see
-    ``docs/benchmarks.md``."""
+    Experimental: one 7-bit scale per call (``reduce_range``: AVX2's 16-bit pair sums cannot hold 8-bit products)
+    costs SmolLM2 15% perplexity one token a call and 337% over 1,024-token calls (``docs/benchmarks.md``)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
