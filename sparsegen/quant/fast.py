@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import itertools
 import mmap
 import sys
 import warnings
@@ -65,6 +66,8 @@ class Int8Linear(nn.Module):
 
 
 _PACKED: dict[int, torch.ScriptObject] = {}  # W8A8Linear's packed weights, by handle (see _w8a8_linear)
+_HANDLES = itertools.count()  # (never reused, as an object's id can be once it is freed)
+_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # (the overload resolved once: a call costs less)
 _LIBRARY = torch.library.Library("sparsegen", "DEF")
 _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
 
@@ -76,7 +79,6 @@ def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tenso
     return _LINEAR_DYNAMIC(x, _PACKED[handle], True)
 
 
-_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # (the overload resolved once: a call costs less)
 _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
 
 
@@ -107,7 +109,7 @@ class W8A8Linear(nn.Module):
                                                torch.qint8)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.packed = torch.ops.quantized.linear_prepack(codes, bias)
-        self.handle = id(self.packed)
+        self.handle = next(_HANDLES)
         _PACKED[self.handle] = self.packed
         weakref.finalize(self, _PACKED.pop, self.handle, None)
         self.in_features, self.out_features = linear.in_features, linear.out_features
