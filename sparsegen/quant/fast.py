@@ -11,8 +11,8 @@ Round-to-nearest; the embedding table stays as it is (a step reads one row of it
 and are stored alike (a block's q/k/v, a gated MLP's gate and up) are stacked into one kernel call
 (``SharedInput``): at one token a call costs about as much as its bytes.
 
-``"w8a8"`` (experimental) multiplies int8 weights by inputs quantized per call (FBGEMM's integer kernels: faster on
-a CPU without native bfloat16, at a measured cost in quality; ``W8A8Linear``).
+``"w8a8"`` multiplies int8 weights by inputs quantized to 7 bits a token, turned by a Hadamard rotation (FBGEMM's
+integer kernels: faster on a CPU without native bfloat16, at about 1% perplexity; ``W8A8Linear``).
 
 This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize`` writes GPTQ checkpoints.
 """
@@ -38,6 +38,8 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}  # llama.cpp's names of a Llama/Gemma block's linears
 INT4_GROUP = 32  # inputs per int4 scale: llama.cpp's Q4 block size
+FEW_ROWS = 16  # up to a batch of decode steps: W8A8Linear turns their inputs by a sum, not a matmul
+ROTATION_BLOCK = 64  # inputs a w8a8 linear turns together (W8A8Linear): SmolLM2's and Gemma 3's widths divide by it
 
 
 class Int8Linear(nn.Module):
@@ -88,47 +90,83 @@ def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
 
 
 class W8A8Linear(nn.Module):
-    """``y = q(x) (codes * scale)^T + b``: int8 codes ``[out, in]`` with one fp32 scale per output channel, and the
-    input quantized on the fly to 7-bit unsigned codes with one scale and zero point per call (FBGEMM's dynamic
-    linear, ``quantized::linear_dynamic``): integer dot products, as llama.cpp's AVX2 kernels multiply its 4-bit
-    weights by 8-bit activations. On a CPU with AVX2 and no native bfloat16 the weight-only kernels (``int8``,
-    ``int4``) take bfloat16 activations and were no faster than fp32 matmuls (SmolLM2's 30 blocks: int4 11.5 ms a
-    token, fp32 11.1, int8 8.1, this 5.9; its LM head: 2.46, 12.3, 3.57 and 0.82 ms; measured on a 2-core AMD EPYC).
-    Experimental: one 7-bit scale per call (``reduce_range``: AVX2's 16-bit pair sums cannot hold 8-bit products)
-    costs SmolLM2 15% perplexity one token a call and 337% over 1,024-token calls (``docs/benchmarks.md``)."""
+    """``y = q(x R) (codes * scale)^T + b``: int8 codes ``[out, in]`` of the weights turned by ``R`` with one fp32 scale
+    per output channel, times the input quantized on the fly to 7-bit codes (FBGEMM's dynamic linear,
+    ``quantized::linear_dynamic``): integer dot products, as llama.cpp's AVX2 kernels multiply its 4-bit weights by
+    8-bit activations. On a CPU with AVX2 and no native bfloat16 the weight-only kernels (``int8``, ``int4``) take
+    bfloat16 activations and were no faster than fp32 matmuls (SmolLM2's 30 blocks: int4 11.5 ms a token, fp32 11.1,
+    int8 8.1, this 5.9; its LM head: 2.46, 12.3, 3.57 and 0.82 ms; measured on a 2-core AMD EPYC).
+
+    FBGEMM takes one 7-bit scale a call (``reduce_range``: AVX2's 16-bit pair sums cannot hold 8-bit products). Two
+    changes make that scale fit every value it codes:
+    - each row (token) is divided by its own largest magnitude before the call and its output multiplied back (the
+      product is linear in the input): one scale a call is then one scale a token, also over a prefill's chunk;
+    - ``R`` is a Hadamard rotation of each block of ``ROTATION_BLOCK`` inputs (QuaRot's idea, applied to input and
+      weights alike, so ``x R (W R)^T = x W^T``): a few outlier channels, which set a token's scale, are spread over
+      their block, and the other values keep more of the 7 bits.
+    Measured on SmolLM2 in ``docs/benchmarks.md``."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         if "fbgemm" not in torch.backends.quantized.supported_engines:
             raise ValueError("--weights w8a8 needs PyTorch's FBGEMM kernels (x86 CPUs); use --weights int8")
-        weight = linear.weight.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.blocks = self.in_features // ROTATION_BLOCK if self.in_features % ROTATION_BLOCK == 0 else 0
+        self.register_buffer("rotation", _hadamard(ROTATION_BLOCK) if self.blocks else None, persistent=False)
+        weight = self._rotated(linear.weight.detach().float())
         scale = (weight.abs().amax(1) / 127).clamp(min=1e-8).double()
         with warnings.catch_warnings():  # (PyTorch 2.13 marks quantized tensors deprecated: docs/benchmarks.md)
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
             codes = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0,
                                                torch.qint8)
-        bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self.packed = torch.ops.quantized.linear_prepack(codes, bias)
+        self.packed = torch.ops.quantized.linear_prepack(codes, None)  # (the bias is added after the rescale)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self.packed
         weakref.finalize(self, _PACKED.pop, self.handle, None)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
+                                                                  requires_grad=False)
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` with each block of ``ROTATION_BLOCK`` inputs turned by the Hadamard rotation."""
+        if not self.blocks:
+            return x
+        return (x.reshape(-1, self.blocks, ROTATION_BLOCK) @ self.rotation).view(x.shape)
 
     def stored_tensors(self) -> list[torch.Tensor]:
-        """The codes, scales and bias the packed weights hold (FBGEMM's packing is not a tensor): what a step reads."""
-        codes, bias = torch.ops.quantized.linear_unpack(self.packed)
-        return [codes.int_repr(), codes.q_per_channel_scales().float()] + ([] if bias is None else [bias])
+        """The codes and scales the packed weights hold (FBGEMM's packing is not a tensor), and the bias: what a step
+        reads."""
+        codes, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return [codes.int_repr(), codes.q_per_channel_scales().float()] + ([] if self.bias is None else [self.bias])
 
     def dequantized(self) -> torch.Tensor:
-        return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+        """The weights in the input's own frame (the rotation undone: a Hadamard rotation is its own inverse)."""
+        return self._rotated(torch.ops.quantized.linear_unpack(self.packed)[0].dequantize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        y = torch.ops.sparsegen.w8a8_linear(flat, self.handle, self.out_features)
+        if self.blocks and flat.shape[0] <= FEW_ROWS:  # a sum inductor fuses with the norm before it, not a matmul call
+            flat = (flat.view(-1, self.blocks, ROTATION_BLOCK, 1) * self.rotation).sum(2).view(flat.shape)
+        else:
+            flat = self._rotated(flat)
+        peak = flat.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        y = torch.ops.sparsegen.w8a8_linear(flat / peak, self.handle, self.out_features) * peak
+        y = y if self.bias is None else y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, 7-bit inputs"
+        turned = f", inputs turned in blocks of {ROTATION_BLOCK}" if self.blocks else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, "
+                f"7-bit inputs scaled per token{turned}")
+
+
+@functools.cache
+def _hadamard(size: int) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of a power-of-two ``size`` (Sylvester's construction; symmetric, so its own
+    inverse): entries +-1/sqrt(size), exact in fp32 for these sizes."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < size:
+        matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+    return matrix / size ** 0.5
 
 
 class Int4Linear(nn.Module):

@@ -37,23 +37,64 @@ def test_each_kernel_computes_its_stored_weight(weights, kind):
     assert error < (0.01 if weights == "int8" else 0.1)  # half a step of the grid
 
 
-def test_w8a8_computes_its_stored_weight_times_its_input_at_7_bits():
-    """The input quantized per call to 7-bit unsigned codes (one scale and zero point over the call's values, zero
-    exactly representable), times the int8 per-channel weight: FBGEMM's dynamic linear, to float rounding."""
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(128, 96, bias=True)
-    x = torch.randn(5, 128)
+def _seven_bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as FBGEMM's dynamic linear sees it: 7-bit unsigned codes, one scale and zero point over the call's
+    values, zero exactly representable."""
     low, high = x.min().clamp(max=0), x.max().clamp(min=0)
     scale = (high - low) / 127
     zero = (-low / scale).round().clamp(0, 127)
-    seen = (((x / scale).round() + zero).clamp(0, 127) - zero) * scale
-    expected = torch.nn.functional.linear(seen, dequantized(linear, "w8a8")) + linear.bias
+    return (((x / scale).round() + zero).clamp(0, 127) - zero) * scale
+
+
+def test_w8a8_computes_its_stored_weight_times_its_input_turned_scaled_per_token_at_7_bits():
+    """Each block of 64 inputs turned by an orthonormal Hadamard matrix (a few rows by a sum, more by a matmul), each
+    token divided by its largest value, the call quantized to 7 bits, times the int8 per-channel weight turned alike,
+    the token's scale multiplied back."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=True)
     kernel = W8A8Linear(linear)
-    torch.testing.assert_close(kernel(x), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernel(x[None].double())[0].float(), expected, atol=1e-5, rtol=1e-5)  # (any float)
-    error = (dequantized(linear, "w8a8") - linear.weight).abs().max() / linear.weight.abs().max()
-    assert error < 0.01
+    rotation = kernel.rotation
+    x = torch.randn(5, 128) * torch.linspace(0.1, 10, 5)[:, None]  # tokens of different sizes
+    # each token's largest turned value positive: the call's range is then not [-1, 1], whose zero point is a tie
+    # (63.5) that FBGEMM's float arithmetic breaks either way
+    largest = (x.view(5, 2, 64) @ rotation).view(5, 128).gather(1, (x.view(5, 2, 64) @ rotation).view(5, 128).abs()
+                                                                  .argmax(1, keepdim=True))
+    x = x * largest.sign()
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(64))
+    assert bool((rotation.abs() == 1 / 8).all())
+    turned = (x.view(5, 2, 64) @ rotation).view(5, 128)
+    peak = turned.abs().amax(-1, keepdim=True)
+    weight = (dequantized(linear, "w8a8").view(96, 2, 64) @ rotation).view(96, 128)  # what the codes hold
+    expected = torch.nn.functional.linear(_seven_bits(turned / peak), weight) * peak + linear.bias
+    torch.testing.assert_close(kernel(x), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(kernel(x[None].double())[0].float(), expected, atol=1e-4, rtol=1e-5)  # (any float)
+    torch.testing.assert_close(kernel(x.repeat(4, 1)), expected.repeat(4, 1), atol=1e-4, rtol=1e-5)  # (a matmul)
+    exact = (linear.weight.detach().view(96, 2, 64) @ rotation).view(96, 128)
+    assert (weight - exact).abs().max() / exact.abs().max() < 0.01  # half a step of the grid
     assert sum(t.numel() * t.element_size() for t in kernel.stored_tensors()) == 96 * 128 + 2 * 96 * 4
+
+
+def test_w8a8_codes_each_token_at_its_own_scale_and_outlier_channels_spread():
+    """A chunk's large token (a prefill's first) no longer coarsens the others' codes, and one outlier channel (as
+    LLMs' hidden states have) costs the token's other values less than with one scale over its raw values."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=False)
+    kernel, x = W8A8Linear(linear), torch.randn(6, 128)
+    exact = x @ linear.weight.detach().T
+
+    def error(out: torch.Tensor) -> float:
+        return float((out - exact[-5:]).norm() / exact[-5:].norm())
+
+    alone = error(kernel(x[1:]))
+    x_big = x.clone()
+    x_big[0] *= 1000
+    assert error(kernel(x_big)[1:]) < 1.5 * alone
+    with_outlier = x.clone()
+    with_outlier[:, 7] = 60
+    exact = with_outlier @ linear.weight.detach().T
+    # one scale over each token's raw values, even with exact weights
+    unturned = _seven_bits(with_outlier[1:] / 60) * 60 @ linear.weight.detach().T
+    assert error(kernel(with_outlier)[1:]) < error(unturned) / 2
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "w8a8"])
