@@ -133,10 +133,10 @@ class W8A8Linear(nn.Module):
         return (x.reshape(-1, self.blocks, ROTATION_BLOCK) @ self.rotation).view(x.shape)
 
     def stored_tensors(self) -> list[torch.Tensor]:
-        """The codes and scales the packed weights hold (FBGEMM's packing is not a tensor), and the bias: what a step
-        reads."""
+        """The codes and scales the packed weights hold (FBGEMM's packing is not a tensor): what a step reads besides
+        the bias, which is a parameter."""
         codes, _ = torch.ops.quantized.linear_unpack(self.packed)
-        return [codes.int_repr(), codes.q_per_channel_scales().float()] + ([] if self.bias is None else [self.bias])
+        return [codes.int_repr(), codes.q_per_channel_scales().float()]
 
     def dequantized(self) -> torch.Tensor:
         """The weights in the input's own frame (the rotation undone: a Hadamard rotation is its own inverse)."""

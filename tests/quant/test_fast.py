@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from sparsegen.bench import roofline
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
 from sparsegen.quant import fast
@@ -71,7 +72,8 @@ def test_w8a8_computes_its_stored_weight_times_its_input_turned_scaled_per_token
     torch.testing.assert_close(kernel(x.repeat(4, 1)), expected.repeat(4, 1), atol=1e-4, rtol=1e-5)  # (a matmul)
     exact = (linear.weight.detach().view(96, 2, 64) @ rotation).view(96, 128)
     assert (weight - exact).abs().max() / exact.abs().max() < 0.01  # half a step of the grid
-    assert sum(t.numel() * t.element_size() for t in kernel.stored_tensors()) == 96 * 128 + 2 * 96 * 4
+    assert sum(t.numel() * t.element_size() for t in kernel.stored_tensors()) == 96 * 128 + 96 * 4  # (+ the bias)
+    assert sum(t.numel() for t in roofline.weights(torch.nn.Sequential(kernel))) == 96 * 128 + 96 + 96
 
 
 def test_w8a8_codes_each_token_at_its_own_scale_and_outlier_channels_spread():
