@@ -159,7 +159,6 @@ class W8A8Linear(nn.Module):
                 f"7-bit inputs scaled per token{turned}")
 
 
-@functools.cache
 def _hadamard(size: int) -> torch.Tensor:
     """The orthonormal Hadamard matrix of a power-of-two ``size`` (Sylvester's construction; symmetric, so its own
     inverse): entries +-1/sqrt(size), exact in fp32 for these sizes."""
