@@ -58,12 +58,11 @@ def test_w8a8_computes_its_stored_weight_times_its_input_turned_scaled_per_token
     x = torch.randn(5, 128) * torch.linspace(0.1, 10, 5)[:, None]  # tokens of different sizes
     # each token's largest turned value positive: the call's range is then not [-1, 1], whose zero point is a tie
     # (63.5) that FBGEMM's float arithmetic breaks either way
-    largest = (x.view(5, 2, 64) @ rotation).view(5, 128).gather(1, (x.view(5, 2, 64) @ rotation).view(5, 128).abs()
-                                                                  .argmax(1, keepdim=True))
-    x = x * largest.sign()
+    turned = (x.view(5, 2, 64) @ rotation).view(5, 128)
+    sign = turned.gather(1, turned.abs().argmax(1, keepdim=True)).sign()
+    x, turned = x * sign, turned * sign
     torch.testing.assert_close(rotation @ rotation.T, torch.eye(64))
     assert bool((rotation.abs() == 1 / 8).all())
-    turned = (x.view(5, 2, 64) @ rotation).view(5, 128)
     peak = turned.abs().amax(-1, keepdim=True)
     weight = (dequantized(linear, "w8a8").view(96, 2, 64) @ rotation).view(96, 128)  # what the codes hold
     expected = torch.nn.functional.linear(_seven_bits(turned / peak), weight) * peak + linear.bias
