@@ -127,10 +127,14 @@ class W8A8Linear(nn.Module):
                                                                   requires_grad=False)
 
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., in]`` with each block of ``ROTATION_BLOCK`` inputs turned by the Hadamard rotation."""
+        """``x`` ``[..., in]`` with each block of ``ROTATION_BLOCK`` inputs turned by the Hadamard rotation: a few rows
+        (a decode step's) by a broadcast sum, which inductor fuses with the norm before it, more by a matmul."""
         if not self.blocks:
             return x
-        return (x.reshape(-1, self.blocks, ROTATION_BLOCK) @ self.rotation).view(x.shape)
+        blocks = x.reshape(-1, self.blocks, ROTATION_BLOCK)
+        if blocks.shape[0] <= FEW_ROWS:
+            return (blocks[..., None] * self.rotation).sum(2).view(x.shape)
+        return (blocks @ self.rotation).view(x.shape)
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """The codes and scales the packed weights hold (FBGEMM's packing is not a tensor): what a step reads besides
@@ -143,11 +147,7 @@ class W8A8Linear(nn.Module):
         return self._rotated(torch.ops.quantized.linear_unpack(self.packed)[0].dequantize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        if self.blocks and flat.shape[0] <= FEW_ROWS:  # a sum inductor fuses with the norm before it, not a matmul call
-            flat = (flat.view(-1, self.blocks, ROTATION_BLOCK, 1) * self.rotation).sum(2).view(flat.shape)
-        else:
-            flat = self._rotated(flat)
+        flat = self._rotated(x.reshape(-1, self.in_features).float())
         peak = flat.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         y = torch.ops.sparsegen.w8a8_linear(flat / peak, self.handle, self.out_features) * peak
         y = y if self.bias is None else y + self.bias
