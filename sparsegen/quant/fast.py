@@ -24,9 +24,12 @@ import ctypes.util
 import functools
 import itertools
 import mmap
+import os
+import shutil
 import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -76,17 +79,38 @@ _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
 
 def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """``quantized::linear_dynamic`` over the packed weights ``handle`` names, as an op ``torch.compile`` keeps whole
-    (dynamo cannot trace a call that takes the packed weights' ``ScriptObject``; an int it can). A plain library op,
-    not ``torch.library.custom_op``, whose wrapping cost ~20 µs a call (121 calls a SmolLM2 token)."""
+    (dynamo cannot trace a call that takes the packed weights' ``ScriptObject``; an int it can). The op's C++ kernel
+    (``w8a8_linear.cpp``) does this; this is the Python one, where that cannot be built, and the tests' reference."""
     return _LINEAR_DYNAMIC(x, _PACKED[handle], True)
-
-
-_LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
 
 
 @torch.library.register_fake("sparsegen::w8a8_linear", lib=_LIBRARY)
 def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def _w8a8_kernel() -> str:
+    """Give ``sparsegen::w8a8_linear`` its CPU kernel, once: ``"c++"`` when ``w8a8_linear.cpp`` builds (~10 s the
+    first time, then cached by PyTorch in ``~/.cache/torch_extensions``), else ``"python"`` with a warning. Each call
+    of a Python kernel goes through the interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes
+    ~30 us at one token (121 calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still)."""
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).with_name("w8a8_linear.cpp")
+    try:
+        if shutil.which("ninja") is None:  # (pip's ninja, when the venv's bin/ is not on PATH)
+            import ninja
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        cpp_extension.load("sparsegen_w8a8_linear", [str(source)], extra_cflags=["-O2"], is_python_module=False)
+        return "c++"
+    except Exception as error:  # (no compiler, no ninja, headers of another build: the op still runs, slower)
+        reason = (str(error).strip().splitlines() or [""])[-1]
+        warnings.warn(f"--weights w8a8: sparsegen's C++ kernel call could not be built ({type(error).__name__}: "
+                      f"{reason}); each linear calls FBGEMM from Python instead, ~20 us more a call. Install a C++ "
+                      "compiler (g++) and ninja to build it.", stacklevel=3)
+        _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
+        return "python"
 
 
 class W8A8Linear(nn.Module):
@@ -123,6 +147,9 @@ class W8A8Linear(nn.Module):
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self.packed
         weakref.finalize(self, _PACKED.pop, self.handle, None)
+        if _w8a8_kernel() == "c++":
+            torch.ops.sparsegen_fbgemm.hold(self.handle, self.packed)
+            weakref.finalize(self, torch.ops.sparsegen_fbgemm.release, self.handle)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
 

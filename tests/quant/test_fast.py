@@ -98,6 +98,46 @@ def test_w8a8_codes_each_token_at_its_own_scale_and_outlier_channels_spread():
     assert error(kernel(with_outlier)[1:]) < error(unturned) / 2
 
 
+def test_w8a8s_c_plus_plus_kernel_call_is_the_python_calls_result_and_lets_go_of_freed_weights():
+    """The op's C++ kernel (built here: the project's CI has a compiler, as torch.compile needs) returns what the
+    Python call to FBGEMM returns, bit for bit, and a freed linear's handle names no weights any more."""
+    torch.manual_seed(0)
+    kernel = W8A8Linear(torch.nn.Linear(128, 96))
+    assert fast._w8a8_kernel() == "c++"
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 128)
+        called = torch.ops.sparsegen.w8a8_linear(x, kernel.handle, 96)
+        assert torch.equal(called, fast._w8a8_linear(x, kernel.handle, 96))
+    handle = kernel.handle
+    del kernel
+    with pytest.raises(RuntimeError, match=f"no packed weights hold handle {handle}"):
+        torch.ops.sparsegen.w8a8_linear(torch.randn(1, 128), handle, 96)
+    assert handle not in fast._PACKED
+
+
+def test_w8a8_without_a_compiler_warns_and_calls_fbgemm_from_python(tmp_path):
+    """Where the C++ call cannot be built, the op says why and runs its Python kernel (same results, slower)."""
+    import subprocess
+
+    script = """
+import warnings, torch, torch.utils.cpp_extension as cpp
+def no_compiler(*args, **kwargs):
+    raise RuntimeError("Ninja is required to load C++ extensions")
+cpp.load = no_compiler
+from sparsegen.quant import fast
+torch.manual_seed(0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    kernel = fast.W8A8Linear(torch.nn.Linear(128, 96))
+print(fast._w8a8_kernel(), [str(w.message) for w in caught if "C++" in str(w.message)])
+x = torch.randn(3, 128)
+print(tuple(kernel(x).shape))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("python [") and "Ninja is required" in out and "Install a C++ compiler" in out, out
+    assert out.split("\n")[1] == "(3, 96)", out
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4", "w8a8"])
 def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights):
     model = _model()
