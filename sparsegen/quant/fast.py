@@ -102,7 +102,9 @@ def _w8a8_kernel() -> str:
         if shutil.which("ninja") is None:  # (pip's ninja, when the venv's bin/ is not on PATH)
             import ninja
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        cpp_extension.load("sparsegen_w8a8_linear", [str(source)], extra_cflags=["-O2"], is_python_module=False)
+        # (named by the torch it is built against: PyTorch's cache tells builds apart by source and flags only)
+        name = "sparsegen_w8a8_linear_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+        cpp_extension.load(name, [str(source)], extra_cflags=["-O2"], is_python_module=False)
         return "c++"
     except Exception as error:  # (no compiler, no ninja, headers of another build: the op still runs, slower)
         reason = (str(error).strip().splitlines() or [""])[-1]
