@@ -115,7 +115,7 @@ def test_w8a8s_c_plus_plus_kernel_call_is_the_python_calls_result_and_lets_go_of
     assert handle not in fast._PACKED
 
 
-def test_w8a8_without_a_compiler_warns_and_calls_fbgemm_from_python(tmp_path):
+def test_w8a8_without_a_compiler_warns_and_calls_fbgemm_from_python():
     """Where the C++ call cannot be built, the op says why and runs its Python kernel (same results, slower)."""
     import subprocess
 
