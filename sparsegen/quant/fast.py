@@ -107,7 +107,8 @@ def _w8a8_kernel() -> str:
         cpp_extension.load(name, [str(source)], extra_cflags=["-O2"], is_python_module=False)
         return "c++"
     except Exception as error:  # (no compiler, no ninja, headers of another build: the op still runs, slower)
-        reason = (str(error).strip().splitlines() or [""])[-1]
+        lines = str(error).strip().splitlines() or [""]  # (a failed build's message: the commands, then the error)
+        reason = next((line for line in lines if "error:" in line), lines[-1]).strip()
         warnings.warn(f"--weights w8a8: sparsegen's C++ kernel call could not be built ({type(error).__name__}: "
                       f"{reason}); each linear calls FBGEMM from Python instead, ~20 us more a call. Install a C++ "
                       "compiler (g++) and ninja to build it.", stacklevel=3)
