@@ -33,7 +33,7 @@ args = parser.parse_args()
 torch.set_num_threads(args.threads)
 model, _ = sparsegen.load(args.model)
 fast.quantize_weights(model, "w8a8")
-if fast._w8a8_kernel() != "c++":
+if fast._native_kernels() != "c++":
     raise SystemExit("the C++ kernel call did not build here (see the warning above): nothing to compare")
 _, kv_heads, head_dim = kv_shape(model.config)
 step = DecodeStep(model, compile=True)

@@ -12,7 +12,9 @@ and are stored alike (a block's q/k/v, a gated MLP's gate and up) are stacked in
 (``SharedInput``): at one token a call costs about as much as its bytes.
 
 ``"w8a8"`` multiplies int8 weights by inputs quantized to 7 bits a token, turned by a Hadamard rotation (FBGEMM's
-integer kernels: faster on a CPU without native bfloat16, at about 1% perplexity; ``W8A8Linear``).
+integer kernels: faster on a CPU without native bfloat16, at about 1% perplexity; ``W8A8Linear``). ``"w4a8"``
+multiplies llama.cpp's Q4_1 blocks by inputs quantized to 8 bits a block of 32, with integer dot products
+(sparsegen's own kernel, ``W4A8Linear``), the LM head at w8a8.
 
 This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize`` writes GPTQ checkpoints.
 """
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-WEIGHTS = ("fp32", "int8", "int4", "w8a8", "gguf")
+WEIGHTS = ("fp32", "int8", "int4", "w8a8", "w4a8", "gguf")
 # ``gguf``: each linear at the bit width its GGUF file stores it with (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0)
 GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # every other quantized type (Q5_*, Q6_K, Q8_0, ...) runs at 8 bits
 GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -75,6 +77,8 @@ _HANDLES = itertools.count()  # (never reused, as an object's id can be once it 
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # (the overload resolved once: a call costs less)
 _LIBRARY = torch.library.Library("sparsegen", "DEF")
 _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
+_LIBRARY.define("w4a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
+Q4_BLOCK_BYTES = 20  # a W4A8Linear block of 32 weights: fp16 scale, fp16 minimum, 16 bytes of 4-bit codes
 
 
 def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -89,30 +93,60 @@ def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@torch.library.register_fake("sparsegen::w4a8_linear", lib=_LIBRARY)
+def _(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def w4a8_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``sparsegen::w4a8_linear`` in PyTorch ops, step for step as ``w4a8_linear.cpp`` computes it (the integer sums
+    exact, the float terms summed in another order): the Python kernel where the C++ one cannot be built, and the
+    tests' reference."""
+    rows = x.reshape(-1, x.shape[-1]).float().view(-1, x.shape[-1] // INT4_GROUP, INT4_GROUP)
+    scale = rows.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = torch.round(rows * inverse[..., None])  # [rows, groups, 32]
+    d, low, codes = q4_unpacked(blocks)  # [out, groups], [out, groups], [out, groups, 32]
+    sums = torch.einsum("rgi,ogi->rog", q.double(), codes.double())  # (exact: integers below 2^53)
+    y = (sums * (d[None] * scale[:, None]).double()).sum(-1) + (scale * q.sum(-1)).double() @ low.double().T
+    return y.float().view(*x.shape[:-1], out_features)
+
+
+def q4_unpacked(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale, minimum, codes)`` of W4A8Linear's packed blocks ``[out, groups * 20]``: fp32 ``[out, groups]`` twice
+    and ``[out, groups, 32]`` codes in [0, 15] (int64)."""
+    grouped = blocks.view(blocks.shape[0], -1, Q4_BLOCK_BYTES)
+    scales = grouped[..., :4].contiguous().view(torch.float16).float()  # [out, groups, 2]
+    nibbles = grouped[..., 4:].long()
+    return scales[..., 0], scales[..., 1], torch.cat([nibbles & 0xF, nibbles >> 4], -1)
+
+
 @functools.cache
-def _w8a8_kernel() -> str:
-    """Give ``sparsegen::w8a8_linear`` its CPU kernel, once: ``"c++"`` when ``w8a8_linear.cpp`` builds (~10 s the
-    first time, then cached by PyTorch in ``~/.cache/torch_extensions``), else ``"python"`` with a warning. Each call
-    of a Python kernel goes through the interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes
-    ~30 us at one token (121 calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still)."""
+def _native_kernels() -> str:
+    """Give ``sparsegen::w8a8_linear`` and ``sparsegen::w4a8_linear`` their CPU kernels, once: ``"c++"`` when
+    ``w8a8_linear.cpp`` and ``w4a8_linear.cpp`` build (~20 s the first time, then cached by PyTorch in
+    ``~/.cache/torch_extensions``), else ``"python"`` with a warning. Each call of a Python kernel goes through the
+    interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes ~30 us at one token (121 calls a SmolLM2
+    token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python w4a8 kernel is slower still."""
     from torch.utils import cpp_extension
 
-    source = Path(__file__).with_name("w8a8_linear.cpp")
+    sources = [str(Path(__file__).with_name(name)) for name in ("w8a8_linear.cpp", "w4a8_linear.cpp")]
     try:
         if shutil.which("ninja") is None:  # (pip's ninja, when the venv's bin/ is not on PATH)
             import ninja
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         # (named by the torch it is built against: PyTorch's cache tells builds apart by source and flags only)
-        name = "sparsegen_w8a8_linear_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-        cpp_extension.load(name, [str(source)], extra_cflags=["-O2"], is_python_module=False)
+        name = "sparsegen_linear_kernels_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+        cpp_extension.load(name, sources, extra_cflags=["-O3"], is_python_module=False)
         return "c++"
-    except Exception as error:  # (no compiler, no ninja, headers of another build: the op still runs, slower)
+    except Exception as error:  # (no compiler, no ninja, headers of another build: the ops still run, slower)
         lines = str(error).strip().splitlines() or [""]  # (a failed build's message: the commands, then the error)
         reason = next((line for line in lines if "error:" in line), lines[-1]).strip()
-        warnings.warn(f"--weights w8a8: sparsegen's C++ kernel call could not be built ({type(error).__name__}: "
-                      f"{reason}); each linear calls FBGEMM from Python instead, ~20 us more a call. Install a C++ "
-                      "compiler (g++) and ninja to build it.", stacklevel=3)
+        warnings.warn(f"--weights w8a8|w4a8: sparsegen's C++ kernels could not be built ({type(error).__name__}: "
+                      f"{reason}); each linear runs a Python kernel instead, ~20 us more a call (w4a8: far slower). "
+                      "Install a C++ compiler (g++) and ninja to build them.", stacklevel=3)
         _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
+        _LIBRARY.impl("w4a8_linear", w4a8_reference, "CPU")
         return "python"
 
 
@@ -150,7 +184,7 @@ class W8A8Linear(nn.Module):
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self.packed
         weakref.finalize(self, _PACKED.pop, self.handle, None)
-        if _w8a8_kernel() == "c++":
+        if _native_kernels() == "c++":
             torch.ops.sparsegen_fbgemm.hold(self.handle, self.packed)
             weakref.finalize(self, torch.ops.sparsegen_fbgemm.release, self.handle)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
@@ -187,6 +221,44 @@ class W8A8Linear(nn.Module):
         turned = f", inputs turned in blocks of {ROTATION_BLOCK}" if self.blocks else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, "
                 f"7-bit inputs scaled per token{turned}")
+
+
+class W4A8Linear(nn.Module):
+    """``y = x W^T + b`` with ``W = d * code + m`` in blocks of 32 inputs (4-bit codes, fp16 ``d`` and ``m``: llama.cpp's
+    Q4_1 blocks, so a Q4_1 GGUF's weights land back on their own grid), times the input quantized to 8 bits a block of
+    32 (llama.cpp's Q8_1), in integer dot products (``w4a8_linear.cpp``): 5 bits a weight read, against w8a8's 8, and no
+    bfloat16 conversion, which PyTorch's int4 kernel pays on a CPU without native bfloat16."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        if in_features % INT4_GROUP:
+            raise ValueError(f"--weights w4a8 needs input widths divisible by {INT4_GROUP}; a linear is {in_features} "
+                             f"-> {out_features}: use --weights w8a8")
+        _, scale, low = int4_grid(linear.weight, INT4_GROUP)
+        scale, low = scale.half(), low.half()  # (stored at 16 bits: the codes are rounded on that grid)
+        grouped = linear.weight.detach().float().view(out_features, -1, INT4_GROUP)
+        codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
+        nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+        scales = torch.stack([scale, low], -1).view(torch.uint8)  # [out, groups, 4]
+        self.register_buffer("blocks", torch.cat([scales, nibbles], -1).view(out_features, -1).contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
+                                                                  requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
+        _native_kernels()
+
+    def dequantized(self) -> torch.Tensor:
+        d, low, codes = q4_unpacked(self.blocks)
+        return (codes.float() * d[..., None] + low[..., None]).view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.sparsegen.w4a8_linear(x.float(), self.blocks, self.out_features)
+        y = y if self.bias is None else y + self.bias
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, 4-bit blocks of {INT4_GROUP} "
+                "(Q4_1), 8-bit inputs a block")
 
 
 def _hadamard(size: int) -> torch.Tensor:
@@ -260,7 +332,7 @@ def gguf_plan(path) -> dict[str, str]:
 
 
 INPUT_SHARERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a block's linears that read one input
-_KERNELS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
+_KERNELS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear}
 PACKED_LINEARS = tuple(_KERNELS.values())
 
 
@@ -342,10 +414,10 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
                if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
-    kinds = {name: plan[name] if plan is not None else "int8" if name == "lm_head" and weights == "int4" else weights
+    head = {"int4": "int8", "w4a8": "w8a8"}  # (the LM head stays at 8 bits, as a Q4 GGUF keeps it (SmolLM2's: Q8_0):
+    # 4 bits there cost 6% perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%))
+    kinds = {name: plan[name] if plan is not None else head.get(weights, weights) if name == "lm_head" else weights
              for name, _ in targets}
-    # (the LM head stays at 8 bits under int4, as a Q4 GGUF keeps it (SmolLM2's: Q8_0): 4 bits there cost 6%
-    # perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%))
     linears = dict(targets)
     for names in _input_sharers(kinds):
         parent, _, _ = names[0].rpartition(".")
@@ -413,7 +485,7 @@ def _own_memory(model: nn.Module) -> None:
 
 def dequantized(linear: nn.Linear, weights: str) -> torch.Tensor:
     """The weight ``weights`` stores for ``linear``, in fp32: what the kernels multiply by (the tests' reference)."""
-    if weights in ("int8", "w8a8"):
+    if weights in ("int8", "w8a8", "w4a8"):
         return _KERNELS[weights](linear).dequantized()
     codes, scale, low = int4_grid(linear.weight, INT4_GROUP)
     pairs = int4_pairs(scale, low).float()  # as the kernel holds them

@@ -1,5 +1,5 @@
 // W8A8Linear's kernel call as a C++ op: FBGEMM's dynamic int8 linear on packed weights named by a handle.
-// Called from Python instead, each call paid a trip through the interpreter (sparsegen/quant/fast.py, _w8a8_kernel).
+// Called from Python instead, each call paid a trip through the interpreter (sparsegen/quant/fast.py, _native_kernels).
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
-"""Runtime low-bit weights (``--weights int8|int4|w8a8``): each kernel computes what its stored weight says (and,
-w8a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a decode step reads drop
+"""Runtime low-bit weights (``--weights int8|int4|w8a8|w4a8``): each kernel computes what its stored weight says (and,
+w8a8 and w4a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a decode step reads drop
 to a quarter / an eighth."""
 
 import sys
@@ -11,7 +11,7 @@ from sparsegen.bench import roofline
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
 from sparsegen.quant import fast
-from sparsegen.quant.fast import (Int4Linear, Int8Linear, SharedInput, W8A8Linear, dequantized, page_out,
+from sparsegen.quant.fast import (Int4Linear, Int8Linear, SharedInput, W4A8Linear, W8A8Linear, dequantized, page_out,
                                   quantize_weights)
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
@@ -103,7 +103,7 @@ def test_w8a8s_c_plus_plus_kernel_call_is_the_python_calls_result_and_lets_go_of
     Python call to FBGEMM returns, bit for bit, and a freed linear's handle names no weights any more."""
     torch.manual_seed(0)
     kernel = W8A8Linear(torch.nn.Linear(128, 96))
-    assert fast._w8a8_kernel() == "c++"
+    assert fast._native_kernels() == "c++"
     for rows in (1, 5, 40):
         x = torch.randn(rows, 128)
         called = torch.ops.sparsegen.w8a8_linear(x, kernel.handle, 96)
@@ -129,7 +129,7 @@ torch.manual_seed(0)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     kernel = fast.W8A8Linear(torch.nn.Linear(128, 96))
-print(fast._w8a8_kernel(), [str(w.message) for w in caught if "C++" in str(w.message)])
+print(fast._native_kernels(), [str(w.message) for w in caught if "C++" in str(w.message)])
 x = torch.randn(3, 128)
 print(tuple(kernel(x).shape))
 """
@@ -138,7 +138,44 @@ print(tuple(kernel(x).shape))
     assert out.split("\n")[1] == "(3, 96)", out
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8"])
+def _q4_1_weights(out_features: int, in_features: int) -> torch.Tensor:
+    """Weights on a Q4_1 grid, as a GGUF's Q4_1 blocks dequantize: ``d * code + m`` with fp16 ``d`` and ``m`` per 32."""
+    groups = (out_features, in_features // 32)
+    d, m = (torch.rand(groups) * 0.02 + 1e-3).half().float(), (torch.randn(groups) * 0.1).half().float()
+    codes = torch.randint(0, 16, (*groups, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # (each block spans its grid, as llama.cpp's quantizer makes it)
+    return (codes * d[..., None] + m[..., None]).view(out_features, in_features)
+
+
+def test_w4a8_kernel_is_its_reference_and_a_q4_1_weight_lands_on_its_own_grid():
+    """The C++ kernel (AVX2 here) computes what ``w4a8_reference`` computes step for step (the integer sums exact,
+    the float terms summed in another order); weights already on a Q4_1 grid are stored exactly; the input's 8 bits a
+    block of 32 cost far less than the weights' 4."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(608, 192)  # (19 blocks: the kernel takes two a turn)
+    with torch.no_grad():
+        linear.weight.copy_(_q4_1_weights(192, 608))
+    kernel = W4A8Linear(linear)
+    assert fast._native_kernels() == "c++"
+    assert torch.equal(kernel.dequantized(), linear.weight)  # (a GGUF's Q4_1 weights, back on their grid)
+    assert kernel.blocks.numel() == 192 * 608 * 5 // 8  # 5 bits a weight, as Q4_1
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 608) * torch.linspace(0.1, 10, rows)[:, None]
+        x[0, 7] = 0  # (a zero block of inputs is not a division by zero)
+        x[0, :32] = 0
+        called = torch.ops.sparsegen.w4a8_linear(x, kernel.blocks, 192)
+        reference = fast.w4a8_reference(x, kernel.blocks, 192)
+        torch.testing.assert_close(called, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        exact = x @ linear.weight.T
+        assert ((kernel(x) - linear.bias - exact).norm() / exact.norm()) < 0.01  # (8-bit inputs: ~0.3% here)
+    fresh = torch.nn.Linear(608, 192)
+    error = (W4A8Linear(fresh).dequantized() - fresh.weight).abs().max() / fresh.weight.abs().max()
+    assert error < 0.1  # round to nearest: half a step of the grid
+    with pytest.raises(ValueError, match="divisible by 32; a linear is 48 -> 16: use --weights w8a8"):
+        W4A8Linear(torch.nn.Linear(48, 16))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8"])
 def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights):
     model = _model()
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -150,15 +187,15 @@ def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert not linears  # every decoder linear and the LM head were replaced
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
-    assert agree > (0.7 if weights == "int4" else 0.9)
-    assert weight_bytes_per_step(model) < before / (4 if weights == "int4" else 2.5)
+    assert agree > (0.7 if weights in ("int4", "w4a8") else 0.9)
+    assert weight_bytes_per_step(model) < before / (4 if weights in ("int4", "w4a8") else 2.5)
 
 
 KERNEL_OPS = {"int8": (torch.ops.aten, "_weight_int8pack_mm"), "int4": (torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
-              "w8a8": (torch.ops.sparsegen, "w8a8_linear")}
+              "w8a8": (torch.ops.sparsegen, "w8a8_linear"), "w4a8": (torch.ops.sparsegen, "w4a8_linear")}
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8"])
 def test_linears_that_read_one_input_are_one_matmul_with_each_ones_own_output(weights, monkeypatch):
     """q/k/v and gate/up run as one kernel call each: the logits are exactly those of each linear packed alone."""
     model = _model()
@@ -176,7 +213,8 @@ def test_linears_that_read_one_input_are_one_matmul_with_each_ones_own_output(we
         logits = model(input_ids=ids).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
     layers = model.config.num_hidden_layers
-    assert len(calls) == 4 * layers + (weights != "int4")  # qkv, o, gate-up, down (+ the LM head, int8 under int4)
+    # qkv, o, gate-up, down (+ the LM head, at 8 bits by another op under int4 and w4a8)
+    assert len(calls) == 4 * layers + (weights not in ("int4", "w4a8"))
     shared = [m for m in model.modules() if isinstance(m, SharedInput)]
     assert len(shared) == 2 * layers and all(m.pending is None for m in shared)  # nothing held between calls
 
@@ -198,7 +236,7 @@ def test_only_linears_stored_alike_share_a_matmul():
     assert fast._input_sharers(kinds) == [["b.self_attn.q_proj", "b.self_attn.k_proj"]]
 
 
-@pytest.mark.parametrize("weights", ["int4", "w8a8"])
+@pytest.mark.parametrize("weights", ["int4", "w8a8", "w4a8"])
 def test_a_decode_step_over_shared_matmuls_is_one_graph(weights):
     from sparsegen.decoding import DecodeStep, prefill
     from sparsegen.kv import EvictionCache, make_policy
@@ -210,7 +248,7 @@ def test_a_decode_step_over_shared_matmuls_is_one_graph(weights):
     with torch.inference_mode():
         token = [prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1) for cache in caches][0]
         step, position = DecodeStep(model, compile=True), torch.full((2,), 12)
-        if weights == "w8a8":  # the op's C++ kernel called from inductor's code: the eager step's logits
+        if weights in ("w8a8", "w4a8"):  # the ops' C++ kernels called from inductor's code: the eager step's logits
             torch.testing.assert_close(step(caches[0], token, position), step.uncompiled(caches[1], token, position),
                                        atol=1e-4, rtol=1e-4)
             assert step.compiled_steps == 1
