@@ -78,7 +78,7 @@ _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # (the overload re
 _LIBRARY = torch.library.Library("sparsegen", "DEF")
 _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
 _LIBRARY.define("w4a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
-Q4_BLOCK_BYTES = 20  # a W4A8Linear block of 32 weights: fp16 scale, fp16 minimum, 16 bytes of 4-bit codes
+Q4_BLOCK_BYTES = 20  # a W4A8Linear block of 32 weights: an fp16 scale, an fp16 minimum, 16 bytes of 4-bit codes
 
 
 def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -113,12 +113,13 @@ def w4a8_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> 
 
 
 def q4_unpacked(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scale, minimum, codes)`` of W4A8Linear's packed blocks ``[out, groups * 20]``: fp32 ``[out, groups]`` twice
-    and ``[out, groups, 32]`` codes in [0, 15] (int64)."""
-    grouped = blocks.view(blocks.shape[0], -1, Q4_BLOCK_BYTES)
-    scales = grouped[..., :4].contiguous().view(torch.float16).float()  # [out, groups, 2]
-    nibbles = grouped[..., 4:].long()
-    return scales[..., 0], scales[..., 1], torch.cat([nibbles & 0xF, nibbles >> 4], -1)
+    """``(scale, minimum, codes)`` of W4A8Linear's packed rows ``[out, groups * 20]`` (each: its groups' fp16 scales,
+    their fp16 minimums, 16 bytes of codes a group): fp32 ``[out, groups]`` twice and ``[out, groups, 32]`` codes in
+    [0, 15] (int64)."""
+    groups = blocks.shape[1] // Q4_BLOCK_BYTES
+    scales = blocks[:, :4 * groups].contiguous().view(torch.float16).float()  # [out, 2 * groups]
+    nibbles = blocks[:, 4 * groups:].reshape(blocks.shape[0], groups, 16).long()
+    return scales[:, :groups], scales[:, groups:], torch.cat([nibbles & 0xF, nibbles >> 4], -1)
 
 
 @functools.cache
@@ -137,7 +138,8 @@ def _native_kernels() -> str:
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         # (named by the torch it is built against: PyTorch's cache tells builds apart by source and flags only)
         name = "sparsegen_linear_kernels_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-        cpp_extension.load(name, sources, extra_cflags=["-O3"], is_python_module=False)
+        cpp_extension.load(name, sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                            is_python_module=False)  # (OpenMP: ATen's parallel_for is inlined from its headers)
         return "c++"
     except Exception as error:  # (no compiler, no ninja, headers of another build: the ops still run, slower)
         lines = str(error).strip().splitlines() or [""]  # (a failed build's message: the commands, then the error)
@@ -239,9 +241,9 @@ class W4A8Linear(nn.Module):
         scale, low = scale.half(), low.half()  # (stored at 16 bits: the codes are rounded on that grid)
         grouped = linear.weight.detach().float().view(out_features, -1, INT4_GROUP)
         codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
-        nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-        scales = torch.stack([scale, low], -1).view(torch.uint8)  # [out, groups, 4]
-        self.register_buffer("blocks", torch.cat([scales, nibbles], -1).view(out_features, -1).contiguous())
+        nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).view(out_features, -1)
+        # (a row: its scales, its minimums, its codes: the kernel loads two groups' codes and eight scales at once)
+        self.register_buffer("blocks", torch.cat([scale.view(torch.uint8), low.view(torch.uint8), nibbles], -1))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
         self.in_features, self.out_features = in_features, out_features

@@ -2,10 +2,11 @@
 // multiply Q4_1 blocks by Q8_1 ones. PyTorch's own int4 CPU kernel takes bfloat16 activations, which a CPU without
 // native bfloat16 converts in software: it read SmolLM2's weights at 13-16 GB/s where this machine copies at 31-45.
 //
-// Weights, per output row, in blocks of 32 inputs of 20 bytes: fp16 scale d, fp16 minimum m, then 16 bytes whose low
-// nibbles are codes 0-15 and high nibbles codes 16-31 (llama.cpp's Q4_1 layout): w = d * code + m.
+// Weights: blocks of 32 inputs, w = d * code + m with fp16 d and m and 4-bit codes (llama.cpp's Q4_1 values). A row
+// of G blocks is stored as G scales d, G minimums m, then G times 16 bytes whose low nibbles are a block's codes 0-15
+// and high nibbles its codes 16-31: two blocks' codes are one 32-byte load, and eight blocks' scales one 16-byte load.
 // Activations, per row and block: x ~ dx * q with q = round(x / dx) in [-127, 127], dx = max|x| / 127.
-// So a block's product is d * dx * sum(code * q) + m * dx * sum(q): one integer sum and one float term.
+// A block's product is d * dx * sum(code * q) + m * dx * sum(q): one integer sum and one float term.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -26,22 +27,28 @@ namespace {
 constexpr int64_t kBlock = 32;       // inputs a block holds
 constexpr int64_t kBlockBytes = 20;  // its bytes: 2 + 2 + 16
 
-float half_bits(const uint8_t* bytes) {
-  uint16_t bits;
-  std::memcpy(&bits, bytes, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// One row of activations, quantized: codes [blocks * 32], and per block dx and dx * sum(q).
+// One row of activations, quantized. Codes go in the order the weights' 32-byte loads give: for each pair of blocks
+// (b, b + 1), b's first 16, b + 1's first 16, b's last 16, b + 1's last 16; an odd last block in its own order.
+// Per pair, spread [dx_b x4, dx_b+1 x4] (the lanes its sums land in); per block, dx * sum(q).
 struct QuantizedRow {
   std::vector<int8_t> codes;
-  std::vector<float> scale, scaled_sum;
+  std::vector<float> pair_scales, scale, scaled_sum;
+
+  int8_t& code(int64_t block, int64_t i) {  // (input i of a block, in the order above)
+    const int64_t pair = block / 2, pairs_end = (scale.size() / 2) * 2;
+    if (block >= pairs_end) return codes[block * kBlock + i];
+    return codes[pair * 2 * kBlock + (i < 16 ? 0 : 32) + (block % 2) * 16 + i % 16];
+  }
 };
 
-void quantize_row(const float* x, int64_t blocks, QuantizedRow& row) {
+void resize(QuantizedRow& row, int64_t blocks) {
   row.codes.resize(blocks * kBlock);
   row.scale.resize(blocks);
   row.scaled_sum.resize(blocks);
+  row.pair_scales.resize(blocks / 2 * 8);
+}
+
+void quantize_row(const float* x, int64_t blocks, QuantizedRow& row) {
   for (int64_t b = 0; b < blocks; ++b) {
     const float* in = x + b * kBlock;
     float peak = 0.f;
@@ -51,72 +58,155 @@ void quantize_row(const float* x, int64_t blocks, QuantizedRow& row) {
     int32_t sum = 0;
     for (int64_t i = 0; i < kBlock; ++i) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(in[i] * inverse));  // (ties to even, as torch.round)
-      row.codes[b * kBlock + i] = static_cast<int8_t>(q);
+      row.code(b, i) = static_cast<int8_t>(q);
       sum += q;
     }
     row.scale[b] = scale;
     row.scaled_sum[b] = scale * static_cast<float>(sum);
+    if (b < blocks / 2 * 2)
+      for (int64_t lane = 0; lane < 4; ++lane) row.pair_scales[(b / 2) * 8 + (b % 2) * 4 + lane] = scale;
   }
 }
 
-float dot_scalar(const uint8_t* weights, const QuantizedRow& row, int64_t blocks) {
+float half_bits(const uint8_t* bytes) {
+  uint16_t bits;
+  std::memcpy(&bits, bytes, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+float dot_scalar(const uint8_t* weights, QuantizedRow& row, int64_t blocks) {
+  const uint8_t* minimums = weights + 2 * blocks;
+  const uint8_t* nibbles = weights + 4 * blocks;
   float total = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = weights + b * kBlockBytes;
-    const int8_t* q = row.codes.data() + b * kBlock;
     int32_t sum = 0;
     for (int64_t i = 0; i < 16; ++i) {
-      sum += static_cast<int32_t>(block[4 + i] & 0xF) * q[i];
-      sum += static_cast<int32_t>(block[4 + i] >> 4) * q[16 + i];
+      const uint8_t byte = nibbles[b * 16 + i];
+      sum += static_cast<int32_t>(byte & 0xF) * row.code(b, i) + static_cast<int32_t>(byte >> 4) * row.code(b, 16 + i);
     }
-    total += half_bits(block) * row.scale[b] * static_cast<float>(sum) + half_bits(block + 2) * row.scaled_sum[b];
+    total += half_bits(weights + 2 * b) * row.scale[b] * static_cast<float>(sum) +
+             half_bits(minimums + 2 * b) * row.scaled_sum[b];
   }
   return total;
 }
 
 #ifdef SPARSEGEN_X86
-// One block's integer sum, as 8 int32 lanes turned to float: unsigned codes (0-15) times signed q, whose pair sums
-// (at most 2 * 15 * 127) never saturate 16 bits.
-__attribute__((target("avx2,fma,f16c"))) inline __m256 block_sums(const uint8_t* block, const int8_t* q) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-  const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
-}
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-__attribute__((target("avx2,fma,f16c"))) inline float half_at(const uint8_t* bytes) {
-  uint16_t bits;
-  std::memcpy(&bits, bytes, 2);
-  return _cvtsh_ss(bits);
-}
-
-// Two blocks a turn into two accumulators each: a single chain of fused multiply-adds waits on its own latency.
-__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const uint8_t* weights, const QuantizedRow& row,
-                                                        int64_t blocks) {
-  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  float minimums_even = 0.f, minimums_odd = 0.f;
-  int64_t b = 0;
-  for (; b + 1 < blocks; b += 2) {
-    const uint8_t* first = weights + b * kBlockBytes;
-    const uint8_t* second = first + kBlockBytes;
-    even = _mm256_fmadd_ps(_mm256_set1_ps(half_at(first) * row.scale[b]),
-                           block_sums(first, row.codes.data() + b * kBlock), even);
-    odd = _mm256_fmadd_ps(_mm256_set1_ps(half_at(second) * row.scale[b + 1]),
-                          block_sums(second, row.codes.data() + (b + 1) * kBlock), odd);
-    minimums_even += half_at(first + 2) * row.scaled_sum[b];
-    minimums_odd += half_at(second + 2) * row.scaled_sum[b + 1];
-  }
-  if (b < blocks) {
-    const uint8_t* last = weights + b * kBlockBytes;
-    even = _mm256_fmadd_ps(_mm256_set1_ps(half_at(last) * row.scale[b]), block_sums(last, row.codes.data() + b * kBlock),
-                           even);
-    minimums_even += half_at(last + 2) * row.scaled_sum[b];
-  }
-  const __m256 products = _mm256_add_ps(even, odd);
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(products), _mm256_extractf128_ps(products, 1));
+AVX2 inline float lanes_sum(__m256 lanes) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
   half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half) + minimums_even + minimums_odd;
+  return _mm_cvtss_f32(half);
+}
+
+// A pair of blocks' codes, low nibbles (codes 0-15 of each) and high (16-31), and scales spread to their sums' lanes.
+struct PairCodes {
+  __m256i low, high;
+  __m256 scales;
+};
+
+AVX2 inline PairCodes pair_codes(const uint8_t* weights, const uint8_t* nibbles, int64_t pair) {
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + pair * 32));
+  int32_t two_scales;
+  std::memcpy(&two_scales, weights + pair * 4, 4);
+  const __m256 scales = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two_scales)));
+  return {_mm256_and_si256(packed, nibble), _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
+          _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))};
+}
+
+// sum(code * q) of the pair's two blocks, four lanes each: unsigned codes (0-15) times signed q, pair sums of at most
+// 2 * 15 * 127, two of them added: 16 bits never saturate.
+AVX2 inline __m256 pair_sums(const PairCodes& codes, const int8_t* q) {
+  const __m256i low = _mm256_maddubs_epi16(codes.low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const __m256i high = _mm256_maddubs_epi16(codes.high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(low, high), _mm256_set1_epi16(1)));
+}
+
+// sum(m * dx * sum(q)) over a row's blocks, eight at a time, and its odd last block's whole product.
+AVX2 inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& row, int64_t blocks) {
+  const uint8_t* minimums = weights + 2 * blocks;
+  __m256 sums = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimums + 2 * b)));
+    sums = _mm256_fmadd_ps(m, _mm256_loadu_ps(row.scaled_sum.data() + b), sums);
+  }
+  float total = lanes_sum(sums);
+  for (; b < blocks; ++b) total += _cvtsh_ss(minimums[2 * b] | (minimums[2 * b + 1] << 8)) * row.scaled_sum[b];
+  if (blocks % 2) {  // (the odd last block: codes 0-15 low, 16-31 high, q in its own order)
+    const int64_t last = blocks - 1;
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
+    const __m256i codes =
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes.data() + last * kBlock));
+    const __m256 sums_last =
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1)));
+    total += _cvtsh_ss(weights[2 * last] | (weights[2 * last + 1] << 8)) * row.scale[last] * lanes_sum(sums_last);
+  }
+  return total;
+}
+
+// ROWS input rows against one weight row: each pair's codes unpacked once for every row (a batch of decode steps or
+// a prefill chunk is bound by these instructions, not by bytes), one accumulator per row; one row alternates two,
+// as a single chain of fused multiply-adds would wait on its own latency.
+template <int ROWS>
+AVX2 void dot_avx2(const uint8_t* weights, const QuantizedRow* rows, int64_t blocks, float* out, int64_t stride) {
+  constexpr int kChains = ROWS == 1 ? 2 : ROWS;
+  const uint8_t* nibbles = weights + 4 * blocks;
+  __m256 sums[kChains];
+  for (int c = 0; c < kChains; ++c) sums[c] = _mm256_setzero_ps();
+  for (int64_t pair = 0; pair < blocks / 2; ++pair) {
+    const PairCodes codes = pair_codes(weights, nibbles, pair);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 scales = _mm256_mul_ps(codes.scales, _mm256_loadu_ps(rows[r].pair_scales.data() + pair * 8));
+      const int c = ROWS == 1 ? pair % 2 : r;
+      sums[c] = _mm256_fmadd_ps(scales, pair_sums(codes, rows[r].codes.data() + pair * 2 * kBlock), sums[c]);
+    }
+  }
+  if (ROWS == 1) sums[0] = _mm256_add_ps(sums[0], sums[kChains - 1]);
+  for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]) + minimums_and_last(weights, rows[r], blocks);
+}
+
+// quantize_row's work with AVX2 (the same values: round half to even, the same float operations), a block at a time.
+AVX2 void quantize_row_avx2(const float* x, int64_t blocks, QuantizedRow& row) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 v[4];
+    __m256 peak = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(x + b * kBlock + 8 * k);
+      peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_movehdup_ps(half));
+    const float scale = _mm_cvtss_f32(half) / 127.f;
+    const __m256 inverse = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    __m256i q[4];
+    __m256i sum = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      sum = _mm256_add_epi32(sum, q[k]);
+    }
+    // (int32 -> int8 packs interleave 128-bit lanes: the permutation puts the 32 codes back in order)
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const int64_t pairs_end = blocks / 2 * 2;
+    int8_t* first = b < pairs_end ? row.codes.data() + (b / 2) * 2 * kBlock + (b % 2) * 16 : row.codes.data() + b * kBlock;
+    int8_t* second = b < pairs_end ? first + 32 : first + 16;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(packed, 1));
+    __m128i total = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4E));
+    total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xB1));
+    row.scale[b] = scale;
+    row.scaled_sum[b] = scale * static_cast<float>(_mm_cvtsi128_si32(total));
+    if (b < pairs_end)
+      _mm_storeu_ps(row.pair_scales.data() + (b / 2) * 8 + (b % 2) * 4, _mm_set1_ps(scale));
+  }
 }
 
 bool has_avx2() {
@@ -136,26 +226,39 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ou
   const at::Tensor flat = x.reshape({-1, in_features}).contiguous();
   const at::Tensor weights = blocks.contiguous();
   const int64_t rows = flat.size(0), count = in_features / kBlock;
+#ifdef SPARSEGEN_X86
+  const bool vector = has_avx2();
+#endif
   std::vector<QuantizedRow> quantized(rows);
-  for (int64_t r = 0; r < rows; ++r) quantize_row(flat.data_ptr<float>() + r * in_features, count, quantized[r]);
+  at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {  // (a prefill chunk's rows: worth the threads)
+    for (int64_t r = first; r < last; ++r) {
+      resize(quantized[r], count);
+      const float* row = flat.data_ptr<float>() + r * in_features;
+#ifdef SPARSEGEN_X86
+      if (vector) {
+        quantize_row_avx2(row, count, quantized[r]);
+        continue;
+      }
+#endif
+      quantize_row(row, count, quantized[r]);
+    }
+  });
   at::Tensor out = at::empty({rows, out_features}, x.options());
   float* y = out.data_ptr<float>();
   const uint8_t* w = weights.data_ptr<uint8_t>();
   const int64_t row_bytes = weights.size(1);
-#ifdef SPARSEGEN_X86
-  const bool vector = has_avx2();
-#endif
   // (output channels split across threads; each weight row is read once and used for every input row)
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) {
-      for (int64_t r = 0; r < rows; ++r) {
+      int64_t r = 0;
 #ifdef SPARSEGEN_X86
-        y[r * out_features + n] = vector ? dot_avx2(w + n * row_bytes, quantized[r], count)
-                                         : dot_scalar(w + n * row_bytes, quantized[r], count);
-#else
-        y[r * out_features + n] = dot_scalar(w + n * row_bytes, quantized[r], count);
-#endif
+      if (vector) {
+        for (; r + 4 <= rows; r += 4) dot_avx2<4>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n,
+                                                  out_features);
+        for (; r < rows; ++r) dot_avx2<1>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n, 0);
       }
+#endif
+      for (; r < rows; ++r) y[r * out_features + n] = dot_scalar(w + n * row_bytes, quantized[r], count);
     }
   });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
