@@ -25,6 +25,11 @@ _STATE = {}
 ADAPTIVE = ("adakv", "ada-snapkv")  # a layer's heads share their budget
 
 
+def _layer_wise(policy: dict) -> bool:
+    """A rule that chooses once per layer, by the scores summed over its heads (TOVA, as its paper)."""
+    return policy["policy"] == "tova" and policy.get("heads", "layer") == "layer"
+
+
 def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], seen: int) -> set[int]:
     """The tokens a policy keeps out of ``candidates`` (ordinals) after ``seen`` tokens."""
     budget = policy["budget"]
@@ -120,7 +125,7 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 scores.update(_lagkv_scores(policy, candidates, key[b, h], value[b, h], seen=total))
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
-            if policy["policy"] in ADAPTIVE:  # chosen with the other heads of the layer, below
+            if policy["policy"] in ADAPTIVE or _layer_wise(policy):  # chosen with the layer's other heads, below
                 state["kept"][layer][b][h] = set(candidates)
             else:
                 if policy.get("history"):
@@ -130,6 +135,12 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
         if policy["policy"] in ADAPTIVE:
             state["kept"][layer][b] = adaptive_keep_rule(policy, state["kept"][layer][b], state["scores"][layer][b],
                                                          seen=total)
+        elif _layer_wise(policy):
+            summed = {}
+            for scores in state["scores"][layer][b]:
+                for tok, p in scores.items():
+                    summed[tok] = summed.get(tok, 0.0) + p
+            state["kept"][layer][b] = [keep_rule(policy, kept, summed, seen=total) for kept in state["kept"][layer][b]]
     return out.transpose(1, 2).contiguous(), None
 
 

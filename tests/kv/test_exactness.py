@@ -14,7 +14,8 @@ POLICY_NAMES = list(POLICIES)  # every registered policy: a new one is tested by
 
 
 def _policy(name, budget, **options):
-    name = name.removesuffix("-history")  # (a variant: options give the history window)
+    name = name.removesuffix("-history").removesuffix("-each")  # (variants: options give the history window, TOVA's
+    # choice per KV head)
     return make_policy(name, None if name == "full" else budget, **options)
 
 
@@ -84,7 +85,7 @@ SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streami
          "tova": {}, "scissorhands": {"recent": 4}, "snapkv": {},
          "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
          "adakv": {"recent": 4}, "ada-snapkv": {"window": 2},
-         "scissorhands-history": {"recent": 4, "history": 3},
+         "scissorhands-history": {"recent": 4, "history": 3}, "tova-each": {"heads": "each"},
          "pyramid-snapkv": {"window": 1}}  # (2 layers at a mean of 10: 19 and 1, which holds a window of 1)
 
 
@@ -270,7 +271,7 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
 
 @pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv",
                                   "random", "pyramid", "pyramid-snapkv", "adakv", "ada-snapkv",
-                                  "scissorhands-history"])
+                                  "scissorhands-history", "tova-each"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):
     """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed

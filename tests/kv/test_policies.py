@@ -74,6 +74,18 @@ def test_lagkv_refuses_budgets_it_cannot_work_in(budget, sinks, words):
         make_policy("lagkv", budget, sinks=sinks)
 
 
+def test_tova_chooses_once_per_layer_by_every_heads_attention_unless_asked_per_head():
+    """The paper's TOVA (and kvpress's): the latest query's attention summed over the layer's heads ranks every KV
+    head's tokens alike; ``heads="each"`` ranks each head's by its own."""
+    attention = torch.tensor([[[0.5, 0.1, 0.4], [0.0, 0.6, 0.4]]])  # [batch, kv_head, slot]
+    view = TokenView(index=torch.arange(3).expand(1, 2, 3), valid=torch.ones(1, 2, 3, dtype=torch.bool),
+                     seen=torch.tensor([3]), attention=attention)
+    torch.testing.assert_close(make_policy("tova", 2).priority(view), torch.tensor([[[0.5, 0.7, 0.8]] * 2]))
+    assert torch.equal(make_policy("tova", 2, heads="each").priority(view), attention)
+    with pytest.raises(ValueError, match="heads must be one of layer, each"):
+        make_policy("tova", 2, heads="kv")
+
+
 def test_adakv_gives_the_layer_budget_to_the_heads_that_score_highest_and_frees_the_rest():
     """Head 0's tokens all score above head 1's: head 0 takes the shared heavy slots, head 1 keeps its recent tokens
     and its guaranteed best; the layer stores heads x budget slots, no more, and the same bytes as H2O."""
