@@ -38,6 +38,7 @@ from torch import nn
 
 WEIGHTS = ("fp32", "int8", "int4", "w8a8", "w4a8", "gguf")
 # ``gguf``: each linear at the bit width its GGUF file stores it with (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0)
+# in the integer kernels (w4a8, w8a8) as llama.cpp computes
 GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # every other quantized type (Q5_*, Q6_K, Q8_0, ...) runs at 8 bits
 GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -317,9 +318,11 @@ def int4_pairs(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 
 
 def gguf_plan(path) -> dict[str, str]:
-    """``module name -> "int4" | "int8"`` for the linears of a GGUF file, by each tensor's stored type (full-precision
-    tensors are left out: they stay as loaded). The LM head takes the output tensor's type, or the token embedding's
-    when the two are tied."""
+    """``module name -> kind`` for the linears of a GGUF file, by each tensor's stored type (full-precision tensors
+    are left out: they stay as loaded): 4-bit types as ``w4a8``, the others at 8 bits as ``w8a8``, llama.cpp's own
+    arithmetic (its weights times 8-bit inputs in integer dot products); where FBGEMM is missing (not x86), PyTorch's
+    weight-only ``int4`` and ``int8``. The LM head takes the output tensor's type, or the token embedding's when the
+    two are tied."""
     from gguf import GGUFReader
 
     types = {t.name.removesuffix(".weight"): t.tensor_type.name for t in GGUFReader(str(path)).tensors}
@@ -329,7 +332,9 @@ def gguf_plan(path) -> dict[str, str]:
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
             plan[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = kind
     plan["lm_head"] = types.get("output", types.get("token_embd"))
-    return {name: "int4" if kind in GGUF_INT4 else "int8" for name, kind in plan.items()
+    integer = "fbgemm" in torch.backends.quantized.supported_engines
+    four, eight = ("w4a8", "w8a8") if integer else ("int4", "int8")
+    return {name: four if kind in GGUF_INT4 else eight for name, kind in plan.items()
             if kind is not None and kind not in ("F32", "F16", "BF16")}
 
 
