@@ -108,8 +108,10 @@ def w4a8_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> 
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     q = torch.round(rows * inverse[..., None])  # [rows, groups, 32]
     d, low, codes = q4_unpacked(blocks)  # [out, groups], [out, groups], [out, groups, 32]
-    sums = torch.einsum("rgi,ogi->rog", q.double(), codes.double())  # (exact: integers below 2^53)
-    y = (sums * (d[None] * scale[:, None]).double()).sum(-1) + (scale * q.sum(-1)).double() @ low.double().T
+    y = (scale * q.sum(-1)).double() @ low.double().T
+    for group in range(q.shape[1]):  # (a group at a time: a prefill chunk's [rows, out, groups] would not fit)
+        sums = q[:, group].double() @ codes[:, group].double().T  # (exact: integers below 2^53)
+        y += sums * (scale[:, group, None] * d[None, :, group]).double()
     return y.float().view(*x.shape[:-1], out_features)
 
 
@@ -239,7 +241,11 @@ class W4A8Linear(nn.Module):
             raise ValueError(f"--weights w4a8 needs input widths divisible by {INT4_GROUP}; a linear is {in_features} "
                              f"-> {out_features}: use --weights w8a8")
         _, scale, low = int4_grid(linear.weight, INT4_GROUP)
-        scale, low = scale.half(), low.half()  # (stored at 16 bits: the codes are rounded on that grid)
+        # (stored at 16 bits, the codes rounded on that grid; a constant group's scale is fp16's smallest, not 0)
+        scale, low = scale.clamp(min=torch.finfo(torch.float16).tiny).half(), low.half()
+        if not (scale.isfinite().all() and low.isfinite().all()):
+            raise ValueError("--weights w4a8 stores each group's scale and minimum in fp16, and a linear's weights "
+                             "reach beyond its range (65504): use --weights w8a8")
         grouped = linear.weight.detach().float().view(out_features, -1, INT4_GROUP)
         codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
         nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).view(out_features, -1)

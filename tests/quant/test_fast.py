@@ -171,8 +171,16 @@ def test_w4a8_kernel_is_its_reference_and_a_q4_1_weight_lands_on_its_own_grid():
     fresh = torch.nn.Linear(608, 192)
     error = (W4A8Linear(fresh).dequantized() - fresh.weight).abs().max() / fresh.weight.abs().max()
     assert error < 0.1  # round to nearest: half a step of the grid
+    constant = torch.nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        constant.weight[:, :32] = 0.25  # (a group of equal weights: its scale is no 0 to divide by)
+    assert torch.equal(W4A8Linear(constant).dequantized()[:, :32], constant.weight[:, :32])
     with pytest.raises(ValueError, match="divisible by 32; a linear is 48 -> 16: use --weights w8a8"):
         W4A8Linear(torch.nn.Linear(48, 16))
+    with torch.no_grad():
+        constant.weight[0, 0] = 1e6
+    with pytest.raises(ValueError, match="beyond its range .65504.: use --weights w8a8"):
+        W4A8Linear(constant)
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8"])
