@@ -229,10 +229,10 @@ class W8A8Linear(nn.Module):
 
 
 class W4A8Linear(nn.Module):
-    """``y = x W^T + b`` with ``W = d * code + m`` in blocks of 32 inputs (4-bit codes, fp16 ``d`` and ``m``: llama.cpp's
-    Q4_1 blocks, so a Q4_1 GGUF's weights land back on their own grid), times the input quantized to 8 bits a block of
-    32 (llama.cpp's Q8_1), in integer dot products (``w4a8_linear.cpp``): 5 bits a weight read, against w8a8's 8, and no
-    bfloat16 conversion, which PyTorch's int4 kernel pays on a CPU without native bfloat16."""
+    """``y = x W^T + b`` with ``W = d * code + m`` in blocks of 32 inputs (4-bit codes, fp16 ``d`` and ``m``:
+    llama.cpp's Q4_1 blocks, so a Q4_1 GGUF's weights land back on their own grid), times the input quantized to 8
+    bits a block of 32 (llama.cpp's Q8_1), in integer dot products (``w4a8_linear.cpp``): 5 bits a weight read,
+    against w8a8's 8, and no bfloat16 conversion, which PyTorch's int4 kernel pays on a CPU without native bfloat16."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -1,6 +1,6 @@
-"""Runtime low-bit weights (``--weights int8|int4|w8a8|w4a8``): each kernel computes what its stored weight says (and,
-w8a8 and w4a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a decode step reads drop
-to a quarter / an eighth."""
+"""Runtime low-bit weights (``--weights int8|int4|w8a8|w4a8``): each kernel computes what its stored weight says
+(and, w8a8 and w4a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a decode
+step reads drop to a quarter / an eighth."""
 
 import sys
 
