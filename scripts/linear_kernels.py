@@ -1,6 +1,7 @@
 """The linears of one SmolLM2 token (30 blocks' fused q/k/v, o, fused gate/up and down, each block its own weights, so
-they come from memory, not cache) under ``--weights w8a8`` and ``--weights w4a8``, called as modules, interleaved in
-one process: ms for a call of each with ROWS tokens (a decode step is 1, a batch of 8 steps 8, a prefill chunk more).
+they come from memory, not cache) under ``--weights w8a8`` and ``--weights w4a8``, interleaved in one process: ms for
+all of them at ROWS tokens a call (a decode step is 1, a batch of 8 steps 8, a prefill chunk more). "op": the kernels
+alone, as the compiled step calls them; "module": the eager modules (w8a8's input rotation and scaling included).
 
     python scripts/linear_kernels.py [ROWS ...]   (default 1 4 8 16 64 512)
 """
@@ -25,15 +26,29 @@ megabytes = {kind: sum(t.numel() * t.element_size() for k in linears
                        for t in (k.stored_tensors() if hasattr(k, "stored_tensors") else [k.blocks])) / 1e6
              for kind, linears in kernels.items()}
 print(f"weights read a call: w8a8 {megabytes['w8a8']:.1f} MB, w4a8 {megabytes['w4a8']:.1f} MB")
+
+
+def op_call(linear):
+    """The kernel call alone, as the compiled step makes it."""
+    if isinstance(linear, fast.W8A8Linear):
+        return lambda x: torch.ops.sparsegen.w8a8_linear(x, linear.handle, linear.out_features)
+    return lambda x: torch.ops.sparsegen.w4a8_linear(x, linear.blocks, linear.out_features)
+
+
+calls = {"module": {kind: [(k, k) for k in linears] for kind, linears in kernels.items()},
+         "op": {kind: [(k, op_call(k)) for k in linears] for kind, linears in kernels.items()}}
 with torch.inference_mode():
     for rows in rows_asked:
         inputs = {width: torch.randn(rows, width) for width in (576, 1536)}
-        times = {kind: [] for kind in kernels}
-        for _ in range(5 if rows >= 64 else 20):
-            for kind, linears in kernels.items():
-                start = time.perf_counter()
-                for linear in linears:
-                    linear(inputs[linear.in_features])
-                times[kind].append(time.perf_counter() - start)
-        w8, w4 = (statistics.median(times[kind][1:]) * 1e3 for kind in ("w8a8", "w4a8"))
-        print(f"{rows:4d} rows: w8a8 {w8:8.2f} ms, w4a8 {w4:8.2f} ms ({w8 / w4:.2f}x)")
+        line = []
+        for how, by_kind in calls.items():
+            times = {kind: [] for kind in by_kind}
+            for _ in range(5 if rows >= 64 else 20):
+                for kind, pairs in by_kind.items():
+                    start = time.perf_counter()
+                    for linear, call in pairs:
+                        call(inputs[linear.in_features])
+                    times[kind].append(time.perf_counter() - start)
+            w8, w4 = (statistics.median(times[kind][1:]) * 1e3 for kind in ("w8a8", "w4a8"))
+            line.append(f"{how}: w8a8 {w8:8.2f} ms, w4a8 {w4:8.2f} ms ({w8 / w4:.2f}x)")
+        print(f"{rows:4d} rows   " + "   ".join(line))
