@@ -183,6 +183,27 @@ def test_w4a8_kernel_is_its_reference_and_a_q4_1_weight_lands_on_its_own_grid():
         W4A8Linear(constant)
 
 
+def test_w4a8_scalar_path_is_the_reference_too():
+    """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_W4A8_SCALAR``), in a process of its own."""
+    import os
+    import subprocess
+
+    script = """
+import torch
+from sparsegen.quant import fast
+torch.manual_seed(0)
+kernel = fast.W4A8Linear(torch.nn.Linear(608, 64))
+for rows in (1, 6):
+    x = torch.randn(rows, 608)
+    reference = fast.w4a8_reference(x, kernel.blocks, 64)
+    error = (torch.ops.sparsegen.w4a8_linear(x, kernel.blocks, 64) - reference).abs().max() / reference.abs().max()
+    print(fast._native_kernels(), float(error) < 1e-5)
+"""
+    env = {**os.environ, "SPARSEGEN_W4A8_SCALAR": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["c++", "True"] * 2, out
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8"])
 def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights):
     model = _model()
