@@ -48,8 +48,8 @@ def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "(FBGEMM's integer kernels: the fastest on an x86 CPU without native bfloat16, e.g. AVX2; "
                         "SmolLM2 +1.0%% perplexity, Gemma-3-270M +1.3%%; docs/benchmarks.md); w4a8: llama.cpp's Q4_1 "
                         "blocks of 32 weights times inputs quantized to 8 bits a block, in sparsegen's AVX2 kernel "
-                        "(5 bits a weight read; the LM head at w8a8); gguf: each linear at the bit width its GGUF file has (4-bit types at 4, "
-                        "the others at 8)"
+                        "(5 bits a weight read; the LM head at w8a8); gguf: each linear at the bit width its GGUF file "
+                        "has, in those integer kernels (4-bit types as w4a8, the others as w8a8)"
                         + ("; several, comma-separated, are measured in turn and compared" if several else "")
                         + " (default fp32: as loaded)")
 
