@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sparsegen.models.families import family
+from sparsegen.kv import native_attention
 from sparsegen.kv.policy import TokenView
 from sparsegen.kv.quantized import HeldCodes
 from sparsegen.models.compat import attention_implementation, model_eager_attention, passed_cache
@@ -244,6 +245,15 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
     both frames scored in one pass over the keys; ``incoming``: the new token's K/V, beside ``key``/``value``."""
     step = cache.step
     batch, q_heads, q, _ = query.shape
+    if cache.native_decode and native_attention.usable(query, key, value):
+        out, probs = native_attention.decode_attention(query, key, value, incoming, mask, sink_query, sink_slot,
+                                                       scaling, probs=layer.attention is not None)
+        if probs is not None:
+            total = probs.shape[-1]
+            observe(layer.policy, layer.attention[:, :, :total], probs,
+                    total if mask is None else mask.sum(-1)[:, :, None, :, None],
+                    None if not cache.padded else step.new_valid[:, None, None, :, None], step.new_index)
+        return out
     if q > QUERY_BLOCK and incoming is None and sink_query is None and _blockable(layer, key, value):
         return _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling)
     held = key.shape[2]

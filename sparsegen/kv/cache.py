@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from sparsegen.kv import native_attention
 from sparsegen.kv.attention import prepare
 from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.window import Window
@@ -604,6 +605,8 @@ class EvictionCache(Cache):
         self.row_capacity = 1  # rows a stacked cache keeps storage for
         self.exact_rows = False  # a stacked cache holds storage for its rows only (reallocated as they come and go)
         self._workspace: torch.Tensor | None = None
+        # decode steps attend through ``sparsegen::decode_attention`` (built here, outside any compiled step)
+        self.native_decode = next(model.parameters()).device.type == "cpu" and native_attention.ready()
 
     def _layers(self, model: torch.nn.Module) -> list[EvictionLayer]:
         """One layer each; sliding-window layers of a model that mixes them with global ones keep their window

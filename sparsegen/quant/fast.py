@@ -26,15 +26,14 @@ import ctypes.util
 import functools
 import itertools
 import mmap
-import os
-import shutil
 import sys
 import warnings
 import weakref
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from sparsegen import native
 
 WEIGHTS = ("fp32", "int8", "int4", "w8a8", "w4a8", "gguf")
 # ``gguf``: each linear at the bit width its GGUF file stores it with (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0)
@@ -76,7 +75,7 @@ class Int8Linear(nn.Module):
 _PACKED: dict[int, torch.ScriptObject] = {}  # W8A8Linear's packed weights, by handle (see _w8a8_linear)
 _HANDLES = itertools.count()  # (never reused, as an object's id can be once it is freed)
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # (the overload resolved once: a call costs less)
-_LIBRARY = torch.library.Library("sparsegen", "DEF")
+_LIBRARY = native.LIBRARY
 _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
 _LIBRARY.define("w4a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
 Q4_BLOCK_BYTES = 20  # a W4A8Linear block of 32 weights: an fp16 scale, an fp16 minimum, 16 bytes of 4-bit codes
@@ -128,31 +127,19 @@ def q4_unpacked(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 @functools.cache
 def _native_kernels() -> str:
     """Give ``sparsegen::w8a8_linear`` and ``sparsegen::w4a8_linear`` their CPU kernels, once: ``"c++"`` when
-    ``w8a8_linear.cpp`` and ``w4a8_linear.cpp`` build (~20 s the first time, then cached by PyTorch in
-    ``~/.cache/torch_extensions``), else ``"python"`` with a warning. Each call of a Python kernel goes through the
-    interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes ~30 us at one token (121 calls a SmolLM2
-    token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python w4a8 kernel is slower still."""
-    from torch.utils import cpp_extension
-
-    sources = [str(Path(__file__).with_name(name)) for name in ("w8a8_linear.cpp", "w4a8_linear.cpp")]
-    try:
-        if shutil.which("ninja") is None:  # (pip's ninja, when the venv's bin/ is not on PATH)
-            import ninja
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        # (named by the torch it is built against: PyTorch's cache tells builds apart by source and flags only)
-        name = "sparsegen_linear_kernels_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-        cpp_extension.load(name, sources, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                            is_python_module=False)  # (OpenMP: ATen's parallel_for is inlined from its headers)
+    sparsegen's kernels build (``native.build``), else ``"python"`` with a warning. Each call of a Python kernel goes
+    through the interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes ~30 us at one token (121
+    calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python w4a8 kernel is
+    slower still."""
+    failure = native.build()
+    if failure is None:
         return "c++"
-    except Exception as error:  # (no compiler, no ninja, headers of another build: the ops still run, slower)
-        lines = str(error).strip().splitlines() or [""]  # (a failed build's message: the commands, then the error)
-        reason = next((line for line in lines if "error:" in line), lines[-1]).strip()
-        warnings.warn(f"--weights w8a8|w4a8: sparsegen's C++ kernels could not be built ({type(error).__name__}: "
-                      f"{reason}); each linear runs a Python kernel instead, ~20 us more a call (w4a8: far slower). "
-                      "Install a C++ compiler (g++) and ninja to build them.", stacklevel=3)
-        _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
-        _LIBRARY.impl("w4a8_linear", w4a8_reference, "CPU")
-        return "python"
+    warnings.warn(f"--weights w8a8|w4a8: sparsegen's C++ kernels could not be built ({failure}); each linear runs a "
+                  "Python kernel instead, ~20 us more a call (w4a8: far slower). Install a C++ compiler (g++) and "
+                  "ninja to build them.", stacklevel=3)
+    _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
+    _LIBRARY.impl("w4a8_linear", w4a8_reference, "CPU")
+    return "python"
 
 
 class W8A8Linear(nn.Module):

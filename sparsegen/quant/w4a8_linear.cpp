@@ -210,9 +210,9 @@ AVX2 void quantize_row_avx2(const float* x, int64_t blocks, QuantizedRow& row) {
   }
 }
 
-bool has_avx2() {  // (SPARSEGEN_W4A8_SCALAR set: the scalar path, as a CPU without AVX2 runs it; the tests use it)
+bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the scalar path, as a CPU without AVX2 runs it; tests use it)
   static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c") && std::getenv("SPARSEGEN_W4A8_SCALAR") == nullptr;
+                                __builtin_cpu_supports("f16c") && std::getenv("SPARSEGEN_SCALAR_KERNELS") == nullptr;
   return supported;
 }
 #endif

@@ -184,7 +184,7 @@ def test_w4a8_kernel_is_its_reference_and_a_q4_1_weight_lands_on_its_own_grid():
 
 
 def test_w4a8_scalar_path_is_the_reference_too():
-    """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_W4A8_SCALAR``), in a process of its own."""
+    """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_SCALAR_KERNELS``), in a process of its own."""
     import os
     import subprocess
 
@@ -199,7 +199,7 @@ for rows in (1, 6):
     error = (torch.ops.sparsegen.w4a8_linear(x, kernel.blocks, 64) - reference).abs().max() / reference.abs().max()
     print(fast._native_kernels(), float(error) < 1e-5)
 """
-    env = {**os.environ, "SPARSEGEN_W4A8_SCALAR": "1"}
+    env = {**os.environ, "SPARSEGEN_SCALAR_KERNELS": "1"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout
     assert out.split() == ["c++", "True"] * 2, out
 

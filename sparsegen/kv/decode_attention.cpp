@@ -1,0 +1,436 @@
+// sparsegen::decode_attention: one decode step's attention on a CPU, in one pass over a layer's keys and values.
+//
+// Each sequence brings one query per query head; the G query heads that share a KV head score its held slots (and the
+// step's own token, which waits beside them until eviction places it) together, so each key and value is read once a
+// step. The slots are cut into chunks, scored, exponentiated against the chunk's own maximum and summed into the
+// chunk's output, all while the chunk is in cache; chunks run in parallel and are merged by their maxima
+// (flash-decoding). Grouped matmuls, a masked softmax and a second matmul read the cache twice and wrote the scores
+// three times: at 2K tokens they were ~60% of a SmolLM2 step on a 2-core AVX2 CPU.
+//
+// Slots a sequence cannot see (free, evicted, outside a sliding window) are masked; under StreamingLLM's rolling
+// positions with keys held at their token ordinal, the sinks are scored against the query turned to its rank instead
+// (``sink_query``). The probabilities are returned where a policy observes attention (H2O); an all-masked row gives
+// NaN, as PyTorch's softmax does.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SPARSEGEN_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 256;  // slots a task scores: its keys, values and scores stay in L2
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// A [B, H, T, D] operand: the held slots, then the step's own token (``extra``) in slot ``slots``, if any.
+struct Rows {
+  const float* held;
+  int64_t batch_stride, head_stride, slot_stride, slots;
+  const float* extra;
+  int64_t extra_batch_stride, extra_head_stride;
+
+  const float* row(int64_t b, int64_t h, int64_t t) const {
+    return t < slots ? held + b * batch_stride + h * head_stride + t * slot_stride
+                     : extra + b * extra_batch_stride + h * extra_head_stride;
+  }
+};
+
+// A [B, 1 or H, T] mask, by strides (0 where broadcast); ``fallback`` where none is given.
+struct Flags {
+  const bool* data;
+  int64_t batch_stride, head_stride, slot_stride;
+  bool fallback;
+
+  bool at(int64_t b, int64_t h, int64_t t) const {
+    return data == nullptr ? fallback : data[b * batch_stride + h * head_stride + t * slot_stride];
+  }
+};
+
+Rows rows_of(const at::Tensor& held, const c10::optional<at::Tensor>& extra) {
+  Rows rows{held.data_ptr<float>(), held.stride(0), held.stride(1), held.stride(2), held.size(2), nullptr, 0, 0};
+  if (extra.has_value()) {
+    rows.extra = extra->data_ptr<float>();
+    rows.extra_batch_stride = extra->stride(0);
+    rows.extra_head_stride = extra->stride(1);
+  }
+  return rows;
+}
+
+Flags flags_of(const c10::optional<at::Tensor>& mask, bool fallback) {
+  if (!mask.has_value()) return {nullptr, 0, 0, 0, fallback};
+  const at::Tensor& m = *mask;
+  return {m.data_ptr<bool>(), m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), m.stride(2), fallback};
+}
+
+struct Problem {
+  const float* query;       // [B, H, G, D] contiguous
+  const float* sink_query;  // the same, in the sinks' frame, or null
+  Rows keys, values;
+  Flags visible, sink;
+  int64_t batch, heads, group, dim, value_dim, total, chunks;
+  float scaling;
+  float* scores;  // [B, H, G, T]: scores, then exp(score - the chunk's maximum), then (if asked) probabilities
+  std::vector<float> maxima, sums, outputs;  // per task (b, h, chunk): [G], [G], [G, Dv]
+
+  const float* query_of(int64_t b, int64_t h, int64_t t) const {
+    const float* q = sink_query != nullptr && sink.at(b, h, t) ? sink_query : query;
+    return q + (b * heads + h) * group * dim;
+  }
+  float* scores_of(int64_t b, int64_t h, int64_t g) const { return scores + ((b * heads + h) * group + g) * total; }
+};
+
+// ---- the portable path (any head width; a CPU without AVX2) ----
+
+void chunk_scalar(Problem& p, int64_t task) {
+  const int64_t c = task % p.chunks, bh = task / p.chunks, b = bh / p.heads, h = bh % p.heads;
+  const int64_t first = c * kChunk, last = std::min(first + kChunk, p.total);
+  float* maxima = p.maxima.data() + task * p.group;
+  float* sums = p.sums.data() + task * p.group;
+  float* out = p.outputs.data() + task * p.group * p.value_dim;
+  for (int64_t g = 0; g < p.group; ++g) {
+    float* s = p.scores_of(b, h, g);
+    float peak = kMinusInf;
+    for (int64_t t = first; t < last; ++t) {
+      if (!p.visible.at(b, h, t)) {
+        s[t] = kMinusInf;
+        continue;
+      }
+      const float* q = p.query_of(b, h, t) + g * p.dim;
+      const float* k = p.keys.row(b, h, t);
+      float dot = 0.f;
+      for (int64_t d = 0; d < p.dim; ++d) dot += q[d] * k[d];
+      s[t] = dot * p.scaling;
+      peak = std::fmax(peak, s[t]);
+    }
+    float sum = 0.f;
+    float* o = out + g * p.value_dim;
+    for (int64_t d = 0; d < p.value_dim; ++d) o[d] = 0.f;
+    for (int64_t t = first; t < last; ++t) {
+      s[t] = s[t] == kMinusInf ? 0.f : std::exp(s[t] - peak);
+      sum += s[t];
+      const float* v = p.values.row(b, h, t);
+      for (int64_t d = 0; d < p.value_dim; ++d) o[d] += s[t] * v[d];
+    }
+    maxima[g] = peak;
+    sums[g] = sum;
+  }
+}
+
+#ifdef SPARSEGEN_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 inline float lanes_sum(__m256 lanes) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
+
+AVX2 inline float lanes_max(__m256 lanes) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
+
+// exp(x) for x <= 0 (a score less its maximum): Cephes' expf, 2^n times a degree-6 polynomial of the remainder,
+// within ~2 ulp; 0 below -87.3 (where fp32 leaves normal numbers) and for -inf (a masked slot).
+AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(power)));
+}
+
+AVX2 inline void prefetch_row(const float* row, int64_t width) {
+  for (int64_t d = 0; d < width; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+
+// Eight keys' dot products with one query (D a multiple of 8): eight chains of fused multiply-adds in flight, as
+// their latency needs (four left the FMA units half idle).
+AVX2 inline __m256 dots8(const float* q, const float* const* k, int64_t dim) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), a[i]);
+  }
+  // (per half: lane sums of keys 0-3 and 4-7; the halves added)
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
+}
+
+// Four keys' dot products with one query (D a multiple of 8), one chain each.
+AVX2 inline __m128 dots4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
+                         int64_t dim) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+    a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
+    a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
+    a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+  }
+  // (two horizontal adds leave [a0, a1, a2, a3]'s lane sums, split over the two 128-bit halves)
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// out[g] += sum_t e[g][t] v[t] over ``kRowBlock`` rows from ``first`` for GROUP query heads from ``g0``, VECS * 8
+// value dimensions at a time in registers: each value row is read once for the whole group, and the rows stay in L1
+// while every VECS * 8 dimensions pass over them. GROUP * VECS accumulators (8-12) keep the FMA units busy.
+constexpr int64_t kRowBlock = 8;
+
+template <int GROUP, int VECS>
+AVX2 void weigh_values(const Problem& p, int64_t b, int64_t h, int64_t first, int64_t last, int64_t g0, float* out) {
+  const float* e[GROUP];
+  for (int g = 0; g < GROUP; ++g) e[g] = p.scores_of(b, h, g0 + g);
+  const float* v[kRowBlock];
+  for (int64_t t = first; t < last; ++t) {
+    v[t - first] = p.values.row(b, h, t);
+    if (t + 2 * kRowBlock < p.total) prefetch_row(p.values.row(b, h, t + 2 * kRowBlock), p.value_dim);
+  }
+  for (int64_t d = 0; d < p.value_dim; d += 8 * VECS) {
+    __m256 acc[GROUP][VECS];
+    for (int g = 0; g < GROUP; ++g)
+      for (int j = 0; j < VECS; ++j) acc[g][j] = _mm256_loadu_ps(out + (g0 + g) * p.value_dim + d + 8 * j);
+    for (int64_t t = first; t < last; ++t) {
+      __m256 weight[GROUP];
+      for (int g = 0; g < GROUP; ++g) weight[g] = _mm256_broadcast_ss(e[g] + t);
+      for (int j = 0; j < VECS; ++j) {
+        const __m256 row = _mm256_loadu_ps(v[t - first] + d + 8 * j);
+        for (int g = 0; g < GROUP; ++g) acc[g][j] = _mm256_fmadd_ps(weight[g], row, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < GROUP; ++g)
+      for (int j = 0; j < VECS; ++j) _mm256_storeu_ps(out + (g0 + g) * p.value_dim + d + 8 * j, acc[g][j]);
+  }
+}
+
+// The chunk's scores, eight keys at a time for every query head while the eight are in L1 (each key read once).
+AVX2 void score_chunk(const Problem& p, int64_t b, int64_t h, int64_t first, int64_t last) {
+  int64_t t = first;
+  for (; t + 8 <= last; t += 8) {
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = p.keys.row(b, h, t + i);
+    if (t + 24 < last)  // (the keys 16 ahead: memory streams while these are scored)
+      for (int i = 0; i < 8; ++i) prefetch_row(p.keys.row(b, h, t + 16 + i), p.dim);
+    const float* q = p.query_of(b, h, t);
+    bool one_frame = true;
+    for (int i = 1; i < 8 && p.sink_query != nullptr; ++i) one_frame = one_frame && q == p.query_of(b, h, t + i);
+    for (int64_t g = 0; g < p.group; ++g) {
+      float* s = p.scores_of(b, h, g) + t;
+      if (one_frame) {
+        _mm256_storeu_ps(s, _mm256_mul_ps(dots8(q + g * p.dim, k, p.dim), _mm256_set1_ps(p.scaling)));
+        continue;
+      }
+      for (int i = 0; i < 8; ++i)
+        s[i] = _mm_cvtss_f32(dots4(p.query_of(b, h, t + i) + g * p.dim, k[i], k[i], k[i], k[i], p.dim)) * p.scaling;
+    }
+  }
+  for (; t < last; ++t) {
+    const float* k = p.keys.row(b, h, t);
+    for (int64_t g = 0; g < p.group; ++g)
+      p.scores_of(b, h, g)[t] = _mm_cvtss_f32(dots4(p.query_of(b, h, t) + g * p.dim, k, k, k, k, p.dim)) * p.scaling;
+  }
+}
+
+AVX2 void chunk_avx2(Problem& p, int64_t task) {
+  const int64_t c = task % p.chunks, bh = task / p.chunks, b = bh / p.heads, h = bh % p.heads;
+  const int64_t first = c * kChunk, last = std::min(first + kChunk, p.total);
+  float* maxima = p.maxima.data() + task * p.group;
+  float* sums = p.sums.data() + task * p.group;
+  score_chunk(p, b, h, first, last);
+  for (int64_t g = 0; g < p.group; ++g) {
+    float* s = p.scores_of(b, h, g);
+    int64_t t;
+    if (p.visible.data != nullptr)
+      for (t = first; t < last; ++t)
+        if (!p.visible.at(b, h, t)) s[t] = kMinusInf;
+    __m256 peaks = _mm256_set1_ps(kMinusInf);
+    for (t = first; t + 8 <= last; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(s + t));
+    float peak = lanes_max(peaks);
+    for (; t < last; ++t) peak = std::fmax(peak, s[t]);
+    // (a chunk with no visible slot: every weight 0, its maximum -inf, which the merge scales to nothing)
+    const __m256 shift = _mm256_set1_ps(peak == kMinusInf ? 0.f : peak);
+    __m256 total = _mm256_setzero_ps();
+    for (t = first; t + 8 <= last; t += 8) {
+      const __m256 weight = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+      _mm256_storeu_ps(s + t, weight);
+      total = _mm256_add_ps(total, weight);
+    }
+    float sum = lanes_sum(total);
+    for (; t < last; ++t) {
+      s[t] = s[t] == kMinusInf ? 0.f : std::exp(s[t] - peak);
+      sum += s[t];
+    }
+    maxima[g] = peak;
+    sums[g] = sum;
+  }
+  float* out = p.outputs.data() + task * p.group * p.value_dim;
+  std::fill(out, out + p.group * p.value_dim, 0.f);
+  for (int64_t t = first; t < last; t += kRowBlock) {
+    const int64_t end = std::min(t + kRowBlock, last);
+    int64_t g = 0;
+    for (; g + 4 <= p.group; g += 4) weigh_values<4, 2>(p, b, h, t, end, g, out);
+    switch (p.group - g) {
+      case 3: weigh_values<3, 4>(p, b, h, t, end, g, out); break;
+      case 2: weigh_values<2, 4>(p, b, h, t, end, g, out); break;
+      case 1: weigh_values<1, 8>(p, b, h, t, end, g, out); break;
+      default: break;
+    }
+  }
+}
+
+bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the portable path, as a CPU without AVX2 runs it; tests use it)
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                std::getenv("SPARSEGEN_SCALAR_KERNELS") == nullptr;
+  return supported;
+}
+#endif
+
+void check_rows(const at::Tensor& x, const char* name, int64_t batch, int64_t heads, int64_t width) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.size(0) == batch && x.size(1) == heads &&
+                  x.size(3) == width && x.stride(3) == 1,
+              "sparsegen::decode_attention: ", name, " must be float32 [", batch, ", ", heads, ", slots, ", width,
+              "] with unit stride in its last dimension, got ", x.scalar_type(), " ", x.sizes(), " strides ",
+              x.strides());
+}
+
+void check_mask(const c10::optional<at::Tensor>& mask, const char* name, int64_t batch, int64_t heads, int64_t total) {
+  if (!mask.has_value()) return;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.size(0) == batch &&
+                  (m.size(1) == 1 || m.size(1) == heads) && m.size(2) == total,
+              "sparsegen::decode_attention: ", name, " must be bool [", batch, ", 1 or ", heads, ", ", total,
+              "], got ", m.scalar_type(), " ", m.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const c10::optional<at::Tensor>& sink_query,
+                                                    const at::Tensor& key, const at::Tensor& value,
+                                                    const c10::optional<at::Tensor>& new_key,
+                                                    const c10::optional<at::Tensor>& new_value,
+                                                    const c10::optional<at::Tensor>& visible,
+                                                    const c10::optional<at::Tensor>& sink, double scaling,
+                                                    bool probs) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 4,
+              "sparsegen::decode_attention: query must be float32 [batch, kv_heads, group, dim], got ",
+              query.scalar_type(), " ", query.sizes());
+  const int64_t batch = query.size(0), heads = query.size(1), group = query.size(2), dim = query.size(3);
+  const int64_t value_dim = value.size(-1);
+  check_rows(key, "key", batch, heads, dim);
+  check_rows(value, "value", batch, heads, value_dim);
+  TORCH_CHECK(key.size(2) == value.size(2), "sparsegen::decode_attention: ", key.size(2), " keys but ",
+              value.size(2), " values");
+  TORCH_CHECK(new_key.has_value() == new_value.has_value(),
+              "sparsegen::decode_attention: new_key and new_value come together");
+  if (new_key.has_value()) {
+    check_rows(*new_key, "new_key", batch, heads, dim);
+    check_rows(*new_value, "new_value", batch, heads, value_dim);
+    TORCH_CHECK(new_key->size(2) == 1 && new_value->size(2) == 1,
+                "sparsegen::decode_attention: one new token a row, got ", new_key->sizes());
+  }
+  const int64_t total = key.size(2) + (new_key.has_value() ? 1 : 0);
+  TORCH_CHECK(total > 0, "sparsegen::decode_attention: no slots to attend over");
+  check_mask(visible, "visible", batch, heads, total);
+  check_mask(sink, "sink", batch, heads, total);
+  TORCH_CHECK(sink.has_value() == sink_query.has_value(),
+              "sparsegen::decode_attention: sink and sink_query come together");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor sq = sink_query.has_value() ? sink_query->contiguous() : at::Tensor();
+  if (sink_query.has_value())
+    TORCH_CHECK(sq.sizes() == q.sizes() && sq.scalar_type() == at::kFloat,
+                "sparsegen::decode_attention: sink_query must be float32 like query ", q.sizes());
+  at::Tensor scores = at::empty({batch, heads, group, total}, query.options());
+  Problem p{q.data_ptr<float>(), sink_query.has_value() ? sq.data_ptr<float>() : nullptr,
+            rows_of(key, new_key), rows_of(value, new_value), flags_of(visible, true), flags_of(sink, false),
+            batch, heads, group, dim, value_dim, total, (total + kChunk - 1) / kChunk,
+            static_cast<float>(scaling), scores.data_ptr<float>(), {}, {}, {}};
+  const int64_t tasks = batch * heads * p.chunks;
+  p.maxima.resize(tasks * group);
+  p.sums.resize(tasks * group);
+  p.outputs.resize(tasks * group * value_dim);
+#ifdef SPARSEGEN_X86
+  const bool vector = has_avx2() && dim % 8 == 0 && value_dim % 64 == 0;
+#endif
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+#ifdef SPARSEGEN_X86
+      if (vector) {
+        chunk_avx2(p, task);
+        continue;
+      }
+#endif
+      chunk_scalar(p, task);
+    }
+  });
+  // merge each row's chunks by their maxima: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M)
+  at::Tensor out = at::empty({batch, heads, group, value_dim}, query.options());
+  std::vector<float> factors(tasks * group);  // each chunk's weights' factor to probabilities
+  at::parallel_for(0, batch * heads * group, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t bh = row / group, g = row % group;
+      float peak = kMinusInf;
+      for (int64_t c = 0; c < p.chunks; ++c) peak = std::fmax(peak, p.maxima[(bh * p.chunks + c) * group + g]);
+      float* o = out.data_ptr<float>() + row * value_dim;
+      if (peak == kMinusInf) {  // nothing visible: NaN, as softmax over -inf gives
+        for (int64_t d = 0; d < value_dim; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
+        for (int64_t c = 0; c < p.chunks; ++c) factors[(bh * p.chunks + c) * group + g] = std::nanf("");
+        continue;
+      }
+      float sum = 0.f;
+      for (int64_t c = 0; c < p.chunks; ++c) {
+        const int64_t at = (bh * p.chunks + c) * group + g;
+        factors[at] = p.maxima[at] == kMinusInf ? 0.f : std::exp(p.maxima[at] - peak);
+        sum += p.sums[at] * factors[at];
+      }
+      for (int64_t d = 0; d < value_dim; ++d) o[d] = 0.f;
+      for (int64_t c = 0; c < p.chunks; ++c) {
+        const int64_t at = (bh * p.chunks + c) * group + g;
+        factors[at] /= sum;
+        const float* acc = p.outputs.data() + at * value_dim;
+        for (int64_t d = 0; d < value_dim; ++d) o[d] += acc[d] * factors[at];
+      }
+    }
+  });
+  if (!probs) return {out, at::empty({0}, query.options())};
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task % p.chunks, bh = task / p.chunks;
+      const int64_t first = c * kChunk, last = std::min(first + kChunk, total);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = p.scores + (bh * group + g) * total;
+        const float factor = factors[task * group + g];
+        for (int64_t t = first; t < last; ++t) s[t] *= factor;
+      }
+    }
+  });
+  return {out, scores};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+}

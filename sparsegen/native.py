@@ -1,0 +1,38 @@
+"""sparsegen's C++ kernels, the shared layer under ``quant`` (the w8a8 and w4a8 linears) and ``kv`` (decode
+attention): the ``sparsegen`` op library, and one ``cpp_extension`` build of every kernel source, once a process
+(~30 s the first time, then cached by PyTorch in ``~/.cache/torch_extensions``). ``torch.compile`` keeps each op
+whole in its graph, by its fake (shape) function. Each kernel takes AVX2 where the CPU has it, a portable path
+otherwise (``SPARSEGEN_SCALAR_KERNELS=1`` forces that one, as the tests do)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+LIBRARY = torch.library.Library("sparsegen", "DEF")
+SOURCES = ("quant/w8a8_linear.cpp", "quant/w4a8_linear.cpp", "kv/decode_attention.cpp")
+
+
+@functools.cache
+def build() -> str | None:
+    """Build and load every kernel: None, or why they could not be built (the callers fall back, and say so)."""
+    from torch.utils import cpp_extension
+
+    package = Path(__file__).parent
+    try:
+        if shutil.which("ninja") is None:  # (pip's ninja, when the venv's bin/ is not on PATH)
+            import ninja
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        # (named by the torch it is built against: PyTorch's cache tells builds apart by source and flags only)
+        name = "sparsegen_kernels_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+        cpp_extension.load(name, [str(package / source) for source in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False)  # (ATen's parallel_for is inlined)
+        return None
+    except Exception as error:  # (no compiler, no ninja, headers of another build: the ops still run, slower)
+        lines = str(error).strip().splitlines() or [""]  # (a failed build's message: the commands, then the error)
+        reason = next((line for line in lines if "error:" in line), lines[-1]).strip()
+        return f"{type(error).__name__}: {reason}"
