@@ -87,6 +87,14 @@ struct Problem {
     return q + (b * heads + h) * group * dim;
   }
   float* scores_of(int64_t b, int64_t h, int64_t g) const { return scores + ((b * heads + h) * group + g) * total; }
+  // whether any of slots [t, t + n) is visible: a block of free or hidden slots (a fixed-shape step's unused
+  // budget, a sliding window's past) is neither read nor scored, so a step costs the slots it sees
+  bool any_visible(int64_t b, int64_t h, int64_t t, int64_t n) const {
+    if (visible.data == nullptr) return true;
+    for (int64_t i = 0; i < n; ++i)
+      if (visible.at(b, h, t + i)) return true;
+    return false;
+  }
 };
 
 // ---- the portable path (any head width; a CPU without AVX2) ----
@@ -209,7 +217,8 @@ AVX2 void weigh_values(const Problem& p, int64_t b, int64_t h, int64_t first, in
   const float* v[kRowBlock];
   for (int64_t t = first; t < last; ++t) {
     v[t - first] = p.values.row(b, h, t);
-    if (t + 2 * kRowBlock < p.total) prefetch_row(p.values.row(b, h, t + 2 * kRowBlock), p.value_dim);
+    if (t + 2 * kRowBlock < p.total && p.visible.at(b, h, t + 2 * kRowBlock))
+      prefetch_row(p.values.row(b, h, t + 2 * kRowBlock), p.value_dim);
   }
   for (int64_t d = 0; d < p.value_dim; d += 8 * VECS) {
     __m256 acc[GROUP][VECS];
@@ -232,10 +241,14 @@ AVX2 void weigh_values(const Problem& p, int64_t b, int64_t h, int64_t first, in
 AVX2 void score_chunk(const Problem& p, int64_t b, int64_t h, int64_t first, int64_t last) {
   int64_t t = first;
   for (; t + 8 <= last; t += 8) {
+    if (t + 24 < last && p.any_visible(b, h, t + 16, 8))  // (the keys 16 ahead: memory streams meanwhile)
+      for (int i = 0; i < 8; ++i) prefetch_row(p.keys.row(b, h, t + 16 + i), p.dim);
+    if (!p.any_visible(b, h, t, 8)) {
+      for (int64_t g = 0; g < p.group; ++g) std::fill_n(p.scores_of(b, h, g) + t, 8, kMinusInf);
+      continue;
+    }
     const float* k[8];
     for (int i = 0; i < 8; ++i) k[i] = p.keys.row(b, h, t + i);
-    if (t + 24 < last)  // (the keys 16 ahead: memory streams while these are scored)
-      for (int i = 0; i < 8; ++i) prefetch_row(p.keys.row(b, h, t + 16 + i), p.dim);
     const float* q = p.query_of(b, h, t);
     bool one_frame = true;
     for (int i = 1; i < 8 && p.sink_query != nullptr; ++i) one_frame = one_frame && q == p.query_of(b, h, t + i);
@@ -292,6 +305,7 @@ AVX2 void chunk_avx2(Problem& p, int64_t task) {
   std::fill(out, out + p.group * p.value_dim, 0.f);
   for (int64_t t = first; t < last; t += kRowBlock) {
     const int64_t end = std::min(t + kRowBlock, last);
+    if (!p.any_visible(b, h, t, end - t)) continue;  // (every weight 0)
     int64_t g = 0;
     for (; g + 4 <= p.group; g += 4) weigh_values<4, 2>(p, b, h, t, end, g, out);
     switch (p.group - g) {
