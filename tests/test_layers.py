@@ -17,7 +17,9 @@ def _imports() -> dict[str, set[str]]:
         name = ".".join(("sparsegen",) + path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparsegen"):
+            if isinstance(node, ast.ImportFrom) and node.module == "sparsegen":  # (from sparsegen import native)
+                found |= {f"sparsegen.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparsegen"):
                 found.add(node.module)
             elif isinstance(node, ast.Import):
                 found |= {alias.name for alias in node.names if alias.name.startswith("sparsegen")}
