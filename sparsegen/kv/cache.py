@@ -463,11 +463,13 @@ class EvictionLayer(CacheLayerMixin):
         was fed padding, or forgot tokens, may hold fewer than the others, or holes where it never evicted), or,
         where none is free, the slot of the lowest-priority token."""
         slots = self.fixed_slots
-        free = ~self.valid[:, :, :slots]
-        first_free = free.byte().argmax(-1, keepdim=True)  # (0 where none is free)
-        if slots != self.slot_budget:  # (unbounded, or a sequence shorter than the budget): never evicts
+        valid = self.valid[:, :, :slots]
+        # (a minimum over slot numbers, ``slots`` where none is free: inductor's argmax over booleans, with its
+        # any(), cost 1.7 ms of a 19 ms step of SmolLM2 at 2K, measured)
+        first_free = torch.where(valid, slots, torch.arange(slots, device=valid.device)).amin(-1, keepdim=True)
+        if slots != self.slot_budget:  # (unbounded, or a sequence shorter than the budget): never evicts, one is free
             return first_free
-        return torch.where(free.any(-1, keepdim=True), first_free, self.lowest_slot(self.view(seen)))
+        return torch.where(first_free < slots, first_free, self.lowest_slot(self.view(seen)))
 
     def _overwrite(self, slot: torch.Tensor, newest: int) -> None:
         """Every row is one token over its budget, its newest in slot ``newest``: move that token's state into the
