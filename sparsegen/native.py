@@ -7,14 +7,17 @@ otherwise (``SPARSEGEN_SCALAR_KERNELS=1`` forces that one, as the tests do)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 LIBRARY = torch.library.Library("sparsegen", "DEF")
 SOURCES = ("quant/w8a8_linear.cpp", "quant/w4a8_linear.cpp", "kv/decode_attention.cpp")
+HEADER = "avx2.h"  # (what the AVX2 paths share)
 
 
 @functools.cache
@@ -29,7 +32,14 @@ def build() -> str | None:
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         # (named by the torch it is built against: PyTorch's cache tells builds apart by source and flags only)
         name = "sparsegen_kernels_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-        cpp_extension.load(name, [str(package / source) for source in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+        if not any(root.glob(f"**/{name}/{name}.so")):  # (else a silent half minute)
+            print("sparsegen: building its C++ kernels, once (~30 s; cached in ~/.cache/torch_extensions)",
+                  file=sys.stderr, flush=True)
+        # (PyTorch rebuilds when a source or a flag changes, not a header: the header's digest is a flag)
+        header = hashlib.sha256((package / HEADER).read_bytes()).hexdigest()[:16]
+        cpp_extension.load(name, [str(package / source) for source in SOURCES],
+                           extra_cflags=["-O3", "-fopenmp", f"-DSPARSEGEN_HEADER={header}"],
                            extra_ldflags=["-fopenmp"], is_python_module=False)  # (ATen's parallel_for is inlined)
         return None
     except Exception as error:  # (no compiler, no ninja, headers of another build: the ops still run, slower)

@@ -15,17 +15,14 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define SPARSEGEN_X86 1
-#endif
+#include "../avx2.h"
 
 namespace {
 
@@ -135,15 +132,6 @@ void chunk_scalar(Problem& p, int64_t task) {
 }
 
 #ifdef SPARSEGEN_X86
-#define AVX2 __attribute__((target("avx2,fma")))
-
-AVX2 inline float lanes_sum(__m256 lanes) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
-
 AVX2 inline float lanes_max(__m256 lanes) {
   __m128 half = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
   half = _mm_max_ps(half, _mm_movehl_ps(half, half));
@@ -319,7 +307,7 @@ AVX2 void chunk_avx2(Problem& p, int64_t task) {
 
 bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the portable path, as a CPU without AVX2 runs it; tests use it)
   static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                std::getenv("SPARSEGEN_SCALAR_KERNELS") == nullptr;
+                                __builtin_cpu_supports("f16c") && std::getenv("SPARSEGEN_SCALAR_KERNELS") == nullptr;
   return supported;
 }
 #endif

@@ -18,10 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define SPARSEGEN_X86 1
-#endif
+#include "../avx2.h"
 
 namespace {
 
@@ -92,15 +89,6 @@ float dot_scalar(const uint8_t* weights, QuantizedRow& row, int64_t blocks) {
 }
 
 #ifdef SPARSEGEN_X86
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-AVX2 inline float lanes_sum(__m256 lanes) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
-
 // A pair of blocks' codes, low nibbles (codes 0-15 of each) and high (16-31), and scales spread to their sums' lanes.
 struct PairCodes {
   __m256i low, high;
