@@ -243,21 +243,16 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
     """Attention by grouped matmuls, fp32 scores: what a policy that observes attention needs, and what one or a few
     queries run fastest on a CPU. ``sink_query``: the query in the sinks' frame (``sink_slot`` ``[B, 1, 1, T]``),
     both frames scored in one pass over the keys; ``incoming``: the new token's K/V, beside ``key``/``value``."""
-    step = cache.step
     batch, q_heads, q, _ = query.shape
+    held = key.shape[2]
+    total = held + (q if incoming is not None else 0)
     if cache.native_decode and native_attention.usable(query, key, value):
         out, probs = native_attention.decode_attention(query, key, value, incoming, mask, sink_query, sink_slot,
                                                        scaling, probs=layer.attention is not None)
-        if probs is not None:
-            total = probs.shape[-1]
-            observe(layer.policy, layer.attention[:, :, :total], probs,
-                    total if mask is None else mask.sum(-1)[:, :, None, :, None],
-                    None if not cache.padded else step.new_valid[:, None, None, :, None], step.new_index)
+        _observe_call(cache, layer, probs, mask, total)
         return out
     if q > QUERY_BLOCK and incoming is None and sink_query is None and _blockable(layer, key, value):
         return _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling)
-    held = key.shape[2]
-    total = held + (q if incoming is not None else 0)
     queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)
     scores = _scores(queries, key, scaling)
     if incoming is not None:
@@ -267,15 +262,23 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
     if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
         scores.masked_fill_(~mask[:, :, None], -torch.inf)
     probs = torch.softmax(scores, dim=-1)
-    if layer.attention is not None:
-        visible = total if mask is None else mask.sum(-1)[:, :, None, :, None]  # keys each query sees
-        real = None if q == 1 and not cache.padded else step.new_valid[:, None, None, :, None]
-        observe(layer.policy, layer.attention[:, :, :total], probs, visible, real, step.new_index)
+    _observe_call(cache, layer, probs if layer.attention is not None else None, mask, total)
     grouped = probs.to(value.dtype).view(batch, key.shape[1], -1, total)
     out = value.weigh(grouped[..., :held]) if isinstance(value, HeldCodes) else grouped[..., :held] @ value
     if incoming is not None:
         out = out + grouped[..., held:] @ incoming[1]
     return out.view(batch, q_heads, q, -1)
+
+
+def _observe_call(cache, layer, probs: torch.Tensor | None, mask: torch.Tensor | None, total: int) -> None:
+    """Add a call's attention probabilities ``[B, Hkv, group, q, total]`` (None: the policy observes none) to the
+    layer's statistic."""
+    if probs is None:
+        return
+    step = cache.step
+    visible = total if mask is None else mask.sum(-1)[:, :, None, :, None]  # keys each query sees
+    real = None if probs.shape[3] == 1 and not cache.padded else step.new_valid[:, None, None, :, None]
+    observe(layer.policy, layer.attention[:, :, :total], probs, visible, real, step.new_index)
 
 
 def _blockable(layer, key, value) -> bool:
