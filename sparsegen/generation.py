@@ -168,7 +168,7 @@ def generate(
     vocabulary) over a cache under that policy; ``policy`` must then be ``full``.
 
     ``kv_bits`` (8, 4 or 2): hold the cache's keys and values quantized (KIVI-style, ``sparsegen.kv.quantized``),
-    under any policy.
+    under any policy; 16: as float16 numbers.
 
     ``compile``: run the decode step through ``torch.compile`` (one graph; the first call compiles).
 

@@ -15,7 +15,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import transformers
@@ -61,7 +61,6 @@ class Setup:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_per_token = kv_bytes_per_token(self.model.config, param.element_size())
-        self.stored_kv_per_token = kv_bytes_per_token(self.model.config, param.element_size(), self.kv_bits)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights(self.model))
         self.step_weight_bytes = weight_bytes_per_step(self.model)
         self.vocab = self.model.config.get_text_config().vocab_size
@@ -71,10 +70,16 @@ class Setup:
         # with contextual sparsity the bytes a step reads depend on the input: no roofline is claimed
         self.contextual = None if plan is None else plan.method
 
+    def kv_bits_of(self, name: str) -> KVQuantization | None:
+        return row_kv_bits(name, self.kv_bits)
+
     def kv_bytes_per_token(self, name: str) -> int:
         """K/V bytes per token of row ``name``: the model's own cache for the baselines, an evicting cache's
-        storage (quantized under ``kv_bits``) for every policy."""
-        return self.kv_per_token if name in BASELINES else self.stored_kv_per_token
+        storage (quantized as ``kv_bits_of`` says) for every policy."""
+        if name in BASELINES:
+            return self.kv_per_token
+        return kv_bytes_per_token(self.model.config, next(self.model.parameters()).element_size(),
+                                  self.kv_bits_of(name))
 
     def environment(self) -> dict:
         device = self.device
@@ -86,6 +91,17 @@ class Setup:
             "prefill": self.prefill, "contextual": self.contextual, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
             "kv_bits": self.kv_bits.bits if self.kv_bits else None, "weight_bytes": self.weight_bytes,
         }
+
+
+def row_kv_bits(name: str, default: KVQuantization | None) -> KVQuantization | None:
+    """How row ``name`` holds K/V: ``POLICY+kvN`` in N bits (16: float16; ``h2o+kv16`` beside ``h2o`` compares the
+    two in one run), any other row as ``default`` (the bench's ``--kv-bits``) says."""
+    _, _, bits = name.partition("+kv")
+    if not bits:
+        return default
+    if not bits.isdigit():
+        raise ValueError(f"{name!r}: write a row holding K/V in N bits as POLICY+kvN, e.g. h2o+kv16")
+    return replace(default, bits=int(bits)) if default else KVQuantization(int(bits))
 
 
 def _cpu_name() -> str:
@@ -183,7 +199,7 @@ def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, conte
         cache = DynamicCache(config=setup.model.config)
     else:
         cache = EvictionCache(setup.model, policy, chunk_size=setup.chunk_size, expected_length=total,
-                              kv_bits=setup.kv_bits)
+                              kv_bits=setup.kv_bits_of(name))
     if setup.prefill == "synthetic":
         _, kv_heads, head_dim = kv_shape(setup.model.config)
         generator = torch.Generator(device=setup.device).manual_seed(setup.seed)
@@ -235,7 +251,9 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
     """
     row = {"policy": name, "context": context, "batch": batch, "budget": None}
     if isinstance(policy, Policy):
-        row.update(policy.describe())
+        row.update(policy.describe(), policy=name)
+        kv_bits = setup.kv_bits_of(name)
+        row["kv_bits"] = kv_bits.bits if kv_bits else None
     elif isinstance(policy, Speculation):
         row.update({"budget": policy.policy.budget, "draft": policy.policy.describe()})
     elif name == "recompute":

@@ -37,8 +37,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if not llamacpp.available():
             raise ValueError(llamacpp.INSTALL)
         ggufs = {m.strip(): gguf_file(m.strip()) for m in args.model.split(",") if m.strip()}  # fails before loading
-    if not isinstance(args.budget, int) and any(n not in ("dense", "full") and not n.startswith("speculative:")
-                                                for n in names):
+    if not isinstance(args.budget, int) and any(n.partition("+kv")[0] not in ("dense", "full")
+                                                and not n.startswith("speculative:") for n in names):
         raise ValueError("--budget (a token count) is needed for every policy but dense and full (recompute: its "
                          "window)")
     if args.threads:
@@ -88,7 +88,9 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
     from sparsegen.bench import decode
     from sparsegen.speculative import Speculation, draft_length, draft_policy
 
-    args.policy = [n for n in names if n not in decode.BASELINES and not n.startswith("speculative:")]
+    # (a POLICY+kvN row is POLICY's, its K/V held in N bits: ``decode.Setup.kv_bits_of``)
+    args.policy = list(dict.fromkeys(n.partition("+kv")[0] for n in names
+                                     if n not in decode.BASELINES and not n.startswith("speculative:")))
     factories = dict(policy_factories(args)) if args.policy else {}
     draft_tokens = draft_length(args.draft_tokens)
     policies = []
@@ -101,7 +103,8 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
             spec = name.removeprefix("speculative:")
             policies.append((name, lambda spec=spec: Speculation(draft_policy(spec), draft_tokens)))
         else:
-            policies.append((name, factories[name]))
+            policies.append((name, factories[name.partition("+kv")[0]]))
+            decode.row_kv_bits(name, None)  # (bad bit widths fail here)
     for _, make in policies:
         make()  # bad budgets and splits fail here
     return policies
@@ -206,7 +209,8 @@ def add_parsers(sub) -> None:
     weights_arg(p, several=True)
     p.add_argument("--policies", default="full,window,streaming,h2o,streaming-h2o,recompute",
                    help="comma-separated; besides the KV policies: dense (transformers' DynamicCache) and recompute "
-                        "(re-encode the last --budget tokens for every token)")
+                        "(re-encode the last --budget tokens for every token); POLICY+kvN holds that row's K/V in N "
+                        "bits (16: float16, as llama.cpp; 8, 4, 2: codes), e.g. full,full+kv16")
     p.add_argument("--contexts", default="1024,4096,16384,32768", help="context lengths before decoding")
     budget_args(p, "KV tokens per layer for every policy but full/dense (recompute: its window)")
     p.add_argument("--new-tokens", type=int, default=128, help="timed decode steps (default 128)")

@@ -82,9 +82,10 @@ def budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
                    help="scissorhands: count only the latest this many queries' votes (default: all)")
     p.add_argument("--positions", choices=["original", "rolling"], default=None,
                    help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
-    p.add_argument("--kv-bits", type=int, choices=[8, 4, 2], default=None,
-                   help="hold the cached keys and values in this many bits (KIVI-style: keys per channel, values per "
-                        "token), under any policy (default: as the model computes them)")
+    p.add_argument("--kv-bits", type=int, choices=[16, 8, 4, 2], default=None,
+                   help="hold the cached keys and values in this many bits, under any policy: 16 as float16 numbers "
+                        "(llama.cpp's default cache type), 8/4/2 as codes (KIVI-style: keys per channel, values per "
+                        "token) (default: as the model computes them)")
     p.add_argument("--kv-residual", type=int, default=32,
                    help="with --kv-bits: the newest tokens also kept in full precision (default 32)")
 

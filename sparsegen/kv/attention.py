@@ -69,6 +69,8 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     chunk sees exactly the tokens it would see if the chunk were fed one token at a time, positions
     included; other policies (H2O) let the chunk's queries see the held tokens and the chunk, causally.
     """
+    if key.dtype != query.dtype and not isinstance(key, HeldCodes) and not _native_decode(cache, layer, query):
+        key, value = key.to(query.dtype), value.to(query.dtype)  # float16-held K/V (kv_bits=16), widened
     if layer.fan > 1:
         return shared_attention(cache, layer, query, key, value, scaling, sliding_window)
     if cache.stepwise and query.shape[2] > 1 and layer.policy.budget is not None and layer.policy.query_view() is None:
@@ -109,6 +111,13 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     layer.evict(step.seen)
     return out[..., :value_dim].transpose(1, 2).contiguous()
+
+
+def _native_decode(cache, layer, query) -> bool:
+    """Whether this call's attention is ``sparsegen::decode_attention``'s (which reads float16-held K/V as they are):
+    a CPU decode step in fp32, one row of slots per KV head, keys that need no turning to their ranks."""
+    return (cache.native_decode and query.shape[2] == 1 and query.dtype == torch.float32 and layer.fan == 1
+            and (layer.keys_at_index or not cache.rolling))
 
 
 def _visibility(cache, layer, q: int, total: int, view, sliding_window: int | None):

@@ -81,14 +81,15 @@ class EvictionLayer(CacheLayerMixin):
         self.peak_tokens = 0
         self.parked = 0  # slots it had when its cache was parked (EvictionCache.park), given back after
         self.storage: dict[str, torch.Tensor] | None = None  # a stacked cache's buffers for all its row capacity
-        self.quantization: KVQuantization | None = cache.quantization
+        # codes and scales (8, 4, 2 bits), or None: numbers, in ``cache.kv_dtype`` or as the model computes them
+        self.quantization: KVQuantization | None = cache.quantization if cache.kv_dtype is None else None
         self.fan = 1  # KV heads sharing each row of slots (all of them under a ``shares_slots`` policy)
         # rolling positions under an order policy: keys are held turned to their token ordinal, where a recent key
         # already sits at its rolling distance from the query (attention then turns only the query; see
         # ``eviction_attention``); otherwise rolling keys are held unrotated and turned to their rank every step
         view = self.query_view()
         self.keys_at_index = (cache.rolling and rotary is not None and view is not None
-                              and cache.quantization is None and not policy.shares_slots and rotary.exact)
+                              and self.quantization is None and not policy.shares_slots and rotary.exact)
         self.sinks = view[0] if self.keys_at_index else 0  # (kept when ``stop_evicting`` lifts the budget)
         # whether a decode step (over a full budget, or fixed-shape) may leave its new K/V out of the slots until
         # eviction (``incoming``): not where the policy reads held K/V (they must be in the slots) or they are
@@ -113,8 +114,9 @@ class EvictionLayer(CacheLayerMixin):
         capacity = self.capacity(key_states.shape[-2])
         quant = self.quantization
         if quant is None:
-            self.keys = key_states.new_zeros(batch, rows, capacity, head_dim)
-            self.values = value_states.new_zeros(batch, rows, capacity, value_states.shape[-1])
+            held = self.cache.kv_dtype or key_states.dtype
+            self.keys = key_states.new_zeros(batch, rows, capacity, head_dim, dtype=held)
+            self.values = value_states.new_zeros(batch, rows, capacity, value_states.shape[-1], dtype=held)
         else:
             quant.check(head_dim)
             quant.check(value_states.shape[-1])
@@ -180,8 +182,8 @@ class EvictionLayer(CacheLayerMixin):
     def encoded(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """What tokens' K/V put in each K/V buffer: themselves, or their codes, scales and zero points."""
         quant = self.quantization
-        if quant is None:
-            return {"keys": keys, "values": values}
+        if quant is None:  # (in the held dtype: float16 under ``kv_bits=16``)
+            return {"keys": keys.to(self.keys.dtype), "values": values.to(self.values.dtype)}
         out = {}
         for prefix, x in (("key", keys.float() / self.key_channels), ("value", values)):
             out[prefix + "s"], out[prefix + "_scale"], out[prefix + "_zero"] = quantize(x, quant.bits)
@@ -191,7 +193,7 @@ class EvictionLayer(CacheLayerMixin):
              new_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``:end`` as attention reads them (followed by ``new_keys``/``new_values``, the
         call's own tokens, when given): the stored tensors, or, when quantized, the dequantized codes with the newest
-        tokens taken from the full-precision residual."""
+        tokens taken from the full-precision residual. Float16-held K/V (``kv_bits=16``) come as they are held."""
         if self.quantization is None:
             return self.keys[:, :, :end], self.values[:, :, :end]
         bits, residual = self.quantization.bits, self.quantization.residual
@@ -308,6 +310,8 @@ class EvictionLayer(CacheLayerMixin):
             and (fixed or (start == self.slot_budget and not self.cache.padded)) else None
         if self.incoming is None:
             self.store(start, end, key_states, value_states)
+        elif self.cache.kv_dtype is not None:  # (attended as it will be held, whichever path attends)
+            self.incoming = tuple(x.to(self.cache.kv_dtype).to(x.dtype) for x in self.incoming)
         self.index[:, :, start:end] = new_index[:, None, :]
         self.valid[:, :, start:end] = new_valid[:, None, :]
         if self.head is not None:
@@ -569,9 +573,11 @@ class EvictionCache(Cache):
         never leaves them short of it.
 
         ``kv_bits`` (8, 4 or 2, or a ``KVQuantization`` to set the residual too): hold keys and values as low-bit
-        codes (``sparsegen.kv.quantized``); None holds them as the model computes them."""
+        codes (``sparsegen.kv.quantized``); 16 holds them as float16 numbers (llama.cpp's default cache type); None
+        holds them as the model computes them."""
         prepare(model)
         self.quantization = as_quantization(kv_bits)
+        self.kv_dtype = torch.float16 if self.quantization is not None and not self.quantization.codes else None
         positions = positions or policy.default_positions
         if positions not in ("original", "rolling"):
             raise ValueError(f"positions must be 'original' or 'rolling', got {positions!r}")

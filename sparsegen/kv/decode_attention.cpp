@@ -10,9 +10,11 @@
 // Slots a sequence cannot see (free, evicted, outside a sliding window) are masked; under StreamingLLM's rolling
 // positions with keys held at their token ordinal, the sinks are scored against the query turned to its rank instead
 // (``sink_query``). The probabilities are returned where a policy observes attention (H2O); an all-masked row gives
-// NaN, as PyTorch's softmax does.
+// NaN, as PyTorch's softmax does. Keys and values are fp32, or fp16 (``kv_bits=16``, llama.cpp's default cache type:
+// half the bytes a step reads), widened to fp32 as they load; scores and sums are fp32 either way.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,14 +31,16 @@ namespace {
 constexpr int64_t kChunk = 256;  // slots a task scores: its keys, values and scores stay in L2
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// A [B, H, T, D] operand: the held slots, then the step's own token (``extra``) in slot ``slots``, if any.
+// A [B, H, T, D] operand of fp32 or fp16 numbers (T): the held slots, then the step's own token (``extra``) in slot
+// ``slots``, if any.
+template <typename T>
 struct Rows {
-  const float* held;
+  const T* held;
   int64_t batch_stride, head_stride, slot_stride, slots;
-  const float* extra;
+  const T* extra;
   int64_t extra_batch_stride, extra_head_stride;
 
-  const float* row(int64_t b, int64_t h, int64_t t) const {
+  const T* row(int64_t b, int64_t h, int64_t t) const {
     return t < slots ? held + b * batch_stride + h * head_stride + t * slot_stride
                      : extra + b * extra_batch_stride + h * extra_head_stride;
   }
@@ -53,10 +57,11 @@ struct Flags {
   }
 };
 
-Rows rows_of(const at::Tensor& held, const c10::optional<at::Tensor>& extra) {
-  Rows rows{held.data_ptr<float>(), held.stride(0), held.stride(1), held.stride(2), held.size(2), nullptr, 0, 0};
+template <typename T>
+Rows<T> rows_of(const at::Tensor& held, const c10::optional<at::Tensor>& extra) {
+  Rows<T> rows{held.data_ptr<T>(), held.stride(0), held.stride(1), held.stride(2), held.size(2), nullptr, 0, 0};
   if (extra.has_value()) {
-    rows.extra = extra->data_ptr<float>();
+    rows.extra = extra->data_ptr<T>();
     rows.extra_batch_stride = extra->stride(0);
     rows.extra_head_stride = extra->stride(1);
   }
@@ -69,10 +74,11 @@ Flags flags_of(const c10::optional<at::Tensor>& mask, bool fallback) {
   return {m.data_ptr<bool>(), m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), m.stride(2), fallback};
 }
 
+template <typename T>
 struct Problem {
   const float* query;       // [B, H, G, D] contiguous
   const float* sink_query;  // the same, in the sinks' frame, or null
-  Rows keys, values;
+  Rows<T> keys, values;
   Flags visible, sink;
   int64_t batch, heads, group, dim, value_dim, total, chunks;
   float scaling;
@@ -96,7 +102,8 @@ struct Problem {
 
 // ---- the portable path (any head width; a CPU without AVX2) ----
 
-void chunk_scalar(Problem& p, int64_t task) {
+template <typename T>
+void chunk_scalar(Problem<T>& p, int64_t task) {
   const int64_t c = task % p.chunks, bh = task / p.chunks, b = bh / p.heads, h = bh % p.heads;
   const int64_t first = c * kChunk, last = std::min(first + kChunk, p.total);
   float* maxima = p.maxima.data() + task * p.group;
@@ -111,9 +118,9 @@ void chunk_scalar(Problem& p, int64_t task) {
         continue;
       }
       const float* q = p.query_of(b, h, t) + g * p.dim;
-      const float* k = p.keys.row(b, h, t);
+      const T* k = p.keys.row(b, h, t);
       float dot = 0.f;
-      for (int64_t d = 0; d < p.dim; ++d) dot += q[d] * k[d];
+      for (int64_t d = 0; d < p.dim; ++d) dot += q[d] * static_cast<float>(k[d]);
       s[t] = dot * p.scaling;
       peak = std::fmax(peak, s[t]);
     }
@@ -123,8 +130,8 @@ void chunk_scalar(Problem& p, int64_t task) {
     for (int64_t t = first; t < last; ++t) {
       s[t] = s[t] == kMinusInf ? 0.f : std::exp(s[t] - peak);
       sum += s[t];
-      const float* v = p.values.row(b, h, t);
-      for (int64_t d = 0; d < p.value_dim; ++d) o[d] += s[t] * v[d];
+      const T* v = p.values.row(b, h, t);
+      for (int64_t d = 0; d < p.value_dim; ++d) o[d] += s[t] * static_cast<float>(v[d]);
     }
     maxima[g] = peak;
     sums[g] = sum;
@@ -158,18 +165,27 @@ AVX2 inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(power)));
 }
 
-AVX2 inline void prefetch_row(const float* row, int64_t width) {
-  for (int64_t d = 0; d < width; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+// Eight numbers as fp32 lanes: fp32 loaded, fp16 widened (F16C).
+AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+AVX2 inline __m256 load8(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+template <typename T>
+AVX2 inline void prefetch_row(const T* row, int64_t width) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < width * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
 }
 
 // Eight keys' dot products with one query (D a multiple of 8): eight chains of fused multiply-adds in flight, as
 // their latency needs (four left the FMA units half idle).
-AVX2 inline __m256 dots8(const float* q, const float* const* k, int64_t dim) {
+template <typename T>
+AVX2 inline __m256 dots8(const float* q, const T* const* k, int64_t dim) {
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), a[i]);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, load8(k[i] + d), a[i]);
   }
   // (per half: lane sums of keys 0-3 and 4-7; the halves added)
   const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -178,15 +194,15 @@ AVX2 inline __m256 dots8(const float* q, const float* const* k, int64_t dim) {
 }
 
 // Four keys' dot products with one query (D a multiple of 8), one chain each.
-AVX2 inline __m128 dots4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
-                         int64_t dim) {
+template <typename T>
+AVX2 inline __m128 dots4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t dim) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-    a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
-    a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
-    a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+    a0 = _mm256_fmadd_ps(qd, load8(k0 + d), a0);
+    a1 = _mm256_fmadd_ps(qd, load8(k1 + d), a1);
+    a2 = _mm256_fmadd_ps(qd, load8(k2 + d), a2);
+    a3 = _mm256_fmadd_ps(qd, load8(k3 + d), a3);
   }
   // (two horizontal adds leave [a0, a1, a2, a3]'s lane sums, split over the two 128-bit halves)
   const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -198,11 +214,12 @@ AVX2 inline __m128 dots4(const float* q, const float* k0, const float* k1, const
 // while every VECS * 8 dimensions pass over them. GROUP * VECS accumulators (8-12) keep the FMA units busy.
 constexpr int64_t kRowBlock = 8;
 
-template <int GROUP, int VECS>
-AVX2 void weigh_values(const Problem& p, int64_t b, int64_t h, int64_t first, int64_t last, int64_t g0, float* out) {
+template <typename T, int GROUP, int VECS>
+AVX2 void weigh_values(const Problem<T>& p, int64_t b, int64_t h, int64_t first, int64_t last, int64_t g0,
+                       float* out) {
   const float* e[GROUP];
   for (int g = 0; g < GROUP; ++g) e[g] = p.scores_of(b, h, g0 + g);
-  const float* v[kRowBlock];
+  const T* v[kRowBlock];
   for (int64_t t = first; t < last; ++t) {
     v[t - first] = p.values.row(b, h, t);
     if (t + 2 * kRowBlock < p.total && p.visible.at(b, h, t + 2 * kRowBlock))
@@ -216,7 +233,7 @@ AVX2 void weigh_values(const Problem& p, int64_t b, int64_t h, int64_t first, in
       __m256 weight[GROUP];
       for (int g = 0; g < GROUP; ++g) weight[g] = _mm256_broadcast_ss(e[g] + t);
       for (int j = 0; j < VECS; ++j) {
-        const __m256 row = _mm256_loadu_ps(v[t - first] + d + 8 * j);
+        const __m256 row = load8(v[t - first] + d + 8 * j);
         for (int g = 0; g < GROUP; ++g) acc[g][j] = _mm256_fmadd_ps(weight[g], row, acc[g][j]);
       }
     }
@@ -226,7 +243,8 @@ AVX2 void weigh_values(const Problem& p, int64_t b, int64_t h, int64_t first, in
 }
 
 // The chunk's scores, eight keys at a time for every query head while the eight are in L1 (each key read once).
-AVX2 void score_chunk(const Problem& p, int64_t b, int64_t h, int64_t first, int64_t last) {
+template <typename T>
+AVX2 void score_chunk(const Problem<T>& p, int64_t b, int64_t h, int64_t first, int64_t last) {
   int64_t t = first;
   for (; t + 8 <= last; t += 8) {
     if (t + 24 < last && p.any_visible(b, h, t + 16, 8))  // (the keys 16 ahead: memory streams meanwhile)
@@ -235,7 +253,7 @@ AVX2 void score_chunk(const Problem& p, int64_t b, int64_t h, int64_t first, int
       for (int64_t g = 0; g < p.group; ++g) std::fill_n(p.scores_of(b, h, g) + t, 8, kMinusInf);
       continue;
     }
-    const float* k[8];
+    const T* k[8];
     for (int i = 0; i < 8; ++i) k[i] = p.keys.row(b, h, t + i);
     const float* q = p.query_of(b, h, t);
     bool one_frame = true;
@@ -251,13 +269,14 @@ AVX2 void score_chunk(const Problem& p, int64_t b, int64_t h, int64_t first, int
     }
   }
   for (; t < last; ++t) {
-    const float* k = p.keys.row(b, h, t);
+    const T* k = p.keys.row(b, h, t);
     for (int64_t g = 0; g < p.group; ++g)
       p.scores_of(b, h, g)[t] = _mm_cvtss_f32(dots4(p.query_of(b, h, t) + g * p.dim, k, k, k, k, p.dim)) * p.scaling;
   }
 }
 
-AVX2 void chunk_avx2(Problem& p, int64_t task) {
+template <typename T>
+AVX2 void chunk_avx2(Problem<T>& p, int64_t task) {
   const int64_t c = task % p.chunks, bh = task / p.chunks, b = bh / p.heads, h = bh % p.heads;
   const int64_t first = c * kChunk, last = std::min(first + kChunk, p.total);
   float* maxima = p.maxima.data() + task * p.group;
@@ -295,11 +314,11 @@ AVX2 void chunk_avx2(Problem& p, int64_t task) {
     const int64_t end = std::min(t + kRowBlock, last);
     if (!p.any_visible(b, h, t, end - t)) continue;  // (every weight 0)
     int64_t g = 0;
-    for (; g + 4 <= p.group; g += 4) weigh_values<4, 2>(p, b, h, t, end, g, out);
+    for (; g + 4 <= p.group; g += 4) weigh_values<T, 4, 2>(p, b, h, t, end, g, out);
     switch (p.group - g) {
-      case 3: weigh_values<3, 4>(p, b, h, t, end, g, out); break;
-      case 2: weigh_values<2, 4>(p, b, h, t, end, g, out); break;
-      case 1: weigh_values<1, 8>(p, b, h, t, end, g, out); break;
+      case 3: weigh_values<T, 3, 4>(p, b, h, t, end, g, out); break;
+      case 2: weigh_values<T, 2, 4>(p, b, h, t, end, g, out); break;
+      case 1: weigh_values<T, 1, 8>(p, b, h, t, end, g, out); break;
       default: break;
     }
   }
@@ -312,12 +331,13 @@ bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the portable path, as a CPU
 }
 #endif
 
-void check_rows(const at::Tensor& x, const char* name, int64_t batch, int64_t heads, int64_t width) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.size(0) == batch && x.size(1) == heads &&
+void check_rows(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t batch, int64_t heads,
+                int64_t width) {
+  TORCH_CHECK(x.scalar_type() == dtype && x.dim() == 4 && x.size(0) == batch && x.size(1) == heads &&
                   x.size(3) == width && x.stride(3) == 1,
-              "sparsegen::decode_attention: ", name, " must be float32 [", batch, ", ", heads, ", slots, ", width,
-              "] with unit stride in its last dimension, got ", x.scalar_type(), " ", x.sizes(), " strides ",
-              x.strides());
+              "sparsegen::decode_attention: ", name, " must be ", dtype, " (as key) [", batch, ", ", heads,
+              ", slots, ", width, "] with unit stride in its last dimension, got ", x.scalar_type(), " ", x.sizes(),
+              " strides ", x.strides());
 }
 
 void check_mask(const c10::optional<at::Tensor>& mask, const char* name, int64_t batch, int64_t heads, int64_t total) {
@@ -329,46 +349,20 @@ void check_mask(const c10::optional<at::Tensor>& mask, const char* name, int64_t
               "], got ", m.scalar_type(), " ", m.sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const c10::optional<at::Tensor>& sink_query,
-                                                    const at::Tensor& key, const at::Tensor& value,
-                                                    const c10::optional<at::Tensor>& new_key,
-                                                    const c10::optional<at::Tensor>& new_value,
-                                                    const c10::optional<at::Tensor>& visible,
-                                                    const c10::optional<at::Tensor>& sink, double scaling,
-                                                    bool probs) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 4,
-              "sparsegen::decode_attention: query must be float32 [batch, kv_heads, group, dim], got ",
-              query.scalar_type(), " ", query.sizes());
-  const int64_t batch = query.size(0), heads = query.size(1), group = query.size(2), dim = query.size(3);
-  const int64_t value_dim = value.size(-1);
-  check_rows(key, "key", batch, heads, dim);
-  check_rows(value, "value", batch, heads, value_dim);
-  TORCH_CHECK(key.size(2) == value.size(2), "sparsegen::decode_attention: ", key.size(2), " keys but ",
-              value.size(2), " values");
-  TORCH_CHECK(new_key.has_value() == new_value.has_value(),
-              "sparsegen::decode_attention: new_key and new_value come together");
-  if (new_key.has_value()) {
-    check_rows(*new_key, "new_key", batch, heads, dim);
-    check_rows(*new_value, "new_value", batch, heads, value_dim);
-    TORCH_CHECK(new_key->size(2) == 1 && new_value->size(2) == 1,
-                "sparsegen::decode_attention: one new token a row, got ", new_key->sizes());
-  }
-  const int64_t total = key.size(2) + (new_key.has_value() ? 1 : 0);
-  TORCH_CHECK(total > 0, "sparsegen::decode_attention: no slots to attend over");
-  check_mask(visible, "visible", batch, heads, total);
-  check_mask(sink, "sink", batch, heads, total);
-  TORCH_CHECK(sink.has_value() == sink_query.has_value(),
-              "sparsegen::decode_attention: sink and sink_query come together");
-  const at::Tensor q = query.contiguous();
-  const at::Tensor sq = sink_query.has_value() ? sink_query->contiguous() : at::Tensor();
-  if (sink_query.has_value())
-    TORCH_CHECK(sq.sizes() == q.sizes() && sq.scalar_type() == at::kFloat,
-                "sparsegen::decode_attention: sink_query must be float32 like query ", q.sizes());
-  at::Tensor scores = at::empty({batch, heads, group, total}, query.options());
-  Problem p{q.data_ptr<float>(), sink_query.has_value() ? sq.data_ptr<float>() : nullptr,
-            rows_of(key, new_key), rows_of(value, new_value), flags_of(visible, true), flags_of(sink, false),
-            batch, heads, group, dim, value_dim, total, (total + kChunk - 1) / kChunk,
-            static_cast<float>(scaling), scores.data_ptr<float>(), {}, {}, {}};
+// The attention itself, over fp32 or fp16 (T) keys and values, checked by ``decode_attention``.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& sq, const at::Tensor& key,
+                                          const at::Tensor& value, const c10::optional<at::Tensor>& new_key,
+                                          const c10::optional<at::Tensor>& new_value,
+                                          const c10::optional<at::Tensor>& visible,
+                                          const c10::optional<at::Tensor>& sink, double scaling, bool probs) {
+  const int64_t batch = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
+  const int64_t value_dim = value.size(-1), total = key.size(2) + (new_key.has_value() ? 1 : 0);
+  at::Tensor scores = at::empty({batch, heads, group, total}, q.options());
+  Problem<T> p{q.data_ptr<float>(), sq.defined() ? sq.data_ptr<float>() : nullptr,
+               rows_of<T>(key, new_key), rows_of<T>(value, new_value), flags_of(visible, true), flags_of(sink, false),
+               batch, heads, group, dim, value_dim, total, (total + kChunk - 1) / kChunk,
+               static_cast<float>(scaling), scores.data_ptr<float>(), {}, {}, {}};
   const int64_t tasks = batch * heads * p.chunks;
   p.maxima.resize(tasks * group);
   p.sums.resize(tasks * group);
@@ -388,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
     }
   });
   // merge each row's chunks by their maxima: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M)
-  at::Tensor out = at::empty({batch, heads, group, value_dim}, query.options());
+  at::Tensor out = at::empty({batch, heads, group, value_dim}, q.options());
   std::vector<float> factors(tasks * group);  // each chunk's weights' factor to probabilities
   at::parallel_for(0, batch * heads * group, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -416,7 +410,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
       }
     }
   });
-  if (!probs) return {out, at::empty({0}, query.options())};
+  if (!probs) return {out, at::empty({0}, q.options())};
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % p.chunks, bh = task / p.chunks;
@@ -429,6 +423,49 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
     }
   });
   return {out, scores};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const c10::optional<at::Tensor>& sink_query,
+                                                    const at::Tensor& key, const at::Tensor& value,
+                                                    const c10::optional<at::Tensor>& new_key,
+                                                    const c10::optional<at::Tensor>& new_value,
+                                                    const c10::optional<at::Tensor>& visible,
+                                                    const c10::optional<at::Tensor>& sink, double scaling,
+                                                    bool probs) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 4,
+              "sparsegen::decode_attention: query must be float32 [batch, kv_heads, group, dim], got ",
+              query.scalar_type(), " ", query.sizes());
+  const int64_t batch = query.size(0), heads = query.size(1), group = query.size(2), dim = query.size(3);
+  const int64_t value_dim = value.size(-1);
+  TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kHalf,
+              "sparsegen::decode_attention: keys and values must be float32 or float16, got ", key.scalar_type());
+  const at::ScalarType dtype = key.scalar_type();
+  check_rows(key, "key", dtype, batch, heads, dim);
+  check_rows(value, "value", dtype, batch, heads, value_dim);
+  TORCH_CHECK(key.size(2) == value.size(2), "sparsegen::decode_attention: ", key.size(2), " keys but ",
+              value.size(2), " values");
+  TORCH_CHECK(new_key.has_value() == new_value.has_value(),
+              "sparsegen::decode_attention: new_key and new_value come together");
+  if (new_key.has_value()) {
+    check_rows(*new_key, "new_key", dtype, batch, heads, dim);
+    check_rows(*new_value, "new_value", dtype, batch, heads, value_dim);
+    TORCH_CHECK(new_key->size(2) == 1 && new_value->size(2) == 1,
+                "sparsegen::decode_attention: one new token a row, got ", new_key->sizes());
+  }
+  const int64_t total = key.size(2) + (new_key.has_value() ? 1 : 0);
+  TORCH_CHECK(total > 0, "sparsegen::decode_attention: no slots to attend over");
+  check_mask(visible, "visible", batch, heads, total);
+  check_mask(sink, "sink", batch, heads, total);
+  TORCH_CHECK(sink.has_value() == sink_query.has_value(),
+              "sparsegen::decode_attention: sink and sink_query come together");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor sq = sink_query.has_value() ? sink_query->contiguous() : at::Tensor();
+  if (sink_query.has_value())
+    TORCH_CHECK(sq.sizes() == q.sizes() && sq.scalar_type() == at::kFloat,
+                "sparsegen::decode_attention: sink_query must be float32 like query ", q.sizes());
+  return key.scalar_type() == at::kHalf
+             ? attend<c10::Half>(q, sq, key, value, new_key, new_value, visible, sink, scaling, probs)
+             : attend<float>(q, sq, key, value, new_key, new_value, visible, sink, scaling, probs);
 }
 
 }  // namespace

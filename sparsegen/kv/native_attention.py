@@ -43,9 +43,9 @@ def ready() -> bool:
 
 
 def usable(query: torch.Tensor, key, value) -> bool:
-    """Whether the kernel takes this call (given ``ready``): one query per row, fp32, plain held K/V."""
+    """Whether the kernel takes this call (given ``ready``): one fp32 query per row, plain held K/V in fp32 or fp16."""
     return (query.shape[2] == 1 and query.dtype == torch.float32 and not isinstance(key, HeldCodes)
-            and not isinstance(value, HeldCodes) and key.dtype == value.dtype == torch.float32)
+            and not isinstance(value, HeldCodes) and key.dtype == value.dtype in (torch.float32, torch.float16))
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -53,13 +53,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      sink_query: torch.Tensor | None, sink_slot: torch.Tensor | None, scaling: float,
                      probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``query`` ``[B, q_heads, 1, D]`` over ``key``/``value`` ``[B, Hkv, S, D]`` and ``incoming`` (the step's own
-    K/V, ``[B, Hkv, 1, D]``, slot S), ``mask`` ``[B, 1 or Hkv, 1, T]``, ``sink_slot`` ``[B, 1, 1, T]`` (slots scored
-    with ``sink_query``): the output ``[B, q_heads, 1, Dv]`` and, with ``probs``, ``[B, Hkv, group, 1, T]``."""
+    K/V, ``[B, Hkv, 1, D]``, slot S, read in the held K/V's dtype, as they will be stored), ``mask``
+    ``[B, 1 or Hkv, 1, T]``, ``sink_slot`` ``[B, 1, 1, T]`` (slots scored with ``sink_query``): the output
+    ``[B, q_heads, 1, Dv]`` and, with ``probs``, ``[B, Hkv, group, 1, T]``."""
     batch, q_heads, _, dim = query.shape
     heads = key.shape[1]
     grouped = query.view(batch, heads, q_heads // heads, dim)
+    new_key, new_value = (None, None) if incoming is None else (incoming[0].to(key.dtype), incoming[1].to(key.dtype))
     out, weights = torch.ops.sparsegen.decode_attention(
-        grouped, None if sink_query is None else sink_query.view(grouped.shape), key, value,
-        None if incoming is None else incoming[0], None if incoming is None else incoming[1],
+        grouped, None if sink_query is None else sink_query.view(grouped.shape), key, value, new_key, new_value,
         None if mask is None else mask[:, :, 0], None if sink_slot is None else sink_slot[:, :, 0], scaling, probs)
     return out.view(batch, q_heads, 1, -1), weights[:, :, :, None] if probs else None

@@ -8,6 +8,9 @@ scale fixed at the row's first call (the outlier channels are a property of the 
 quantized per token, so every token's codes stand alone and move with it. On SmolLM2's keys this halves the error of
 plain per-token quantization at 8, 4 and 2 bits (docs/kv.md, "Quantized KV"). Codes are asymmetric min-max integers,
 packed into bytes; each token's scale and zero point are float16.
+
+``kv_bits=16`` is not quantization: keys and values held as float16 numbers (llama.cpp's default cache type), half
+an fp32 cache's bytes, read by CPU decode steps as they are (``sparsegen::decode_attention`` widens them as it loads).
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-BITS = (8, 4, 2)
+BITS = (16, 8, 4, 2)  # 16: float16 numbers, no codes
 TINY = 1e-6  # floor of a channel scale: a channel that was all zeros stays finite
 
 
 @dataclass(frozen=True)
 class KVQuantization:
     """``bits`` per key and value element; the ``residual`` newest tokens of each sequence are also kept in full
-    precision and read from there (KIVI's residual)."""
+    precision and read from there (KIVI's residual). 16 bits: float16 numbers, no residual."""
 
     bits: int
     residual: int = 32
@@ -33,18 +36,27 @@ class KVQuantization:
             raise ValueError(f"kv_bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ValueError(f"the full-precision residual must be a number of tokens >= 0, got {self.residual}")
+        if not self.codes:  # (every token is as precise as a residual would be)
+            object.__setattr__(self, "residual", 0)
+
+    @property
+    def codes(self) -> bool:
+        """Whether keys and values are held as codes with scales (8, 4, 2 bits), not as float16 numbers."""
+        return self.bits < 16
 
     def check(self, head_dim: int) -> None:
-        if head_dim % (8 // self.bits):
+        if self.codes and head_dim % (8 // self.bits):
             raise ValueError(f"{self.bits}-bit KV packs {8 // self.bits} values per byte; head_dim {head_dim} is not "
                              f"a multiple: choose --kv-bits 8")
 
     def token_bytes(self, head_dim: int) -> int:
         """Bytes of one token's key and value in one KV head: codes, and a float16 scale and zero point each."""
-        return 2 * (head_dim * self.bits // 8 + 4)
+        return 2 * (head_dim * self.bits // 8 + (4 if self.codes else 0))
 
     def row_bytes(self, kv_heads: int, head_dim: int, element_size: int) -> int:
         """Bytes one sequence holds per layer besides its tokens: fp32 channel scales and the residual ring."""
+        if not self.codes:
+            return 0
         ring = self.residual + 1 if self.residual else 0
         return kv_heads * head_dim * (4 + 2 * ring * element_size) + ring * 8
 

@@ -112,6 +112,8 @@ def test_a_measurement_that_cannot_fit_is_skipped_not_run(tiny_model, monkeypatc
     (["--policies", "streaming", "--budget", "8", "--sinks", "8"], "smaller than the budget"),
     (["--policies", "nope", "--budget", "8"], "unknown policy"),
     (["--policies", "full", "--memory-limit", "lots"], "memory size"),
+    (["--policies", "full+kvhalf"], "POLICY+kvN"),
+    (["--policies", "full+kv3"], "one of 16, 8, 4, 2"),
 ])
 def test_bench_bad_input(tiny_checkpoint, capsys, argv, message):
     assert main(["bench", "--model", str(tiny_checkpoint), "--contexts", "16", *argv]) == 2
@@ -170,6 +172,18 @@ def test_shared_slot_and_quantized_caches_measure_what_they_hold(tiny_model):
     assert rows["adakv", False]["peak_kv_bytes"] < rows["h2o", False]["peak_kv_bytes"]
     assert rows["h2o", False]["peak_kv_bytes"] < rows["h2o", True]["peak_kv_bytes"] / 2
     assert rows["h2o", False]["bytes_per_step"] < rows["h2o", True]["bytes_per_step"]
+
+
+def test_a_policy_row_with_kv16_holds_its_cache_in_float16_beside_the_plain_row(tiny_checkpoint, tmp_path):
+    out = tmp_path / "kv16.json"
+    assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "h2o,h2o+kv16", "--budget", "12",
+                 "--contexts", "40", "--new-tokens", "2", "--warmup", "0", "--prefill", "synthetic",
+                 "--json", str(out)]) == 0
+    plain, half = json.loads(out.read_text())["rows"]
+    assert (plain["policy"], plain["kv_bits"], half["policy"], half["kv_bits"]) == ("h2o", None, "h2o+kv16", 16)
+    assert plain["kv_tokens"] == half["kv_tokens"] and half["budget"] == 12
+    assert 2 * half["peak_kv_bytes"] == plain["peak_kv_bytes"]
+    assert half["bytes_per_step"] < plain["bytes_per_step"]
 
 
 def test_bench_times_the_compiled_step(tiny_checkpoint, tmp_path):

@@ -61,6 +61,12 @@ def test_every_sync_free_policy_compiles_as_one_graph(name, kv_bits):
     assert _breaks(name, kv_bits) == 0
 
 
+@pytest.mark.parametrize("name", ["full", "streaming", "h2o"])
+def test_float16_storage_compiles_as_one_graph(name):
+    torch._dynamo.reset()
+    assert _breaks(name, 16) == 0
+
+
 def test_sliding_window_layers_compile_as_one_graph():
     torch._dynamo.reset()
     assert _breaks("h2o", family="gemma3") == 0

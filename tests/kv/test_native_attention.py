@@ -72,6 +72,27 @@ def test_the_kernel_is_the_grouped_matmuls(group, dim, slots):
         assert none is None and torch.allclose(alone, out, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dim", [64, 24])
+def test_float16_keys_and_values_are_read_as_their_values(dim):
+    """K/V held in float16 (``kv_bits=16``), on the AVX2 path (64) and the portable one (24): exactly what the fp32
+    kernel and the reference compute over the same numbers widened."""
+    key, value, query, incoming, generator = _case(2, 2, 3, 300, dim)
+    key, value, incoming = key.half(), value.half(), tuple(x.half() for x in incoming)
+    mask = torch.rand(2, 2, 1, 301, generator=generator) > 0.4
+    widened = (key.float(), value.float(), tuple(x.float() for x in incoming))
+    half_out, half_probs = native_attention.decode_attention(query, key, value, incoming, mask, None, None, 0.125, True)
+    out, probs = native_attention.decode_attention(query, *widened, mask, None, None, 0.125, True)
+    assert torch.equal(half_out, out) and torch.equal(half_probs, probs)
+    expected_out, expected_probs = reference(query, *widened, mask, None, None, 0.125)
+    torch.testing.assert_close(half_out, expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(half_probs, expected_probs, rtol=1e-5, atol=1e-6)
+    # the step's own token, given in fp32, is read as it will be held: rounded to float16
+    unrounded = tuple(x.float() + 1e-4 for x in incoming)
+    rounded = tuple(x.half().float() for x in unrounded)
+    assert torch.equal(native_attention.decode_attention(query, key, value, unrounded, mask, None, None, 0.1, False)[0],
+                       native_attention.decode_attention(query, *widened[:2], rounded, mask, None, None, 0.1, False)[0])
+
+
 def test_a_row_that_sees_nothing_is_nan_as_softmax_makes_it():
     key, value, query, _, _ = _case(1, 1, 3, 40, 64)
     hidden = torch.zeros(1, 1, 1, 40, dtype=torch.bool)
@@ -84,8 +105,10 @@ def test_bad_operands_are_refused_with_what_is_expected():
     key, value, query, incoming, _ = _case(1, 2, 2, 16, 64)
     op = torch.ops.sparsegen.decode_attention
     grouped = query.view(1, 2, 2, 64)
-    with pytest.raises(RuntimeError, match=r"key must be float32 \[1, 2, slots, 64\]"):
+    with pytest.raises(RuntimeError, match="keys and values must be float32 or float16, got Double"):
         op(grouped, None, key.double(), value, None, None, None, None, 0.1, False)
+    with pytest.raises(RuntimeError, match=r"value must be Half \(as key\) \[1, 2, slots, 64\]"):
+        op(grouped, None, key.half(), value, None, None, None, None, 0.1, False)
     with pytest.raises(RuntimeError, match=r"visible must be bool \[1, 1 or 2, 17\]"):
         op(grouped, None, key, value, *incoming, torch.ones(1, 1, 16, dtype=torch.bool), None, 0.1, False)
     with pytest.raises(RuntimeError, match="sink and sink_query come together"):
@@ -103,10 +126,14 @@ key, value, query, incoming, _ = _case(2, 3, 3, 600, 64)
 out, probs = native_attention.decode_attention(query, key, value, incoming, None, None, None, 0.125, True)
 expected_out, expected_probs = reference(query, key, value, incoming, None, None, None, 0.125)
 print(float((out - expected_out).abs().max()) < 1e-5, float((probs - expected_probs).abs().max()) < 1e-6)
+half = native_attention.decode_attention(query, key.half(), value.half(), incoming, None, None, None, 0.125, False)[0]
+widened = reference(query, key.half().float(), value.half().float(), tuple(x.half().float() for x in incoming), None,
+                    None, None, 0.125)[0]
+print(float((half - widened).abs().max()) < 1e-5)
 """
     env = {**os.environ, "SPARSEGEN_SCALAR_KERNELS": "1"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout
-    assert out.split() == ["True", "True"], out
+    assert out.split() == ["True", "True", "True"], out
 
 
 def _model(family: str):
@@ -121,12 +148,14 @@ def _model(family: str):
     return LlamaForCausalLM._from_config(LlamaConfig(**shape), attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("name,family", [("full", "llama"), ("streaming", "llama"), ("h2o", "llama"),
-                                         ("tova", "llama"), ("knorm", "llama"), ("h2o", "gemma3")])
-def test_decode_steps_through_the_kernel_keep_what_the_matmuls_keep(name, family):
+@pytest.mark.parametrize("name,family,kv_bits", [
+    ("full", "llama", None), ("streaming", "llama", None), ("h2o", "llama", None), ("tova", "llama", None),
+    ("knorm", "llama", None), ("h2o", "gemma3", None),
+    ("full", "llama", 16), ("streaming", "llama", 16), ("knorm", "llama", 16), ("h2o", "gemma3", 16)])
+def test_decode_steps_through_the_kernel_keep_what_the_matmuls_keep(name, family, kv_bits):
     """Prefill, then eager and fixed-shape decode steps past the budget, rows padded: the same logits and the same
     kept tokens with the kernel as with the grouped matmuls (rolling positions' sinks for streaming, H2O's observed
-    probabilities, Gemma 3's window)."""
+    probabilities, Gemma 3's window), K/V held as the model computes them or in float16."""
     model = _model(family)
     ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -134,7 +163,7 @@ def test_decode_steps_through_the_kernel_keep_what_the_matmuls_keep(name, family
     results = []
     for native in (True, False):
         cache = EvictionCache(model, make_policy(name, None if name == "full" else 12), chunk_size=8,
-                              expected_length=40)
+                              expected_length=40, kv_bits=kv_bits)
         cache.native_decode = native
         step = DecodeStep(model, compile=True)
         logits = []
@@ -145,6 +174,7 @@ def test_decode_steps_through_the_kernel_keep_what_the_matmuls_keep(name, family
                 run = step.eager if index < 6 else step.uncompiled
                 logits.append(run(cache, token, position))
                 token, position = logits[-1].argmax(-1), position + 1
+        assert all(layer.keys.dtype == (torch.float32 if kv_bits is None else torch.float16) for layer in cache.layers)
         results.append((torch.stack(logits), [(layer.index.clone(), layer.valid.clone()) for layer in cache.layers]))
     (ours, our_layers), (theirs, their_layers) = results
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

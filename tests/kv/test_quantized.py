@@ -142,6 +142,26 @@ def test_bytes_held_follow_the_bit_width(bits):
     assert stats[False]["kv_bits"] == bits and stats[False]["kv_tokens_peak"] == 24
 
 
+@pytest.mark.parametrize("policy,positions", [("h2o", None), ("streaming", "rolling"), ("full", None)])
+def test_float16_storage_halves_the_bytes_and_keeps_the_logits_near(policy, positions):
+    """``kv_bits=16``: K/V held as float16 numbers (no codes, no residual), half an fp32 cache's bytes; every path
+    reads them widened (no kernel here: 8-wide heads), so outputs stay within float16's rounding of the fp32 cache's."""
+    model = tiny_model("llama")  # 2 KV heads of 8 dims, fp32
+    ids, mask = _padded_batch([21, 15], sum(CHUNKS))
+    runs = {}
+    for bits in (None, 16):
+        cache = EvictionCache(model, make_policy(policy, None if policy == "full" else 10), positions=positions,
+                              chunk_size=8, kv_bits=bits)
+        runs[bits] = (_run_chunks(model, cache, ids, mask, CHUNKS), cache)
+    (plain, plain_cache), (half, cache) = runs[None], runs[16]
+    assert all(layer.keys.dtype == layer.values.dtype == torch.float16 for layer in cache.layers)
+    assert (half - plain)[mask.bool()].abs().max() < 5e-3
+    stats, plain_stats = cache.stats(), plain_cache.stats()
+    assert stats["kv_bits"] == 16 and stats["kv_residual"] == 0
+    assert 2 * stats["kv_bytes_peak"] == plain_stats["kv_bytes_peak"]
+    assert KVQuantization(16).token_bytes(8) == 2 * 8 * 2 and KVQuantization(16).row_bytes(2, 8, 4) == 0
+
+
 def test_stacked_rows_decode_as_alone():
     """A server's batched decode: quantized rows stacked, stepped together, written back == stepped alone."""
     model = tiny_model("qwen2")
@@ -170,7 +190,7 @@ def test_stacked_rows_decode_as_alone():
 
 def test_bad_quantization_is_refused():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="one of 8, 4, 2"):
+    with pytest.raises(ValueError, match="one of 16, 8, 4, 2"):
         EvictionCache(model, make_policy("full"), kv_bits=3)
     with pytest.raises(ValueError, match="residual"):
         KVQuantization(4, -1)
