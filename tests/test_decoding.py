@@ -144,6 +144,29 @@ def test_a_bounded_cache_gets_its_spare_slot_before_its_first_fixed_step():
     assert cache.layers[0].keys.shape[2] == 64 and cache.fits_fixed_step() and cache.layers[0].keys.shape[2] > 100
 
 
+def test_decoding_lets_go_of_the_prefill_room_and_a_chunk_grows_it_back():
+    """Fixed steps keep a bounded layer's budget, the spare slot and the rollback (the room a prefill chunk needed
+    is let go, once: one shape for every step after); a chunk after them grows the slots back; every logit is the
+    eager steps' (which never let go)."""
+    runs = []
+    for fixed in (True, False):
+        model, cache, token, position = _prefilled("h2o", prompt=14, rollback=2)
+        assert cache.layers[0].keys.shape[2] == BUDGET + 8  # the budget and a chunk
+        step = _fixed_as_compiled(model) if fixed else DecodeStep(model)
+        logits = [_decode(step, model, cache, token, position, steps=3)]
+        if fixed:
+            assert all(layer.keys.shape[2] == BUDGET + 1 + 2 for layer in cache.layers)
+        ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            logits.append(prefill(model, cache, ids, torch.ones_like(ids), 8, start=int(position[0]) + 3)[None])
+            assert cache.layers[0].keys.shape[2] >= BUDGET + 6
+            logits.append(_decode(step, model, cache, logits[-1][0].argmax(-1), position + 9, steps=3))
+        runs.append((torch.cat(logits), [_kept(layer) for layer in cache.layers]))
+    (ours, kept), (eager, eager_kept) = runs
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(kept, eager_kept))
+
+
 def test_a_step_updates_the_tokens_seen_in_place():
     model, cache, token, position = _prefilled("h2o")
     seen = cache.seen
