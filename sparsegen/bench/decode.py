@@ -71,6 +71,7 @@ class Setup:
         self.contextual = None if plan is None else plan.method
 
     def kv_bits_of(self, name: str) -> KVQuantization | None:
+        """How row ``name``'s cache holds K/V (``row_kv_bits``)."""
         return row_kv_bits(name, self.kv_bits)
 
     def kv_bytes_per_token(self, name: str) -> int:

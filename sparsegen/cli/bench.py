@@ -88,7 +88,7 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
     from sparsegen.bench import decode
     from sparsegen.speculative import Speculation, draft_length, draft_policy
 
-    # (a POLICY+kvN row is POLICY's, its K/V held in N bits: ``decode.Setup.kv_bits_of``)
+    # (a POLICY+kvN row is POLICY's, its K/V held in N bits: ``decode.row_kv_bits``)
     args.policy = list(dict.fromkeys(n.partition("+kv")[0] for n in names
                                      if n not in decode.BASELINES and not n.startswith("speculative:")))
     factories = dict(policy_factories(args)) if args.policy else {}
