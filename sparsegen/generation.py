@@ -13,6 +13,7 @@ from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.context import CompressedContext
+from sparsegen.kv.quantized import policy_and_bits
 from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 
@@ -321,13 +322,11 @@ def compare(
         draft = name.removeprefix("speculative:") if name.startswith("speculative:") else None
         if draft is not None and ":" not in draft:
             draft = f"{draft}:{budget}"
-        policy, _, bits = name.partition("+kv")
-        if bits and not bits.isdigit():
-            raise ValueError(f"{name!r}: write a quantized row as POLICY+kvBITS, e.g. h2o+kv4")
+        policy, bits = policy_and_bits(name)
         rows[name] = generate(
             model, tokenizer, prompt, policy="full" if draft else policy,
             budget=None if policy == "full" or draft else budget, max_new_tokens=max_new_tokens,
             chunk_size=chunk_size, stop_at_eos=False, speculative=draft, draft_tokens=draft_tokens,
-            draft_model=draft_model if draft else None, kv_bits=int(bits) if bits else None,
+            draft_model=draft_model if draft else None, kv_bits=bits,
         ).to_dict()
     return rows

@@ -26,6 +26,7 @@ from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchr
 from sparsegen.bench.syncs import count_syncs
 from sparsegen.decoding import DecodeStep, forward, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
+from sparsegen.kv.quantized import policy_and_bits
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
 from sparsegen.speculative import Speculation, speculative_tokens
 
@@ -60,7 +61,8 @@ class Setup:
             raise ValueError("new_tokens, recompute_tokens and repeats must be >= 1 and warmup >= 0")
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_per_token = kv_bytes_per_token(self.model.config, param.element_size())
+        self.element_size = param.element_size()
+        self.kv_per_token = kv_bytes_per_token(self.model.config, self.element_size)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights(self.model))
         self.step_weight_bytes = weight_bytes_per_step(self.model)
         self.vocab = self.model.config.get_text_config().vocab_size
@@ -79,8 +81,7 @@ class Setup:
         storage (quantized as ``kv_bits_of`` says) for every policy."""
         if name in BASELINES:
             return self.kv_per_token
-        return kv_bytes_per_token(self.model.config, next(self.model.parameters()).element_size(),
-                                  self.kv_bits_of(name))
+        return kv_bytes_per_token(self.model.config, self.element_size, self.kv_bits_of(name))
 
     def environment(self) -> dict:
         device = self.device
@@ -95,14 +96,12 @@ class Setup:
 
 
 def row_kv_bits(name: str, default: KVQuantization | None) -> KVQuantization | None:
-    """How row ``name`` holds K/V: ``POLICY+kvN`` in N bits (16: float16; ``h2o+kv16`` beside ``h2o`` compares the
-    two in one run), any other row as ``default`` (the bench's ``--kv-bits``) says."""
-    _, _, bits = name.partition("+kv")
-    if not bits:
+    """How row ``name`` holds K/V: ``POLICY+kvBITS`` in BITS bits (16: float16; ``h2o+kv16`` beside ``h2o`` compares
+    the two in one run), any other row as ``default`` (the bench's ``--kv-bits``) says."""
+    bits = policy_and_bits(name)[1]
+    if bits is None:
         return default
-    if not bits.isdigit():
-        raise ValueError(f"{name!r}: write a row holding K/V in N bits as POLICY+kvN, e.g. h2o+kv16")
-    return replace(default, bits=int(bits)) if default else KVQuantization(int(bits))
+    return replace(default, bits=bits) if default else KVQuantization(bits)
 
 
 def _cpu_name() -> str:

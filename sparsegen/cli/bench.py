@@ -24,6 +24,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from sparsegen.bench import report
     from sparsegen.bench.roofline import measure_bandwidth
     from sparsegen.contextual import Contextual, attach, detach
+    from sparsegen.kv.quantized import policy_and_bits
     from sparsegen.models.loading import check_device
     from sparsegen.models.synthetic import is_random
     from sparsegen.quant.fast import WEIGHTS
@@ -37,7 +38,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if not llamacpp.available():
             raise ValueError(llamacpp.INSTALL)
         ggufs = {m.strip(): gguf_file(m.strip()) for m in args.model.split(",") if m.strip()}  # fails before loading
-    if not isinstance(args.budget, int) and any(n.partition("+kv")[0] not in ("dense", "full")
+    if not isinstance(args.budget, int) and any(policy_and_bits(n)[0] not in ("dense", "full")
                                                 and not n.startswith("speculative:") for n in names):
         raise ValueError("--budget (a token count) is needed for every policy but dense and full (recompute: its "
                          "window)")
@@ -86,10 +87,11 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
     """``(name, make)`` for each row kind named: ``make()`` builds its policy (None for dense; recompute's window; a
     Speculation), checked here, before any model is built."""
     from sparsegen.bench import decode
+    from sparsegen.kv.quantized import policy_and_bits
     from sparsegen.speculative import Speculation, draft_length, draft_policy
 
-    # (a POLICY+kvN row is POLICY's, its K/V held in N bits: ``decode.row_kv_bits``)
-    args.policy = list(dict.fromkeys(n.partition("+kv")[0] for n in names
+    # (a POLICY+kvBITS row is POLICY's, its K/V held in BITS bits: ``decode.row_kv_bits``)
+    args.policy = list(dict.fromkeys(policy_and_bits(n)[0] for n in names
                                      if n not in decode.BASELINES and not n.startswith("speculative:")))
     factories = dict(policy_factories(args)) if args.policy else {}
     draft_tokens = draft_length(args.draft_tokens)
@@ -103,7 +105,7 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
             spec = name.removeprefix("speculative:")
             policies.append((name, lambda spec=spec: Speculation(draft_policy(spec), draft_tokens)))
         else:
-            policies.append((name, factories[name.partition("+kv")[0]]))
+            policies.append((name, factories[policy_and_bits(name)[0]]))
             decode.row_kv_bits(name, None)  # (bad bit widths fail here)
     for _, make in policies:
         make()  # bad budgets and splits fail here
@@ -209,8 +211,8 @@ def add_parsers(sub) -> None:
     weights_arg(p, several=True)
     p.add_argument("--policies", default="full,window,streaming,h2o,streaming-h2o,recompute",
                    help="comma-separated; besides the KV policies: dense (transformers' DynamicCache) and recompute "
-                        "(re-encode the last --budget tokens for every token); POLICY+kvN holds that row's K/V in N "
-                        "bits (16: float16, as llama.cpp; 8, 4, 2: codes), e.g. full,full+kv16")
+                        "(re-encode the last --budget tokens for every token); POLICY+kvBITS holds that row's K/V in "
+                        "BITS bits (16: float16, as llama.cpp; 8, 4, 2: codes), e.g. full,full+kv16")
     p.add_argument("--contexts", default="1024,4096,16384,32768", help="context lengths before decoding")
     budget_args(p, "KV tokens per layer for every policy but full/dense (recompute: its window)")
     p.add_argument("--new-tokens", type=int, default=128, help="timed decode steps (default 128)")

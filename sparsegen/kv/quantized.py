@@ -64,6 +64,15 @@ class KVQuantization:
         return {"kv_bits": self.bits, "kv_residual": self.residual}
 
 
+def policy_and_bits(name: str) -> tuple[str, int | None]:
+    """A row named ``POLICY+kvBITS`` (``h2o+kv4``, ``full+kv16``: that policy with its cache in BITS bits), as
+    ``compare`` and ``bench`` take it: the policy's name and the bits (None without the suffix)."""
+    policy, suffix, bits = name.partition("+kv")
+    if suffix and not bits.isdigit():
+        raise ValueError(f"{name!r}: write a row holding K/V in BITS bits as POLICY+kvBITS, e.g. h2o+kv4 or h2o+kv16")
+    return policy, int(bits) if bits else None
+
+
 def as_quantization(kv_bits: int | KVQuantization | None) -> KVQuantization | None:
     """``kv_bits`` as given to the cache and the entry points: a bit width (the default residual), a
     ``KVQuantization``, or None (no quantization)."""

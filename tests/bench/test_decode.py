@@ -112,7 +112,7 @@ def test_a_measurement_that_cannot_fit_is_skipped_not_run(tiny_model, monkeypatc
     (["--policies", "streaming", "--budget", "8", "--sinks", "8"], "smaller than the budget"),
     (["--policies", "nope", "--budget", "8"], "unknown policy"),
     (["--policies", "full", "--memory-limit", "lots"], "memory size"),
-    (["--policies", "full+kvhalf"], "POLICY+kvN"),
+    (["--policies", "full+kvhalf"], "POLICY+kvBITS"),
     (["--policies", "full+kv3"], "one of 16, 8, 4, 2"),
 ])
 def test_bench_bad_input(tiny_checkpoint, capsys, argv, message):
