@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -20,6 +22,7 @@ from sparsegen.models.compat import cache_kwargs
 # graphs the one compiled step may hold (one per model, policy kind and (batch, slots) shape; past it dynamo fails
 # loudly, fullgraph); dynamo's default, 8, is less than one bench run of a few policies over a few contexts needs
 COMPILED_SHAPES = 128
+GUARDED_STATES = 8  # states of one cache a DecodeStep remembers as having passed dynamo's guards (past it: forgets)
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
 
 
@@ -83,6 +86,8 @@ class DecodeStep:
         self.model, self.compiled = model, compile
         self.graphs = compile and next(model.parameters()).device.type == "cuda"
         self.compiled_steps = 0  # steps that ran the compiled step
+        self.unguarded_steps = 0  # of them, those that skipped dynamo's guards (their state had passed them)
+        self._guarded: weakref.WeakKeyDictionary[object, set[tuple]] = weakref.WeakKeyDictionary()  # cache: states
         # the first compiled step's wall time: the compile (CUDA: + capture), unless this process has compiled the
         # step for these shapes already (every DecodeStep shares the compiled step's graphs)
         self.compile_seconds: float | None = None
@@ -109,14 +114,33 @@ class DecodeStep:
         if self.graphs and compiled:
             for tensor in cache.step_state():
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
+        token, position = _unit_stride(token), _unit_stride(position)
+        state = self._state(cache, token, position) if compiled else None
+        guarded = self._guarded.setdefault(cache, set()) if compiled else set()
+        unguarded = state in guarded and torch._dynamo.eval_frame._stance == _DEFAULT_STANCE
         started = time.perf_counter()
-        with cache.fixed_shape_step():
-            logits = run(cache, _unit_stride(token), _unit_stride(position))
+        with cache.fixed_shape_step(), _SKIP_GUARDS() if unguarded else nullcontext():
+            logits = run(cache, token, position)
         if compiled:
             self.compiled_steps += 1
+            self.unguarded_steps += unguarded
+            if len(guarded) >= GUARDED_STATES:
+                guarded.clear()
+            guarded.add(state)
             if self.compile_seconds is None:
                 self.compile_seconds = time.perf_counter() - started
         return logits.clone() if self.graphs and compiled else logits  # (a CUDA graph's output is its next replay's)
+
+    def _state(self, cache, token: torch.Tensor, position: torch.Tensor) -> tuple:
+        """All a compiled step's graph may depend on: dynamo's guards check it every step (2 ms of a 15 ms step of
+        SmolLM2 on this CPU), so once a state has passed them (compiling if it needed to), the same state again
+        skips them (``skip_guard_eval_unsafe``: dynamo then tells its graphs apart by the guards that differ between
+        them). Kept per cache (a state names its objects by identity, which a new cache may reuse): the model by
+        identity (a model changed in place between steps, not supported, is not seen), the cache's
+        ``step_fingerprint``, the inputs' layouts and the autograd modes."""
+        inputs = tuple((x.shape, x.dtype, x.device, x.requires_grad, x.is_inference()) for x in (token, position))
+        modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        return id(self.model), inputs, modes, cache.step_fingerprint()
 
     def with_chunk(self, cache, token: torch.Tensor, position: torch.Tensor, prefilling, chunk: torch.Tensor,
                    start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +198,10 @@ def _compiled_step(graphs: bool):
     (``triton.cudagraphs`` is what mode="reduce-overhead" sets; a mode and options cannot both be given.)"""
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs}
     return torch.compile(_step, fullgraph=True, options=options, recompile_limit=COMPILED_SHAPES)
+
+
+_DEFAULT_STANCE = torch._dynamo.eval_frame.DynamoStance()
+_SKIP_GUARDS = partial(torch.compiler.set_stance, "default", skip_guard_eval_unsafe=True)
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:

@@ -260,3 +260,93 @@ def test_every_decode_step_shares_the_compiled_graphs_and_counting_breaks_keeps_
         assert step.graph_breaks(cache, token, position) == 0  # (captured once more, by a counting backend)
         _decode(step, model, cache, token, position + 1, 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the step's graph, and the count's
+
+
+def _through_dynamo(model) -> DecodeStep:
+    """A DecodeStep whose fixed step goes through dynamo (guards, graphs, recompiles) with the eager backend."""
+    step = _fixed_as_compiled(model)
+    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
+    return step
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_a_caches_fingerprint_holds_from_step_to_step_and_changes_with_its_state(name):
+    """What tells a state that passed dynamo's guards: every fixed-step policy's cache has the same fingerprint
+    after every step (the counts kept outside the graph are left out), so its steps skip the guards; a changed
+    number, another buffer, a new shape change it."""
+    budget, room = _sizes(name)
+    model, cache, token, position = _prefilled(name, budget=budget, **room)
+    step, prints = _fixed_as_compiled(model), []
+    for _ in range(STEPS):
+        token, position = _decode(step, model, cache, token, position, steps=1)[0].argmax(-1), position + 1
+        prints.append(cache.step_fingerprint())
+    assert len(set(prints)) == 1 and cache.layers[0].used > 0
+    layer, steady = cache.layers[-1], prints[0]
+    layer.pinned += 1
+    assert cache.step_fingerprint() != steady
+    layer.pinned -= 1
+    keys = layer.keys
+    layer.keys = keys.clone()
+    assert cache.step_fingerprint() != steady
+    layer.keys = keys[:, :, :-1]
+    assert cache.step_fingerprint() != steady
+    layer.keys = keys
+    assert cache.step_fingerprint() == steady
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o", "full"])
+def test_a_steady_step_skips_dynamos_guards_and_gives_the_eager_logits(name):
+    torch._dynamo.reset()
+    budget, room = _sizes(name)
+    model, reference, token, position = _prefilled(name, budget=budget, **room)
+    _, cache, _, _ = _prefilled(name, budget=budget, **room)
+    step = _through_dynamo(model)
+    expected = _decode(DecodeStep(model), model, reference, token, position)
+    torch.testing.assert_close(_decode(step, model, cache, token, position), expected, rtol=1e-5, atol=1e-5)
+    assert step.compiled_steps == STEPS and step.unguarded_steps == STEPS - 1  # all but the first
+    with torch.compiler.set_stance("force_eager"):  # a stance the caller chose is kept
+        _decode(step, model, cache, expected[-1].argmax(-1), position + STEPS, steps=1)
+    assert step.unguarded_steps == STEPS - 1
+
+
+def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
+    """One step alternating between caches of two shapes (two graphs), then a prompt chunk that grows one cache's
+    slots (new buffers) and a budget changed between steps: each new state is checked by dynamo's guards, which
+    pick or compile its graph, and every logit stays the eager step's."""
+    torch._dynamo.reset()
+    step, eager, runs = None, None, []
+    for budget in (BUDGET, BUDGET + 3):
+        model, reference, token, position = _prefilled("h2o", budget=budget)
+        _, cache, _, _ = _prefilled("h2o", budget=budget)
+        runs.append([reference, cache, token, position])
+    step, eager = _through_dynamo(model), DecodeStep(model)
+    torch._dynamo.utils.counters.clear()
+
+    def one_step(run):
+        reference, cache, token, position = run
+        expected = _decode(eager, model, reference, token, position, steps=1)
+        torch.testing.assert_close(_decode(step, model, cache, token, position, steps=1), expected)
+        with torch.inference_mode():
+            run[2:] = expected[0].argmax(-1), position + 1
+
+    for _ in range(3):
+        for run in runs:
+            one_step(run)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and step.unguarded_steps == 4  # each cache's first step checked
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    for index, cache in enumerate(runs[0][:2]):
+        with torch.inference_mode():
+            logits = prefill(model, cache, ids, torch.ones_like(ids), 9, start=int(runs[0][3][0]))
+        if index == 0:
+            expected = logits
+    torch.testing.assert_close(logits, expected)
+    with torch.inference_mode():
+        runs[0][2:] = logits.argmax(-1), runs[0][3] + 9
+    one_step(runs[0])
+    for cache in runs[1][:2]:
+        for layer in cache.layers:
+            layer.policy = make_policy("h2o", BUDGET)  # a smaller budget: the same slots, another eviction
+    for _ in range(2):
+        for run in runs:
+            one_step(run)
+    assert step.compiled_steps == 11 and step.unguarded_steps == 4 + 3  # the first step of each new state checked

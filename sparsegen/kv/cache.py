@@ -19,10 +19,13 @@ slots (``Policy.shares_slots``, Ada-KV) gives a layer one row of ``budget x kv_h
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import sys
 import weakref
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -48,6 +51,10 @@ KV_BUFFERS = BUFFERS[:6]  # what a slot's K and V cost
 # tokens, at slot (token ordinal % residual) of a ring (one slot more, where other tokens' writes go) [B, H, R + 1, D]
 # with the ordinal each ring slot holds [B, R + 1]
 ROW_STATE = ("key_channels", "ring_keys", "ring_values", "ring_index")
+# the counts a fixed step keeps outside its graph (``fixed_shape_step``): they change every step, the graph reads none
+HOST_COUNTS = frozenset({"length", "used", "peak_tokens"})
+_BY_VALUE = frozenset({int, float, str, bool, type(None), torch.dtype, torch.device})  # tensors: by identity and
+# layout (a buffer let go and a new one may share an identity); the rest by identity
 
 
 @dataclass
@@ -721,6 +728,22 @@ class EvictionCache(Cache):
             layer.used = min(used + 1, layer.fixed_slots)
             layer.peak_tokens = max(layer.peak_tokens, used + 1)
 
+    def step_fingerprint(self) -> tuple:
+        """What a fixed step's compiled graph may depend on, to tell a step whose state dynamo's guards have passed
+        from one they must check (``DecodeStep`` skips the guards for the first): every attribute of the cache, of
+        its layers and of their policies, numbers by value, tensors by identity, shape and dtype, every other object
+        by identity, less the counts ``fixed_shape_step`` keeps outside the graph. Equal fingerprints: the same buffers, shapes and
+        settings, so the same graph."""
+        policies = {id(layer.policy): layer.policy for layer in self.layers}
+        fingerprint = []
+        for attributes in map(vars, (self, *self.layers, *policies.values())):
+            names = tuple(attributes)
+            fingerprint.append(names)
+            fingerprint.extend(value if type(value) in _BY_VALUE else
+                               (id(value), value.shape, value.dtype) if isinstance(value, torch.Tensor) else id(value)
+                               for value in _graph_attributes(names)(attributes))
+        return tuple(fingerprint)
+
     def step_state(self) -> list[torch.Tensor]:
         """Every tensor a decode step updates in place: the layers' slots and row state, and the tokens seen."""
         return [self.seen] + [buf for layer in self.layers for _, buf in layer.buffers() + layer.row_state()]
@@ -982,3 +1005,13 @@ class EvictionCache(Cache):
             "kv_bytes_allocated": self.allocated_bytes(),
             "tokens_seen": self.length,
         }
+
+
+@functools.cache
+def _graph_attributes(names: tuple[str, ...]) -> Callable[[dict], tuple]:
+    """Reads an object's attributes ``names`` but the ``HOST_COUNTS`` from its ``vars()``, as a tuple (one getter
+    per attribute layout: ``step_fingerprint`` runs every step)."""
+    kept = [name for name in names if name not in HOST_COUNTS]
+    if len(kept) > 1:
+        return operator.itemgetter(*kept)
+    return lambda attributes: tuple(attributes[name] for name in kept)
