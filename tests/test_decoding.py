@@ -332,7 +332,8 @@ def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
     for _ in range(3):
         for run in runs:
             one_step(run)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and step.unguarded_steps == 4  # each cache's first step checked
+    # each cache's first step checked
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and step.unguarded_steps == 4
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     for index, cache in enumerate(runs[0][:2]):
         with torch.inference_mode():

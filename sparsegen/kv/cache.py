@@ -732,8 +732,8 @@ class EvictionCache(Cache):
         """What a fixed step's compiled graph may depend on, to tell a step whose state dynamo's guards have passed
         from one they must check (``DecodeStep`` skips the guards for the first): every attribute of the cache, of
         its layers and of their policies, numbers by value, tensors by identity, shape and dtype, every other object
-        by identity, less the counts ``fixed_shape_step`` keeps outside the graph. Equal fingerprints: the same buffers, shapes and
-        settings, so the same graph."""
+        by identity, less the counts ``fixed_shape_step`` keeps outside the graph. Equal fingerprints: the same
+        buffers, shapes and settings, so the same graph."""
         policies = {id(layer.policy): layer.policy for layer in self.layers}
         fingerprint = []
         for attributes in map(vars, (self, *self.layers, *policies.values())):
