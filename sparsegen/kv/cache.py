@@ -187,8 +187,17 @@ class EvictionLayer(CacheLayerMixin):
 
     def store(self, start: int, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write tokens into slots ``start:end`` (quantized, when the cache is)."""
+        slots = self.slots(start, end)
         for name, x in self.encoded(keys, values).items():
-            getattr(self, name)[:, :, start:end] = x
+            getattr(self, name)[:, :, slots] = x
+
+    def slots(self, start: int, end: int) -> slice | torch.Tensor:
+        """Slots ``start:end`` as a step writes them: a fixed step by their numbers (an index write, which inductor
+        does in place: written as a slice, each buffer a step wrote twice, the spare slot and the slot it takes, was
+        copied whole, twice; SmolLM2's 30 layers, measured in a model of the writes: 1.6 against 0.4 ms a step)."""
+        if self.cache.fixed_step:
+            return torch.arange(start, end, device=self.device)
+        return slice(start, end)
 
     def encoded(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """What tokens' K/V put in each K/V buffer: themselves, or their codes, scales and zero points."""
@@ -323,14 +332,15 @@ class EvictionLayer(CacheLayerMixin):
             self.store(start, end, key_states, value_states)
         elif self.cache.kv_dtype is not None:  # (attended as it will be held, whichever path attends)
             self.incoming = tuple(x.to(self.cache.kv_dtype).to(x.dtype) for x in self.incoming)
-        self.index[:, :, start:end] = new_index[:, None, :]
-        self.valid[:, :, start:end] = new_valid[:, None, :]
+        slots = self.slots(start, end)
+        self.index[:, :, slots] = new_index[:, None, :]
+        self.valid[:, :, slots] = new_valid[:, None, :]
         if self.head is not None:
-            self.head[:, :, start:end] = torch.arange(heads, device=self.device).repeat_interleave(tokens)
+            self.head[:, :, slots] = torch.arange(heads, device=self.device).repeat_interleave(tokens)
         if self.attention is not None:
-            self.attention[:, :, start:end] = 0
+            self.attention[:, :, slots] = 0
         if self.memo is not None:
-            self.memo[:, :, start:end] = torch.nan
+            self.memo[:, :, slots] = torch.nan
         self.used, self.pending = end, q
         if not fixed:  # (a fixed step's caller counts: a number read here would be one the graph specialises on)
             self.peak_tokens = max(self.peak_tokens, end)
@@ -497,7 +507,7 @@ class EvictionLayer(CacheLayerMixin):
         for name, buf in self.buffers():
             buf[rows] = incoming[name][:, :, 0] if name in incoming else buf[:, :, newest].clone()
         self.incoming = None
-        self.valid[:, :, newest] = False
+        self.valid[:, :, self.slots(newest, newest + 1)] = False
         self.used = newest
 
     def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor, moves: int | None = None,
