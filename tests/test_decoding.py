@@ -45,6 +45,13 @@ def _fixed_as_compiled(model) -> DecodeStep:
     return step
 
 
+def _through_dynamo(model) -> DecodeStep:
+    """A DecodeStep whose fixed step goes through dynamo (guards, graphs, recompiles) with the eager backend."""
+    step = _fixed_as_compiled(model)
+    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
+    return step
+
+
 def _decode(step: DecodeStep, model, cache, token, position, steps: int = STEPS) -> torch.Tensor:
     logits = []
     with torch.inference_mode():
@@ -216,8 +223,7 @@ def test_another_announced_length_takes_the_same_compiled_step(name):
     length itself)."""
     torch._dynamo.reset()
     model = tiny_model("llama")
-    step = _fixed_as_compiled(model)
-    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
+    step = _through_dynamo(model)
     ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(0))
     torch._dynamo.utils.counters.clear()
     for length in (PROMPT + STEPS + 20, PROMPT + STEPS + 30):
@@ -255,21 +261,13 @@ def test_every_decode_step_shares_the_compiled_graphs_and_counting_breaks_keeps_
     assert first._run.func is second._run.func
     torch._dynamo.reset()
     model, cache, token, position = _prefilled("h2o")
-    step = _fixed_as_compiled(model)
-    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
+    step = _through_dynamo(model)
     torch._dynamo.utils.counters.clear()
     with torch.inference_mode():
         token, position = _decode(step, model, cache, token, position, 2)[-1].argmax(-1), position + 2
         assert step.graph_breaks(cache, token, position) == 0  # (captured once more, by a counting backend)
         _decode(step, model, cache, token, position + 1, 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the step's graph, and the count's
-
-
-def _through_dynamo(model) -> DecodeStep:
-    """A DecodeStep whose fixed step goes through dynamo (guards, graphs, recompiles) with the eager backend."""
-    step = _fixed_as_compiled(model)
-    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
-    return step
 
 
 @pytest.mark.parametrize("name", FIXED)
