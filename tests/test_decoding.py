@@ -352,3 +352,18 @@ def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
         for run in runs:
             one_step(run)
     assert step.compiled_steps == 11 and step.unguarded_steps == 4 + 3  # the first step of each new state checked
+
+
+def test_the_compiled_step_builds_on_a_torch_without_a_per_function_recompile_limit(monkeypatch):
+    """torch before 2.13 has no ``recompile_limit`` keyword on ``torch.compile`` (an H200 run on torch 2.11 failed on
+    it): the step is compiled without it, and dynamo's global limit is raised to the step's instead."""
+    import sparsegen.decoding as decoding
+
+    def old_compile(model, *, fullgraph=False, options=None):  # torch.compile's signature before the keyword
+        return ("compiled", model, fullgraph, options)
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    compiled = decoding._compiled_step.__wrapped__(False)
+    assert compiled[:3] == ("compiled", _step, True)
+    assert torch._dynamo.config.recompile_limit == decoding.COMPILED_SHAPES
