@@ -243,11 +243,14 @@ def estimate_bytes(setup: Setup, name: str, policy: Policy | None, context: int,
 
 
 @torch.inference_mode()
-def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, batch: int) -> dict:
+def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, batch: int,
+            checks: bool = True) -> dict:
     """One row: prefill time, decode ms per step (median, p90), tokens/s, KV and process memory, roofline.
 
     ``policy`` is a ``Policy`` for sparsegen caches, None for ``dense``, the window (tokens) for ``recompute``, and a
-    ``Speculation`` for self-speculative decoding under the full cache.
+    ``Speculation`` for self-speculative decoding under the full cache. ``checks=False``: host syncs and graph breaks
+    are not counted (None; a repeat of a row whose first measurement counted them: they do not change, and the
+    graph-break count traces the whole step again, seconds a row).
     """
     row = {"policy": name, "context": context, "batch": batch, "budget": None}
     if isinstance(policy, Policy):
@@ -269,7 +272,7 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
         elif name == "recompute":
             row.update(_measure_recompute(setup, ids, int(policy)))
         else:
-            row.update(_measure_cached(setup, name, policy, ids))
+            row.update(_measure_cached(setup, name, policy, ids, checks))
     row["peak_memory_bytes"] = peak.bytes
     row["peak_memory_method"] = peak.method
     if setup.memory_limit is not None:
@@ -327,7 +330,7 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
     }
 
 
-def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.Tensor) -> dict:
+def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.Tensor, checks: bool = True) -> dict:
     model, device = setup.model, setup.device
     batch, context = ids.shape
     cache = _cache_for(setup, name, policy, batch, context)
@@ -368,14 +371,17 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     # counted on steps after the timed ones (counting costs time); off CUDA by a dispatch mode, under which dynamo
     # does not run: there the eager step's code is counted (a compiled fullgraph step cannot hold a sync of its own)
     counted = decode.uncompiled if setup.compiled and device.type != "cuda" else decode
-    with count_syncs(device) as syncs:
-        for _ in range(SYNC_STEPS):
-            step(counted)
+    syncs = None
+    if checks:
+        with count_syncs(device) as syncs:
+            for _ in range(SYNC_STEPS):
+                step(counted)
     return {
-        "host_syncs_per_token": syncs.count / SYNC_STEPS, "host_sync_ops": dict(syncs.ops),
+        "host_syncs_per_token": syncs.count / SYNC_STEPS if syncs else None,
+        "host_sync_ops": dict(syncs.ops) if syncs else None,
         "compiled_share": compiled_share,  # of the timed steps (the others ran eagerly: see DecodeStep)
         "compile_seconds": decode.compile_seconds,  # the first compiled step's wall time (None: none compiled)
-        "graph_breaks": decode.graph_breaks(cache, token, position),
+        "graph_breaks": decode.graph_breaks(cache, token, position) if checks else None,
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
         **_decode_stats(setup, name, timer.seconds(), batch, kv_tokens),
@@ -442,8 +448,8 @@ def run(setup: Setup, policies: list[tuple[str, Callable[[], Policy | int | None
     for batch in batches:
         for context in contexts:
             # policy after policy, `repeats` times over: slow drifts of the machine hit every policy alike
-            repeats = [[measure(setup, name, make(), context, batch) for name, make in policies]
-                       for _ in range(setup.repeats)]
+            repeats = [[measure(setup, name, make(), context, batch, checks=not turn) for name, make in policies]
+                       for turn in range(setup.repeats)]
             for measured in zip(*repeats):
                 row = {**env, **_merge(setup, list(measured))}
                 rows.append(row)

@@ -6,6 +6,7 @@ import torch
 
 from sparsegen.bench import decode
 from sparsegen.cli import main
+from sparsegen.decoding import DecodeStep
 from sparsegen.kv import EvictionCache, KVQuantization, make_policy
 from sparsegen.models import load
 from sparsegen.models.spec import kv_bytes_per_token
@@ -120,12 +121,15 @@ def test_bench_bad_input(tiny_checkpoint, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_repeats_pool_the_steps_of_interleaved_runs(tiny_model):
+def test_repeats_pool_the_steps_of_interleaved_runs(tiny_model, monkeypatch):
     setup = decode.Setup(model=tiny_model, model_name="tiny", random_weights=False, new_tokens=3, warmup=1,
                          chunk_size=8, repeats=2)
+    counts = []  # the checks (host syncs, graph breaks) run on a row's first measurement only
+    monkeypatch.setattr(DecodeStep, "graph_breaks", lambda self, *args: counts.append(args) or 0)
     rows = decode.run(setup, [("window", lambda: make_policy("window", 8)), ("recompute", lambda: 8)], [16], [1])
     assert [r["policy"] for r in rows] == ["window", "recompute"]
     assert rows[0]["repeats"] == 2 and rows[0]["timed_tokens"] == 6 and len(rows[0]["step_seconds"]) == 6
+    assert len(counts) == 1 and rows[0]["graph_breaks"] == 0 and rows[0]["host_syncs_per_token"] == 0
     assert rows[1]["timed_tokens"] == 2 * setup.recompute_tokens and rows[1]["roofline_fraction"] is None
 
 
