@@ -362,8 +362,11 @@ def test_the_compiled_step_builds_on_a_torch_without_a_per_function_recompile_li
     def old_compile(model, *, fullgraph=False, options=None):  # torch.compile's signature before the keyword
         return ("compiled", model, fullgraph, options)
 
+    before = torch._dynamo.config.recompile_limit
     monkeypatch.setattr(torch, "compile", old_compile)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    compiled = decoding._compiled_step.__wrapped__(False)
-    assert compiled[:3] == ("compiled", _step, True)
-    assert torch._dynamo.config.recompile_limit == decoding.COMPILED_SHAPES
+    # (dynamo's config restored by its own patch: monkeypatch's undo deletes the setting, which hides it from dynamo)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        compiled = decoding._compiled_step.__wrapped__(False)
+        assert compiled[:3] == ("compiled", _step, True)
+        assert torch._dynamo.config.recompile_limit == decoding.COMPILED_SHAPES
+    assert torch._dynamo.config.recompile_limit == before  # (and still readable: later compiles need it)
