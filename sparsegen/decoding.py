@@ -202,13 +202,13 @@ def _compiled_step(graphs: bool):
     sets; a mode and options cannot both be given.)"""
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs}
-    if "recompile_limit" in inspect.signature(torch.compile).parameters:
-        return torch.compile(_step, fullgraph=True, options=options, recompile_limit=COMPILED_SHAPES)
-    # torch before 2.13 has no per-function limit: raise dynamo's global one (named cache_size_limit before 2.7)
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), COMPILED_SHAPES))
-    return torch.compile(_step, fullgraph=True, options=options)
+    limit = {"recompile_limit": COMPILED_SHAPES}
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        # torch before 2.13 has no per-function limit: raise dynamo's global one (cache_size_limit before 2.7)
+        config, limit = torch._dynamo.config, {}
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), COMPILED_SHAPES))
+    return torch.compile(_step, fullgraph=True, options=options, **limit)
 
 
 _DEFAULT_STANCE = torch._dynamo.eval_frame.DynamoStance()

@@ -377,8 +377,8 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
             for _ in range(SYNC_STEPS):
                 step(counted)
     return {
-        "host_syncs_per_token": syncs.count / SYNC_STEPS if syncs else None,
-        "host_sync_ops": dict(syncs.ops) if syncs else None,
+        "host_syncs_per_token": syncs.count / SYNC_STEPS if syncs is not None else None,
+        "host_sync_ops": dict(syncs.ops) if syncs is not None else None,
         "compiled_share": compiled_share,  # of the timed steps (the others ran eagerly: see DecodeStep)
         "compile_seconds": decode.compile_seconds,  # the first compiled step's wall time (None: none compiled)
         "graph_breaks": decode.graph_breaks(cache, token, position) if checks else None,
