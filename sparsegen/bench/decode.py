@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from sparsegen.bench.llamacpp import Baseline
 from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
 from sparsegen.bench.syncs import count_syncs
@@ -440,18 +441,23 @@ def _warm_up(setup: Setup) -> None:
 
 
 def run(setup: Setup, policies: list[tuple[str, Callable[[], Policy | int | None]]], contexts: list[int],
-        batches: list[int], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-    """Every (policy, context, batch); each row carries the run's environment."""
+        batches: list[int], on_row: Callable[[dict], None] | None = None,
+        baseline: Baseline | None = None) -> list[dict]:
+    """Every (policy, context, batch); each row carries the run's environment. ``baseline``: llama.cpp's row at each
+    context (batch 1), measured in every turn after the policies."""
     env = setup.environment()
     _warm_up(setup)
     rows = []
     for batch in batches:
         for context in contexts:
+            beside = baseline is not None and batch == 1
             # policy after policy, `repeats` times over: slow drifts of the machine hit every policy alike
-            repeats = [[measure(setup, name, make(), context, batch, checks=not turn) for name, make in policies]
-                       for turn in range(setup.repeats)]
-            for measured in zip(*repeats):
-                row = {**env, **_merge(setup, list(measured))}
+            turns = [[measure(setup, name, make(), context, batch, checks=not turn) for name, make in policies]
+                     + ([baseline.measure(context)] if beside else []) for turn in range(setup.repeats)]
+            measured = [{**env, **_merge(setup, [t[i] for t in turns])} for i in range(len(policies))]
+            if beside:
+                measured.append(baseline.pool([t[-1] for t in turns]))
+            for row in measured:
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)

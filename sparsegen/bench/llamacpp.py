@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -65,6 +66,40 @@ def measure(gguf: Path, context: int, new_tokens: int, warmup: int, threads: int
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """llama.cpp's rows for one bench model, measured in the run's own turns (``bench --repeats``: after each turn's
+    policies, at each context), so that the machine's drifts hit both engines alike."""
+
+    gguf: Path
+    model: str  # the label of the rows it sits beside
+    new_tokens: int
+    warmup: int
+    threads: int
+    seed: int = 0
+
+    def measure(self, context: int) -> dict:
+        return {"model": self.model, **measure(self.gguf, context, self.new_tokens, self.warmup, self.threads,
+                                               self.seed)}
+
+    @staticmethod
+    def pool(rows: list[dict]) -> dict:
+        """One row from repeated measurements at one context: statistics over all their steps."""
+        if len(rows) == 1:
+            return rows[0]
+        prefill = statistics.median(r["prefill_seconds"] for r in rows)
+        return {**rows[0], **_step_stats([s for r in rows for s in r["step_seconds"]]), "prefill_seconds": prefill,
+                "prefill_tokens_per_s": rows[0]["context"] / prefill,
+                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows), "repeats": len(rows)}
+
+
+def _step_stats(seconds: list[float]) -> dict:
+    median, ordered = statistics.median(seconds), sorted(seconds)
+    return {"step_seconds": seconds, "ms_per_token": median * 1000,
+            "ms_per_token_p90": ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))] * 1000,
+            "tokens_per_s": 1 / median, "timed_tokens": len(seconds)}
+
+
 def _run(gguf: str, context: int, new_tokens: int, warmup: int, threads: int, seed: int, batch: int) -> dict:
     import numpy as np
     from llama_cpp import Llama, __version__
@@ -87,14 +122,11 @@ def _run(gguf: str, context: int, new_tokens: int, warmup: int, threads: int, se
         token = greedy()
         if step >= warmup:
             seconds.append(time.perf_counter() - started)
-    median = statistics.median(seconds)
-    ordered = sorted(seconds)
     return {
         "policy": "llama.cpp", "context": context, "batch": 1, "budget": None, "engine": f"llama.cpp ({__version__})",
         "weights": Path(gguf).name, "threads": threads, "prefill_seconds": prefill_seconds,
-        "prefill_tokens_per_s": context / prefill_seconds, "ms_per_token": median * 1000,
-        "ms_per_token_p90": ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))] * 1000,
-        "tokens_per_s": 1 / median, "timed_tokens": len(seconds), "kv_tokens": context + warmup + new_tokens,
+        "prefill_tokens_per_s": context / prefill_seconds, **_step_stats(seconds),
+        "kv_tokens": context + warmup + new_tokens,
         "peak_memory_bytes": _peak_rss(), "peak_memory_method": "child process VmHWM", "host_syncs_per_token": None, "graph_breaks": None,
     }
 

@@ -52,7 +52,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
     variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
     plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
     weight_modes = [w.strip() for w in args.weights.split(",") if w.strip()]
-    baselines: dict[str, list[dict]] = {}  # llama.cpp's rows per model
     if not weight_modes or any(w not in WEIGHTS for w in weight_modes):
         raise ValueError(f"--weights takes {', '.join(WEIGHTS)} (comma-separated), got {args.weights!r}")
     for name, weights in [(n, w) for n in names_of_models for w in weight_modes]:
@@ -62,14 +61,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
             label = label if len(weight_modes) == 1 and weights == "fp32" else f"{label} [{weights}]"
             if variant != "none":
                 attach(model, plans[variant])
+            baseline = None
+            if args.baseline == "llama.cpp" and variant == "none":  # measured beside each weights variant's rows
+                baseline = llamacpp.Baseline(ggufs[name], label, args.new_tokens, args.warmup,
+                                             args.threads or torch.get_num_threads(), args.seed)
             measured, env = _bench_model(args, model, label, is_random(name), bandwidth, policies, contexts, batches,
-                                         _bench_text(args, tokenizer, name))
+                                         _bench_text(args, tokenizer, name), baseline)
             rows += measured
-            if args.baseline == "llama.cpp" and variant == "none":
-                if name not in baselines:  # llama.cpp once per model; every weights variant's ratio to it
-                    baselines[name] = _llamacpp_rows(args, ggufs[name], label, contexts)
-                    rows += baselines[name]
-                _vs_llamacpp(measured, baselines[name], ggufs[name].name)
             detach(model)
         del model
     for line in report.model_speedups(rows):
@@ -131,21 +129,6 @@ def _bench_load(args: argparse.Namespace, name: str, weights: str, device):
     return model, tokenizer
 
 
-def _llamacpp_rows(args: argparse.Namespace, gguf, label: str, contexts: list[int]) -> list[dict]:
-    """llama.cpp's rows (batch 1) for ``contexts`` on ``gguf``, printed."""
-    import torch
-
-    from sparsegen.bench import llamacpp, report
-
-    rows = []
-    for context in contexts:
-        row = {"model": label, **llamacpp.measure(gguf, context, args.new_tokens, args.warmup,
-                                                  args.threads or torch.get_num_threads(), args.seed)}
-        print(report.format_row(row), flush=True)
-        rows.append(row)
-    return rows
-
-
 def _vs_llamacpp(measured: list[dict], baseline: list[dict], gguf_name: str) -> None:
     """Each measured row's tok/s over llama.cpp's at its context (``vs_llama_cpp``), printed."""
     base = {row["context"]: row["tokens_per_s"] for row in baseline}
@@ -174,8 +157,9 @@ def _bench_text(args: argparse.Namespace, tokenizer, model_name: str):
 
 
 def _bench_model(args, model, label: str, random_weights: bool, bandwidth, policies, contexts,
-                 batches, text_ids=None) -> tuple[list[dict], dict]:
-    """Measure one model (or one contextual variant of it): print its table, ratios and goals."""
+                 batches, text_ids=None, baseline=None) -> tuple[list[dict], dict]:
+    """Measure one model (or one contextual variant of it), and ``baseline`` (llama.cpp) beside it: print its table,
+    ratios and goals."""
     from sparsegen.bench import decode, report
 
     setup = decode.Setup(
@@ -192,16 +176,19 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
           f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
     print(report.header())
     measured = decode.run(setup, policies, contexts, batches,
-                          on_row=lambda row: print(report.format_row(row), flush=True))
+                          on_row=lambda row: print(report.format_row(row), flush=True), baseline=baseline)
+    ours = [row for row in measured if row["policy"] != "llama.cpp"]
     names = [name for name, _ in policies]
-    for baseline in ("full", "dense", "recompute"):
-        if baseline in names:
-            ratios = report.speedups(measured, baseline)
+    for reference in ("full", "dense", "recompute"):
+        if reference in names:
+            ratios = report.speedups(ours, reference)
             if ratios:
-                print(f"speed-up over {baseline} (its ms/token over the policy's): " + "; ".join(
+                print(f"speed-up over {reference} (its ms/token over the policy's): " + "; ".join(
                     f"{p} {c:,}x{b} {x:.1f}x" for p, c, b, x in ratios))
-    for line in report.goals(measured):
+    for line in report.goals(ours):
         print("goal: " + line)
+    if baseline is not None:
+        _vs_llamacpp(ours, [row for row in measured if row["policy"] == "llama.cpp"], baseline.gguf.name)
     return measured, env
 
 
@@ -227,7 +214,8 @@ def add_parsers(sub) -> None:
                         "what speculative rows need for representative acceptance")
     p.add_argument("--recompute-tokens", type=int, default=8, help="timed steps of recompute (slow; default 8)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="measure every policy N times, interleaved, pooling the steps (steadier ratios; default 1)")
+                   help="measure every policy (and --baseline) N times, interleaved, pooling the steps (steadier "
+                        "ratios; default 1)")
     p.add_argument("--memory-limit", default=None, help="e.g. 80GiB: report the largest batch whose weights + KV fit")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--contextual", default=None, metavar="DIR[,DIR]",
@@ -238,8 +226,9 @@ def add_parsers(sub) -> None:
                    help="time the decode step through torch.compile (fullgraph; inductor on CPU, CUDA graphs on "
                         "CUDA); compiled once per row's shape, the compile kept out of the timed steps")
     p.add_argument("--baseline", choices=["llama.cpp"], default=None,
-                   help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1) and "
-                        "print each row's tok/s over llama.cpp's; needs `make llamacpp` (a one-time source build)")
+                   help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1), "
+                        "after the policies at each context and in each --repeats turn, and print each row's tok/s "
+                        "over llama.cpp's; needs `make llamacpp` (a one-time source build)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
     p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")

@@ -21,6 +21,49 @@ def test_without_the_binding_the_baseline_says_how_to_get_it(monkeypatch, capsys
     assert "make llamacpp" in capsys.readouterr().err
 
 
+def test_llamacpp_runs_in_each_turn_after_the_policies_and_its_steps_are_pooled(tiny_checkpoint, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """With --repeats, llama.cpp is measured beside the policies in every turn (a machine's drift hits both), not once
+    after them all; its row pools every turn's steps, and each policy's ratio is to that pooled row."""
+    from sparsegen.bench import decode
+    from sparsegen.models import gguf
+
+    order, measure_ours = [], decode.measure
+
+    def ours(setup, name, *args, **kwargs):
+        order.append((name, args[1]))
+        return measure_ours(setup, name, *args, **kwargs)
+
+    def theirs(path, context, new_tokens, warmup, threads, seed=0):
+        order.append(("llama.cpp", context))
+        turn = sum(1 for name, c in order if name == "llama.cpp" and c == context)
+        seconds = [0.01 * turn] * new_tokens
+        return {"policy": "llama.cpp", "context": context, "batch": 1, "budget": None, "weights": path.name,
+                "prefill_seconds": 0.5 * turn, "peak_memory_bytes": 100 * turn, "step_seconds": seconds,
+                "ms_per_token": 10.0 * turn, "tokens_per_s": 100 / turn, "timed_tokens": new_tokens}
+
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    monkeypatch.setattr(llamacpp, "measure", theirs)
+    monkeypatch.setattr(gguf, "gguf_file", lambda name: tmp_path / "model.gguf")
+    monkeypatch.setattr(decode, "measure", ours)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "full,streaming", "--budget", "8",
+                 "--contexts", "16,24", "--new-tokens", "3", "--warmup", "0", "--prefill", "synthetic",
+                 "--repeats", "2", "--baseline", "llama.cpp", "--json", str(out)]) == 0
+    turn = ["full", "streaming", "llama.cpp"]
+    assert order == [(name, 16) for name in turn * 2] + [(name, 24) for name in turn * 2]
+    rows = json.loads(out.read_text())["rows"]
+    llama = [row for row in rows if row["policy"] == "llama.cpp"]
+    assert [row["context"] for row in llama] == [16, 24]
+    for row in llama:  # steps of 10 and 20 ms: 6 pooled, the median between them; the larger peak
+        assert row["timed_tokens"] == 6 and row["repeats"] == 2 and row["ms_per_token"] == pytest.approx(15.0)
+        assert row["prefill_seconds"] == pytest.approx(0.75) and row["peak_memory_bytes"] == 200
+    for row in rows:
+        if row["policy"] != "llama.cpp":
+            assert row["vs_llama_cpp"] == pytest.approx(row["tokens_per_s"] / (1000 / 15.0))
+    assert "over llama.cpp's (model.gguf, batch 1)" in capsys.readouterr().out
+
+
 def test_a_model_without_a_gguf_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="not a GGUF model"):
         gguf_file(tmp_path)
