@@ -63,7 +63,8 @@ def measure(gguf: Path, context: int, new_tokens: int, warmup: int, threads: int
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"llama.cpp failed on {gguf.name} at context {context}: {done.stderr.strip()[-500:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**row, **_step_stats(row["step_seconds"])}
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,11 @@ class Baseline:
 
 
 def _step_stats(seconds: list[float]) -> dict:
-    median, ordered = statistics.median(seconds), sorted(seconds)
-    return {"step_seconds": seconds, "ms_per_token": median * 1000,
-            "ms_per_token_p90": ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))] * 1000,
+    """The step statistics of a row, as ``bench`` gives its own (computed here, in the parent: the child has no torch)."""
+    from sparsegen.bench.decode import percentile
+
+    median = statistics.median(seconds)
+    return {"step_seconds": seconds, "ms_per_token": median * 1000, "ms_per_token_p90": percentile(seconds, 0.9) * 1000,
             "tokens_per_s": 1 / median, "timed_tokens": len(seconds)}
 
 
@@ -125,7 +128,7 @@ def _run(gguf: str, context: int, new_tokens: int, warmup: int, threads: int, se
     return {
         "policy": "llama.cpp", "context": context, "batch": 1, "budget": None, "engine": f"llama.cpp ({__version__})",
         "weights": Path(gguf).name, "threads": threads, "prefill_seconds": prefill_seconds,
-        "prefill_tokens_per_s": context / prefill_seconds, **_step_stats(seconds),
+        "prefill_tokens_per_s": context / prefill_seconds, "step_seconds": seconds,
         "kv_tokens": context + warmup + new_tokens,
         "peak_memory_bytes": _peak_rss(), "peak_memory_method": "child process VmHWM", "host_syncs_per_token": None, "graph_breaks": None,
     }
