@@ -95,7 +95,7 @@ class Baseline:
 
 
 def _step_stats(seconds: list[float]) -> dict:
-    """The step statistics of a row, as ``bench`` gives its own (computed here, in the parent: the child has no torch)."""
+    """A row's step statistics, as bench gives its own (computed in the parent: the child has no torch)."""
     from sparsegen.bench.decode import percentile
 
     median = statistics.median(seconds)
