@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from sparsegen.bench.llamacpp import Baseline
 from sparsegen.bench.memory import PeakMemory, available_bytes
 from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
+from sparsegen.bench.stats import percentile
 from sparsegen.bench.syncs import count_syncs
 from sparsegen.decoding import DecodeStep, forward, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
@@ -185,12 +186,6 @@ class MLPTimer:
         for handle in self.handles:
             handle.remove()
         return statistics.median(self.steps) * 1000 if self.steps else None
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (the nearest rank; no interpolation)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, context: int):

@@ -96,7 +96,7 @@ class Baseline:
 
 def _step_stats(seconds: list[float]) -> dict:
     """A row's step statistics, as bench gives its own (computed in the parent: the child has no torch)."""
-    from sparsegen.bench.decode import percentile
+    from sparsegen.bench.stats import percentile
 
     median = statistics.median(seconds)
     return {"step_seconds": seconds, "ms_per_token": median * 1000, "ms_per_token_p90": percentile(seconds, 0.9) * 1000,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from sparsegen.bench.decode import percentile
+from sparsegen.bench.stats import percentile
 from sparsegen.bench.memory import peak_rss
 from sparsegen.bench.serve import read_metrics
 
