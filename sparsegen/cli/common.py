@@ -41,15 +41,16 @@ def compile_arg(p: argparse.ArgumentParser) -> None:
 
 
 def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
-    p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4|w8a8|w4a8|gguf" + ("[,...]" if several else ""),
+    p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4|w8a8|w4a8|w5a8|gguf" + ("[,...]" if several else ""),
                    help="store the decoder's linears and LM head in 8 or 4 bits for PyTorch's CPU weight-only kernels "
                         "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest); w8a8: int8 weights "
                         "times inputs quantized to 7 bits, each token at its own scale, turned by a Hadamard rotation "
                         "(FBGEMM's integer kernels: the fastest on an x86 CPU without native bfloat16, e.g. AVX2; "
                         "SmolLM2 +1.0%% perplexity, Gemma-3-270M +1.3%%; docs/benchmarks.md); w4a8: llama.cpp's Q4_1 "
                         "blocks of 32 weights times inputs quantized to 8 bits a block, in sparsegen's AVX2 kernel "
-                        "(5 bits a weight read; the LM head at w8a8); gguf: each linear at the bit width its GGUF file "
-                        "has, in those integer kernels (4-bit types as w4a8, the others as w8a8)"
+                        "(5 bits a weight read; the LM head at w8a8); w5a8: the same with llama.cpp's Q5_0 blocks (6 "
+                        "bits read); gguf: each linear at the bit width its GGUF file has, in those integer kernels "
+                        "(4-bit types as w4a8, Q5_0 as w5a8, the others as w8a8)"
                         + ("; several, comma-separated, are measured in turn and compared" if several else "")
                         + " (default fp32: as loaded)")
 

@@ -14,7 +14,8 @@ and are stored alike (a block's q/k/v, a gated MLP's gate and up) are stacked in
 ``"w8a8"`` multiplies int8 weights by inputs quantized to 7 bits a token, turned by a Hadamard rotation (FBGEMM's
 integer kernels: faster on a CPU without native bfloat16, at about 1% perplexity; ``W8A8Linear``). ``"w4a8"``
 multiplies llama.cpp's Q4_1 blocks by inputs quantized to 8 bits a block of 32, with integer dot products
-(sparsegen's own kernel, ``W4A8Linear``), the LM head at w8a8.
+(sparsegen's own kernel, ``W4A8Linear``), the LM head at w8a8; ``"w5a8"`` the same with llama.cpp's Q5_0 blocks
+(``W5A8Linear``: 6 bits a weight read, where a Q4_K_M GGUF keeps most of Gemma 3's linears).
 
 This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize`` writes GPTQ checkpoints.
 """
@@ -35,10 +36,12 @@ from torch import nn
 
 from sparsegen import native
 
-WEIGHTS = ("fp32", "int8", "int4", "w8a8", "w4a8", "gguf")
+WEIGHTS = ("fp32", "int8", "int4", "w8a8", "w4a8", "w5a8", "gguf")
 # ``gguf``: each linear at the bit width its GGUF file stores it with (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0)
 # in the integer kernels (w4a8, w8a8) as llama.cpp computes
-GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # every other quantized type (Q5_*, Q6_K, Q8_0, ...) runs at 8 bits
+GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}
+GGUF_INT5 = {"Q5_0"}  # (its blocks come back exactly on W5A8Linear's grid) every other type (Q5_K, Q6_K, Q8_0, ...)
+# runs at 8 bits
 GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}  # llama.cpp's names of a Llama/Gemma block's linears
@@ -78,7 +81,9 @@ _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # (the overload re
 _LIBRARY = native.LIBRARY
 _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
 _LIBRARY.define("w4a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
-Q4_BLOCK_BYTES = 20  # a W4A8Linear block of 32 weights: an fp16 scale, an fp16 minimum, 16 bytes of 4-bit codes
+_LIBRARY.define("w5a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
+# a block of 32 weights: an fp16 scale, an fp16 minimum, 16 bytes of 4-bit codes (and 4 of fifth bits)
+BLOCK_BYTES = {4: 20, 5: 24}
 
 
 def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -93,20 +98,23 @@ def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-@torch.library.register_fake("sparsegen::w4a8_linear", lib=_LIBRARY)
-def _(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
+def _blocks_linear_shape(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def w4a8_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``sparsegen::w4a8_linear`` in PyTorch ops, step for step as ``w4a8_linear.cpp`` computes it (the integer sums
-    exact, the float terms summed in another order): the Python kernel where the C++ one cannot be built, and the
-    tests' reference."""
+for _op in ("w4a8_linear", "w5a8_linear"):
+    torch.library.register_fake(f"sparsegen::{_op}", _blocks_linear_shape, lib=_LIBRARY)
+
+
+def blocks_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int, bits: int = 4) -> torch.Tensor:
+    """``sparsegen::w4a8_linear`` (``bits=5``: ``w5a8_linear``) in PyTorch ops, step for step as ``w4a8_linear.cpp``
+    computes it (the integer sums exact, the float terms summed in another order): the Python kernel where the C++
+    one cannot be built, and the tests' reference."""
     rows = x.reshape(-1, x.shape[-1]).float().view(-1, x.shape[-1] // INT4_GROUP, INT4_GROUP)
     scale = rows.abs().amax(-1) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     q = torch.round(rows * inverse[..., None])  # [rows, groups, 32]
-    d, low, codes = q4_unpacked(blocks)  # [out, groups], [out, groups], [out, groups, 32]
+    d, low, codes = blocks_unpacked(blocks, bits)  # [out, groups], [out, groups], [out, groups, 32]
     y = (scale * q.sum(-1)).double() @ low.double().T
     for group in range(q.shape[1]):  # (a group at a time: a prefill chunk's [rows, out, groups] would not fit)
         sums = q[:, group].double() @ codes[:, group].double().T  # (exact: integers below 2^53)
@@ -114,31 +122,45 @@ def w4a8_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> 
     return y.float().view(*x.shape[:-1], out_features)
 
 
-def q4_unpacked(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scale, minimum, codes)`` of W4A8Linear's packed rows ``[out, groups * 20]`` (each: its groups' fp16 scales,
-    their fp16 minimums, 16 bytes of codes a group): fp32 ``[out, groups]`` twice and ``[out, groups, 32]`` codes in
-    [0, 15] (int64)."""
-    groups = blocks.shape[1] // Q4_BLOCK_BYTES
+def blocks_unpacked(blocks: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale, minimum, codes)`` of W4A8Linear's (``bits=5``: W5A8Linear's) packed rows ``[out, groups * 20]``
+    (each: its groups' fp16 scales, their fp16 minimums, 16 bytes of codes a group, then 4 bytes of fifth bits a
+    group): fp32 ``[out, groups]`` twice and ``[out, groups, 32]`` codes in [0, 2^bits) (int64)."""
+    groups = blocks.shape[1] // BLOCK_BYTES[bits]
     scales = blocks[:, :4 * groups].contiguous().view(torch.float16).float()  # [out, 2 * groups]
-    nibbles = blocks[:, 4 * groups:].reshape(blocks.shape[0], groups, 16).long()
-    return scales[:, :groups], scales[:, groups:], torch.cat([nibbles & 0xF, nibbles >> 4], -1)
+    nibbles = blocks[:, 4 * groups:20 * groups].reshape(blocks.shape[0], groups, 16).long()
+    codes = torch.cat([nibbles & 0xF, nibbles >> 4], -1)
+    if bits == 5:
+        fifths = (blocks[:, 20 * groups:, None].long() >> torch.arange(8)) & 1  # [out, 4 * groups, 8]: bit j of a byte
+        codes |= fifths.reshape(blocks.shape[0], -1)[:, _code_slots(groups)] << 4
+    return scales[:, :groups], scales[:, groups:], codes
+
+
+def _code_slots(groups: int) -> torch.Tensor:
+    """``[groups, 32]``: where the kernel keeps input ``i`` of each group among a row's codes (``code_slot`` in
+    ``w4a8_linear.cpp``): per pair of groups, the first's 16 low codes, the second's, then their 16 high codes; an
+    odd last group in its own order. Fifth bits are stored in this order."""
+    block, i = torch.arange(groups)[:, None], torch.arange(32)
+    paired = block // 2 * 64 + (i >= 16) * 32 + block % 2 * 16 + i % 16
+    return torch.where(block < groups // 2 * 2, paired, block * 32 + i)
 
 
 @functools.cache
 def _native_kernels() -> str:
-    """Give ``sparsegen::w8a8_linear`` and ``sparsegen::w4a8_linear`` their CPU kernels, once: ``"c++"`` when
+    """Give ``sparsegen::w8a8_linear``, ``w4a8_linear`` and ``w5a8_linear`` their CPU kernels, once: ``"c++"`` when
     sparsegen's kernels build (``native.build``), else ``"python"`` with a warning. Each call of a Python kernel goes
     through the interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes ~30 us at one token (121
-    calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python w4a8 kernel is
-    slower still."""
+    calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python w4a8 and w5a8
+    kernels are slower still."""
     failure = native.build()
     if failure is None:
         return "c++"
-    warnings.warn(f"--weights w8a8|w4a8: sparsegen's C++ kernels could not be built ({failure}); each linear runs a "
-                  "Python kernel instead, ~20 us more a call (w4a8: far slower). Install a C++ compiler (g++) and "
-                  "ninja to build them.", stacklevel=3)
+    warnings.warn(f"--weights w8a8|w4a8|w5a8: sparsegen's C++ kernels could not be built ({failure}); each linear "
+                  "runs a Python kernel instead, ~20 us more a call (w4a8, w5a8: far slower). Install a C++ compiler "
+                  "(g++) and ninja to build them.", stacklevel=3)
     _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
-    _LIBRARY.impl("w4a8_linear", w4a8_reference, "CPU")
+    _LIBRARY.impl("w4a8_linear", blocks_reference, "CPU")
+    _LIBRARY.impl("w5a8_linear", functools.partial(blocks_reference, bits=5), "CPU")
     return "python"
 
 
@@ -221,40 +243,75 @@ class W4A8Linear(nn.Module):
     bits a block of 32 (llama.cpp's Q8_1), in integer dot products (``w4a8_linear.cpp``): 5 bits a weight read,
     against w8a8's 8, and no bfloat16 conversion, which PyTorch's int4 kernel pays on a CPU without native bfloat16."""
 
+    BITS, GRID = 4, "Q4_1"
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         out_features, in_features = linear.weight.shape
+        kind = f"w{self.BITS}a8"
         if in_features % INT4_GROUP:
-            raise ValueError(f"--weights w4a8 needs input widths divisible by {INT4_GROUP}; a linear is {in_features} "
-                             f"-> {out_features}: use --weights w8a8")
-        _, scale, low = int4_grid(linear.weight, INT4_GROUP)
-        # (stored at 16 bits, the codes rounded on that grid; a constant group's scale is fp16's smallest, not 0)
-        scale, low = scale.clamp(min=torch.finfo(torch.float16).tiny).half(), low.half()
-        if not (scale.isfinite().all() and low.isfinite().all()):
-            raise ValueError("--weights w4a8 stores each group's scale and minimum in fp16, and a linear's weights "
-                             "reach beyond its range (65504): use --weights w8a8")
+            raise ValueError(f"--weights {kind} needs input widths divisible by {INT4_GROUP}; a linear is "
+                             f"{in_features} -> {out_features}: use --weights w8a8")
         grouped = linear.weight.detach().float().view(out_features, -1, INT4_GROUP)
-        codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
-        nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).view(out_features, -1)
+        scale, low, codes = self._grid(grouped)
+        if not (scale.isfinite().all() and low.isfinite().all()):
+            raise ValueError(f"--weights {kind} stores each group's scale and minimum in fp16, and a linear's weights "
+                             "reach beyond its range (65504): use --weights w8a8")
+        nibbles = ((codes[..., :16] & 0xF) | ((codes[..., 16:] & 0xF) << 4)).view(out_features, -1)
         # (a row: its scales, its minimums, its codes: the kernel loads two groups' codes and eight scales at once)
-        self.register_buffer("blocks", torch.cat([scale.view(torch.uint8), low.view(torch.uint8), nibbles], -1))
+        parts = [scale.view(torch.uint8), low.view(torch.uint8), nibbles]
+        if self.BITS == 5:  # (then the fifth bits, in the order the kernel expands them, 8 a byte)
+            fifths = torch.zeros(out_features, codes.shape[1] * INT4_GROUP, dtype=torch.uint8)
+            fifths[:, _code_slots(codes.shape[1]).flatten()] = (codes >> 4).view(out_features, -1)
+            parts.append((fifths.view(out_features, -1, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1,
+                                                                                                    dtype=torch.uint8))
+        self.register_buffer("blocks", torch.cat(parts, -1))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
         _native_kernels()
 
+    @staticmethod
+    def _grid(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each group's fp16 scale and minimum, and its codes (uint8): round to nearest on Q4_1's grid, from the
+        group's minimum to its maximum in 15 steps (a constant group's scale is fp16's smallest, not 0)."""
+        low, high = grouped.amin(-1), grouped.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float16).tiny).half()
+        low = low.half()  # (the codes rounded on the grid as stored)
+        codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
+        return scale, low, codes.to(torch.uint8)
+
     def dequantized(self) -> torch.Tensor:
-        d, low, codes = q4_unpacked(self.blocks)
+        d, low, codes = blocks_unpacked(self.blocks, self.BITS)
         return (codes.float() * d[..., None] + low[..., None]).view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.sparsegen.w4a8_linear(x.float(), self.blocks, self.out_features)
+        op = torch.ops.sparsegen.w5a8_linear if self.BITS == 5 else torch.ops.sparsegen.w4a8_linear
+        y = op(x.float(), self.blocks, self.out_features)
         y = y if self.bias is None else y + self.bias
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, 4-bit blocks of {INT4_GROUP} "
-                "(Q4_1), 8-bit inputs a block")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.BITS}-bit blocks of "
+                f"{INT4_GROUP} ({self.GRID}), 8-bit inputs a block")
+
+
+class W5A8Linear(W4A8Linear):
+    """W4A8Linear with llama.cpp's Q5_0 blocks: ``W = d * (code - 16)``, 5-bit codes, one fp16 ``d`` a block of 32
+    (stored as ``d * code + m`` with ``m = -16 d``, exact in fp16, so one kernel computes both): 6 bits a weight read.
+    ``d`` is the block's largest magnitude (with its sign) over -16, as llama.cpp's quantizer takes it, so a Q5_0
+    GGUF's weights, whose largest is always code 0, come back exactly on their own grid."""
+
+    BITS, GRID = 5, "Q5_0"
+
+    @staticmethod
+    def _grid(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        peak = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        scale = (peak / -16).half()
+        tiny = torch.finfo(torch.float16).tiny  # (an all-zero group: codes 16, no 0 to divide by)
+        scale = torch.where(scale == 0, torch.full_like(scale, tiny), scale)
+        codes = (grouped / scale.float()[..., None]).round().add(16).clamp(0, 31)
+        return scale, -16 * scale, codes.to(torch.uint8)
 
 
 def _hadamard(size: int) -> torch.Tensor:
@@ -312,10 +369,10 @@ def int4_pairs(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 
 def gguf_plan(path) -> dict[str, str]:
     """``module name -> kind`` for the linears of a GGUF file, by each tensor's stored type (full-precision tensors
-    are left out: they stay as loaded): 4-bit types as ``w4a8``, the others at 8 bits as ``w8a8``, llama.cpp's own
-    arithmetic (its weights times 8-bit inputs in integer dot products); where FBGEMM is missing (not x86), PyTorch's
-    weight-only ``int4`` and ``int8``. The LM head takes the output tensor's type, or the token embedding's when the
-    two are tied."""
+    are left out: they stay as loaded): 4-bit types as ``w4a8``, Q5_0 as ``w5a8``, the others at 8 bits as ``w8a8``,
+    llama.cpp's own arithmetic (its weights times 8-bit inputs in integer dot products); where FBGEMM is missing (not
+    x86), PyTorch's weight-only ``int4`` and ``int8``. The LM head takes the output tensor's type, or the token
+    embedding's when the two are tied."""
     from gguf import GGUFReader
 
     types = {t.name.removesuffix(".weight"): t.tensor_type.name for t in GGUFReader(str(path)).tensors}
@@ -327,12 +384,13 @@ def gguf_plan(path) -> dict[str, str]:
     plan["lm_head"] = types.get("output", types.get("token_embd"))
     integer = "fbgemm" in torch.backends.quantized.supported_engines
     four, eight = ("w4a8", "w8a8") if integer else ("int4", "int8")
-    return {name: four if kind in GGUF_INT4 else eight for name, kind in plan.items()
+    five = "w5a8" if integer else "int8"
+    return {name: four if kind in GGUF_INT4 else five if kind in GGUF_INT5 else eight for name, kind in plan.items()
             if kind is not None and kind not in ("F32", "F16", "BF16")}
 
 
 INPUT_SHARERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a block's linears that read one input
-_KERNELS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear}
+_KERNELS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear, "w5a8": W5A8Linear}
 PACKED_LINEARS = tuple(_KERNELS.values())
 
 
@@ -414,8 +472,9 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
                if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
-    head = {"int4": "int8", "w4a8": "w8a8"}  # (the LM head stays at 8 bits, as a Q4 GGUF keeps it (SmolLM2's: Q8_0):
-    # 4 bits there cost 6% perplexity on SmolLM2, while its Q4_1 decoder linears come back to their own grid (+0.1%))
+    head = {"int4": "int8", "w4a8": "w8a8", "w5a8": "w8a8"}  # (the LM head stays at 8 bits, as a Q4 GGUF keeps it
+    # (SmolLM2's: Q8_0): 4 bits there cost 6% perplexity on SmolLM2, while its Q4_1 decoder linears come back to their
+    # own grid (+0.1%))
     kinds = {name: plan[name] if plan is not None else head.get(weights, weights) if name == "lm_head" else weights
              for name, _ in targets}
     linears = dict(targets)
@@ -485,7 +544,7 @@ def _own_memory(model: nn.Module) -> None:
 
 def dequantized(linear: nn.Linear, weights: str) -> torch.Tensor:
     """The weight ``weights`` stores for ``linear``, in fp32: what the kernels multiply by (the tests' reference)."""
-    if weights in ("int8", "w8a8", "w4a8"):
+    if weights in ("int8", "w8a8", "w4a8", "w5a8"):
         return _KERNELS[weights](linear).dequantized()
     codes, scale, low = int4_grid(linear.weight, INT4_GROUP)
     pairs = int4_pairs(scale, low).float()  # as the kernel holds them

@@ -1,10 +1,14 @@
-// W4A8Linear's kernel: 4-bit weights times 8-bit activations with integer dot products, as llama.cpp's AVX2 kernels
-// multiply Q4_1 blocks by Q8_1 ones. PyTorch's own int4 CPU kernel takes bfloat16 activations, which a CPU without
-// native bfloat16 converts in software: it read SmolLM2's weights at 13-16 GB/s where this machine copies at 31-45.
+// W4A8Linear's and W5A8Linear's kernel: 4- or 5-bit weights times 8-bit activations with integer dot products, as
+// llama.cpp's AVX2 kernels multiply Q4_1 (or Q5_0) blocks by Q8_1 ones. PyTorch's own int4 CPU kernel takes bfloat16
+// activations, which a CPU without native bfloat16 converts in software: it read SmolLM2's weights at 13-16 GB/s
+// where this machine copies at 31-45.
 //
 // Weights: blocks of 32 inputs, w = d * code + m with fp16 d and m and 4-bit codes (llama.cpp's Q4_1 values). A row
 // of G blocks is stored as G scales d, G minimums m, then G times 16 bytes whose low nibbles are a block's codes 0-15
 // and high nibbles its codes 16-31: two blocks' codes are one 32-byte load, and eight blocks' scales one 16-byte load.
+// 5-bit codes (0-31; llama.cpp's Q5_0 is d * code - 16 d) add their fifth bits after the nibbles, 4 bytes a block, in
+// the order the activations' codes take below: a pair's low-nibble bits, then its high-nibble bits, one 32-bit mask
+// each, expanded to one byte a code as the nibbles are loaded.
 // Activations, per row and block: x ~ dx * q with q = round(x / dx) in [-127, 127], dx = max|x| / 127.
 // A block's product is d * dx * sum(code * q) + m * dx * sum(q): one integer sum and one float term.
 #include <ATen/Parallel.h>
@@ -22,21 +26,26 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;       // inputs a block holds
-constexpr int64_t kBlockBytes = 20;  // its bytes: 2 + 2 + 16
+constexpr int64_t kBlock = 32;  // inputs a block holds
 
-// One row of activations, quantized. Codes go in the order the weights' 32-byte loads give: for each pair of blocks
-// (b, b + 1), b's first 16, b + 1's first 16, b's last 16, b + 1's last 16; an odd last block in its own order.
-// Per pair, spread [dx_b x4, dx_b+1 x4] (the lanes its sums land in); per block, dx * sum(q).
+constexpr int64_t block_bytes(int bits) {  // a block's bytes: 2 + 2 + 16, and 4 of fifth bits
+  return bits == 5 ? 24 : 20;
+}
+
+// Where input i of a block goes in a row of codes: for each pair of blocks (b, b + 1), b's first 16, b + 1's first
+// 16, b's last 16, b + 1's last 16 (the order the weights' 32-byte loads give); an odd last block in its own order.
+int64_t code_slot(int64_t blocks, int64_t block, int64_t i) {
+  if (block >= blocks / 2 * 2) return block * kBlock + i;
+  return block / 2 * 2 * kBlock + (i < 16 ? 0 : 32) + (block % 2) * 16 + i % 16;
+}
+
+// One row of activations, quantized, its codes in code_slot's order. Per pair, spread [dx_b x4, dx_b+1 x4] (the
+// lanes its sums land in); per block, dx * sum(q).
 struct QuantizedRow {
   std::vector<int8_t> codes;
   std::vector<float> pair_scales, scale, scaled_sum;
 
-  int8_t& code(int64_t block, int64_t i) {  // (input i of a block, in the order above)
-    const int64_t pair = block / 2, pairs_end = (scale.size() / 2) * 2;
-    if (block >= pairs_end) return codes[block * kBlock + i];
-    return codes[pair * 2 * kBlock + (i < 16 ? 0 : 32) + (block % 2) * 16 + i % 16];
-  }
+  int8_t& code(int64_t block, int64_t i) { return codes[code_slot(scale.size(), block, i)]; }
 };
 
 void resize(QuantizedRow& row, int64_t blocks) {
@@ -72,16 +81,23 @@ float half_bits(const uint8_t* bytes) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+// A weight's code: its nibble, and (5 bits) its fifth bit, stored at its code_slot among the row's fifth bits.
+template <int kBits>
+int32_t weight_code(const uint8_t* weights, int64_t blocks, int64_t block, int64_t i) {
+  const uint8_t byte = weights[4 * blocks + block * 16 + i % 16];
+  const int32_t nibble = i < 16 ? byte & 0xF : byte >> 4;
+  if (kBits == 4) return nibble;
+  const int64_t slot = code_slot(blocks, block, i);
+  return nibble | ((weights[20 * blocks + slot / 8] >> (slot % 8)) & 1) << 4;
+}
+
+template <int kBits>
 float dot_scalar(const uint8_t* weights, QuantizedRow& row, int64_t blocks) {
   const uint8_t* minimums = weights + 2 * blocks;
-  const uint8_t* nibbles = weights + 4 * blocks;
   float total = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t sum = 0;
-    for (int64_t i = 0; i < 16; ++i) {
-      const uint8_t byte = nibbles[b * 16 + i];
-      sum += static_cast<int32_t>(byte & 0xF) * row.code(b, i) + static_cast<int32_t>(byte >> 4) * row.code(b, 16 + i);
-    }
+    for (int64_t i = 0; i < kBlock; ++i) sum += weight_code<kBits>(weights, blocks, b, i) * row.code(b, i);
     total += half_bits(weights + 2 * b) * row.scale[b] * static_cast<float>(sum) +
              half_bits(minimums + 2 * b) * row.scaled_sum[b];
   }
@@ -95,18 +111,36 @@ struct PairCodes {
   __m256 scales;
 };
 
-AVX2 inline PairCodes pair_codes(const uint8_t* weights, const uint8_t* nibbles, int64_t pair) {
+// 32 fifth bits (a 32-bit mask at ``bits``) as 32 bytes: 16 where the bit is set, else 0.
+AVX2 inline __m256i fifth_bits(const uint8_t* bits) {
+  int32_t mask;
+  std::memcpy(&mask, bits, 4);
+  const __m256i spread = _mm256_shuffle_epi8(  // (byte j of the result takes byte j / 8 of the mask)
+      _mm256_set1_epi32(mask), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);  // (then bit j % 8 of it)
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+}
+
+template <int kBits>
+AVX2 inline PairCodes pair_codes(const uint8_t* weights, int64_t blocks, int64_t pair) {
   const __m256i nibble = _mm256_set1_epi8(0xF);
-  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + pair * 32));
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 4 * blocks + pair * 32));
   int32_t two_scales;
   std::memcpy(&two_scales, weights + pair * 4, 4);
   const __m256 scales = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two_scales)));
-  return {_mm256_and_si256(packed, nibble), _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
-          _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))};
+  PairCodes codes{_mm256_and_si256(packed, nibble), _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
+                  _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))};
+  if (kBits == 5) {
+    const uint8_t* fifths = weights + 20 * blocks + pair * 8;
+    codes.low = _mm256_or_si256(codes.low, fifth_bits(fifths));
+    codes.high = _mm256_or_si256(codes.high, fifth_bits(fifths + 4));
+  }
+  return codes;
 }
 
-// sum(code * q) of the pair's two blocks, four lanes each: unsigned codes (0-15) times signed q, pair sums of at most
-// 2 * 15 * 127, two of them added: 16 bits never saturate.
+// sum(code * q) of the pair's two blocks, four lanes each: unsigned codes (0-31) times signed q, pair sums of at most
+// 2 * 31 * 127, two of them added: 16 bits never saturate.
 AVX2 inline __m256 pair_sums(const PairCodes& codes, const int8_t* q) {
   const __m256i low = _mm256_maddubs_epi16(codes.low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
   const __m256i high = _mm256_maddubs_epi16(codes.high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
@@ -114,6 +148,7 @@ AVX2 inline __m256 pair_sums(const PairCodes& codes, const int8_t* q) {
 }
 
 // sum(m * dx * sum(q)) over a row's blocks, eight at a time, and its odd last block's whole product.
+template <int kBits>
 AVX2 inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& row, int64_t blocks) {
   const uint8_t* minimums = weights + 2 * blocks;
   __m256 sums = _mm256_setzero_ps();
@@ -127,8 +162,8 @@ AVX2 inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& 
   if (blocks % 2) {  // (the odd last block: codes 0-15 low, 16-31 high, q in its own order)
     const int64_t last = blocks - 1;
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
-    const __m256i codes =
-        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
+    __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
+    if (kBits == 5) codes = _mm256_or_si256(codes, fifth_bits(weights + 20 * blocks + last * 4));
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes.data() + last * kBlock));
     const __m256 sums_last =
         _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1)));
@@ -140,14 +175,13 @@ AVX2 inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& 
 // ROWS input rows against one weight row: each pair's codes unpacked once for every row (a batch of decode steps or
 // a prefill chunk is bound by these instructions, not by bytes), one accumulator per row; one row alternates two,
 // as a single chain of fused multiply-adds would wait on its own latency.
-template <int ROWS>
+template <int ROWS, int kBits>
 AVX2 void dot_avx2(const uint8_t* weights, const QuantizedRow* rows, int64_t blocks, float* out, int64_t stride) {
   constexpr int kChains = ROWS == 1 ? 2 : ROWS;
-  const uint8_t* nibbles = weights + 4 * blocks;
   __m256 sums[kChains];
   for (int c = 0; c < kChains; ++c) sums[c] = _mm256_setzero_ps();
   for (int64_t pair = 0; pair < blocks / 2; ++pair) {
-    const PairCodes codes = pair_codes(weights, nibbles, pair);
+    const PairCodes codes = pair_codes<kBits>(weights, blocks, pair);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 scales = _mm256_mul_ps(codes.scales, _mm256_loadu_ps(rows[r].pair_scales.data() + pair * 8));
       const int c = ROWS == 1 ? pair % 2 : r;
@@ -155,7 +189,7 @@ AVX2 void dot_avx2(const uint8_t* weights, const QuantizedRow* rows, int64_t blo
     }
   }
   if (ROWS == 1) sums[0] = _mm256_add_ps(sums[0], sums[kChains - 1]);
-  for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]) + minimums_and_last(weights, rows[r], blocks);
+  for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]) + minimums_and_last<kBits>(weights, rows[r], blocks);
 }
 
 // quantize_row's work with AVX2 (the same values: round half to even, the same float operations), a block at a time.
@@ -205,13 +239,15 @@ bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the scalar path, as a CPU w
 }
 #endif
 
-at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "sparsegen::w4a8_linear: float32 inputs, got ", x.scalar_type());
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == out_features,
-              "sparsegen::w4a8_linear: blocks must be uint8 [out_features, in_features / 32 * 20]");
+template <int kBits>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
+  const char* name = kBits == 5 ? "sparsegen::w5a8_linear" : "sparsegen::w4a8_linear";
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 inputs, got ", x.scalar_type());
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == out_features, name,
+              ": blocks must be uint8 [out_features, in_features / 32 * ", block_bytes(kBits), "]");
   const int64_t in_features = x.size(-1);
-  TORCH_CHECK(in_features % kBlock == 0 && blocks.size(1) == in_features / kBlock * kBlockBytes,
-              "sparsegen::w4a8_linear: ", in_features, " inputs do not match blocks of shape ", blocks.sizes());
+  TORCH_CHECK(in_features % kBlock == 0 && blocks.size(1) == in_features / kBlock * block_bytes(kBits), name, ": ",
+              in_features, " inputs do not match blocks of shape ", blocks.sizes());
   const at::Tensor flat = x.reshape({-1, in_features}).contiguous();
   const at::Tensor weights = blocks.contiguous();
   const int64_t rows = flat.size(0), count = in_features / kBlock;
@@ -242,12 +278,12 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ou
       int64_t r = 0;
 #ifdef SPARSEGEN_X86
       if (vector) {
-        for (; r + 4 <= rows; r += 4) dot_avx2<4>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n,
-                                                  out_features);
-        for (; r < rows; ++r) dot_avx2<1>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n, 0);
+        for (; r + 4 <= rows; r += 4)
+          dot_avx2<4, kBits>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n, out_features);
+        for (; r < rows; ++r) dot_avx2<1, kBits>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n, 0);
       }
 #endif
-      for (; r < rows; ++r) y[r * out_features + n] = dot_scalar(w + n * row_bytes, quantized[r], count);
+      for (; r < rows; ++r) y[r * out_features + n] = dot_scalar<kBits>(w + n * row_bytes, quantized[r], count);
     }
   });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -258,5 +294,6 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ou
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
-  m.impl("w4a8_linear", w4a8_linear);
+  m.impl("w4a8_linear", linear<4>);
+  m.impl("w5a8_linear", linear<5>);
 }

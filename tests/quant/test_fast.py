@@ -1,5 +1,5 @@
-"""Runtime low-bit weights (``--weights int8|int4|w8a8|w4a8``): each kernel computes what its stored weight says
-(and, w8a8 and w4a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a decode
+"""Runtime low-bit weights (``--weights int8|int4|w8a8|w4a8|w5a8``): each kernel computes what its stored weight says
+(and, w8a8, w4a8 and w5a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a decode
 step reads drop to a quarter / an eighth."""
 
 import sys
@@ -11,8 +11,8 @@ from sparsegen.bench import roofline
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
 from sparsegen.quant import fast
-from sparsegen.quant.fast import (Int4Linear, Int8Linear, SharedInput, W4A8Linear, W8A8Linear, dequantized, page_out,
-                                  quantize_weights)
+from sparsegen.quant.fast import (Int4Linear, Int8Linear, SharedInput, W4A8Linear, W5A8Linear, W8A8Linear, dequantized,
+                                  page_out, quantize_weights)
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
 from tests.models.test_real_models import _installed
@@ -147,56 +147,94 @@ def _q4_1_weights(out_features: int, in_features: int) -> torch.Tensor:
     return (codes * d[..., None] + m[..., None]).view(out_features, in_features)
 
 
-def test_w4a8_kernel_is_its_reference_and_a_q4_1_weight_lands_on_its_own_grid():
-    """The C++ kernel (AVX2 here) computes what ``w4a8_reference`` computes step for step (the integer sums exact,
-    the float terms summed in another order); weights already on a Q4_1 grid are stored exactly; the input's 8 bits a
-    block of 32 cost far less than the weights' 4."""
+def _q5_0_weights(out_features: int, in_features: int) -> torch.Tensor:
+    """Weights on a Q5_0 grid, as a GGUF's Q5_0 blocks dequantize: ``d * (code - 16)`` with an fp16 ``d`` (either
+    sign) per 32, the block's largest magnitude at code 0, as llama.cpp's quantizer puts it."""
+    groups = (out_features, in_features // 32)
+    d = ((torch.rand(groups) * 0.02 + 1e-3) * (torch.randint(0, 2, groups) * 2 - 1)).half().float()
+    codes = torch.randint(1, 32, (*groups, 32))
+    codes[..., 5] = 0
+    return ((codes - 16) * d[..., None]).view(out_features, in_features)
+
+
+BLOCK_KERNELS = {"w4a8": (W4A8Linear, _q4_1_weights, 4), "w5a8": (W5A8Linear, _q5_0_weights, 5)}
+
+
+@pytest.mark.parametrize("weights", BLOCK_KERNELS)
+def test_block_kernel_is_its_reference_and_a_gguf_weight_lands_on_its_own_grid(weights):
+    """The C++ kernel (AVX2 here) computes what ``blocks_reference`` computes step for step (the integer sums exact,
+    the float terms summed in another order); weights already on the Q4_1 (Q5_0) grid are stored exactly; the input's
+    8 bits a block of 32 cost far less than the weights' 4 (5)."""
+    kind, on_grid, bits = BLOCK_KERNELS[weights]
+    op = getattr(torch.ops.sparsegen, f"{weights}_linear")
     torch.manual_seed(0)
     linear = torch.nn.Linear(608, 192)  # (19 blocks: the kernel takes two a turn)
     with torch.no_grad():
-        linear.weight.copy_(_q4_1_weights(192, 608))
-    kernel = W4A8Linear(linear)
+        linear.weight.copy_(on_grid(192, 608))
+    kernel = kind(linear)
     assert fast._native_kernels() == "c++"
-    assert torch.equal(kernel.dequantized(), linear.weight)  # (a GGUF's Q4_1 weights, back on their grid)
-    assert kernel.blocks.numel() == 192 * 608 * 5 // 8  # 5 bits a weight, as Q4_1
+    assert torch.equal(kernel.dequantized(), linear.weight)  # (a GGUF's weights, back on their grid)
+    assert kernel.blocks.numel() == 192 * 608 * (bits + 1) // 8  # 5 (6) bits a weight, as Q4_1 (Q5_0 and a minimum)
     for rows in (1, 5, 40):
         x = torch.randn(rows, 608) * torch.linspace(0.1, 10, rows)[:, None]
         x[0, 7] = 0  # (a zero block of inputs is not a division by zero)
         x[0, :32] = 0
-        called = torch.ops.sparsegen.w4a8_linear(x, kernel.blocks, 192)
-        reference = fast.w4a8_reference(x, kernel.blocks, 192)
+        called = op(x, kernel.blocks, 192)
+        reference = fast.blocks_reference(x, kernel.blocks, 192, bits)
         torch.testing.assert_close(called, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
         exact = x @ linear.weight.T
         assert ((kernel(x) - linear.bias - exact).norm() / exact.norm()) < 0.01  # (8-bit inputs: ~0.3% here)
     fresh = torch.nn.Linear(608, 192)
-    error = (W4A8Linear(fresh).dequantized() - fresh.weight).abs().max() / fresh.weight.abs().max()
-    assert error < 0.1  # round to nearest: half a step of the grid
+    error = (kind(fresh).dequantized() - fresh.weight).abs().max() / fresh.weight.abs().max()
+    # round to nearest: half a step of Q4_1's grid (1/15 of the peak); Q5_0's reaches -16 steps on the peak's side and
+    # 15 on the other, where a weight as large as the peak is clamped by one step (1/16 of it), as llama.cpp's
+    assert error < (0.1 if bits == 4 else 1 / 16 + 1e-3)
     constant = torch.nn.Linear(64, 16, bias=False)
     with torch.no_grad():
         constant.weight[:, :32] = 0.25  # (a group of equal weights: its scale is no 0 to divide by)
-    assert torch.equal(W4A8Linear(constant).dequantized()[:, :32], constant.weight[:, :32])
-    with pytest.raises(ValueError, match="divisible by 32; a linear is 48 -> 16: use --weights w8a8"):
-        W4A8Linear(torch.nn.Linear(48, 16))
+        constant.weight[:, 32:] = 0  # (nor an all-zero one's)
+    assert torch.equal(kind(constant).dequantized(), constant.weight)
+    with pytest.raises(ValueError, match=f"{weights} needs input widths divisible by 32; a linear is 48 -> 16: use"):
+        kind(torch.nn.Linear(48, 16))
     with torch.no_grad():
         constant.weight[0, 0] = 1e6
     with pytest.raises(ValueError, match="beyond its range .65504.: use --weights w8a8"):
-        W4A8Linear(constant)
+        kind(constant)
 
 
-def test_w4a8_scalar_path_is_the_reference_too():
+def test_a_q5_0_tensor_of_gemmas_gguf_comes_back_exactly():
+    """Not only the synthetic grid above: Gemma-3-270M's own Q5_0 weights, dequantized as the loader does, are
+    stored bit for bit (their codes, their scales)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from sparsegen.models.gguf import gguf_file
+
+    tensor = next(t for t in GGUFReader(str(gguf_file("gemma3-270m"))).tensors if t.name == "blk.0.attn_k.weight")
+    assert tensor.tensor_type.name == "Q5_0"
+    weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).float()
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    assert torch.equal(W5A8Linear(linear).dequantized(), weight)
+
+
+@pytest.mark.parametrize("weights", BLOCK_KERNELS)
+def test_block_kernels_scalar_path_is_the_reference_too(weights):
     """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_SCALAR_KERNELS``), in a process of its own."""
     import os
     import subprocess
 
-    script = """
+    kind, _, bits = BLOCK_KERNELS[weights]
+    script = f"""
 import torch
 from sparsegen.quant import fast
 torch.manual_seed(0)
-kernel = fast.W4A8Linear(torch.nn.Linear(608, 64))
+kernel = fast.{kind.__name__}(torch.nn.Linear(608, 64))
 for rows in (1, 6):
     x = torch.randn(rows, 608)
-    reference = fast.w4a8_reference(x, kernel.blocks, 64)
-    error = (torch.ops.sparsegen.w4a8_linear(x, kernel.blocks, 64) - reference).abs().max() / reference.abs().max()
+    reference = fast.blocks_reference(x, kernel.blocks, 64, {bits})
+    error = (torch.ops.sparsegen.{weights}_linear(x, kernel.blocks, 64) - reference).abs().max() / reference.abs().max()
     print(fast._native_kernels(), float(error) < 1e-5)
 """
     env = {**os.environ, "SPARSEGEN_SCALAR_KERNELS": "1"}
@@ -204,7 +242,7 @@ for rows in (1, 6):
     assert out.split() == ["c++", "True"] * 2, out
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8", "w5a8"])
 def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights):
     model = _model()
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -217,14 +255,15 @@ def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights
     assert not linears  # every decoder linear and the LM head were replaced
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     assert agree > (0.7 if weights in ("int4", "w4a8") else 0.9)
-    assert weight_bytes_per_step(model) < before / (4 if weights in ("int4", "w4a8") else 2.5)
+    assert weight_bytes_per_step(model) < before / (4 if weights in ("int4", "w4a8", "w5a8") else 2.5)
 
 
 KERNEL_OPS = {"int8": (torch.ops.aten, "_weight_int8pack_mm"), "int4": (torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
-              "w8a8": (torch.ops.sparsegen, "w8a8_linear"), "w4a8": (torch.ops.sparsegen, "w4a8_linear")}
+              "w8a8": (torch.ops.sparsegen, "w8a8_linear"), "w4a8": (torch.ops.sparsegen, "w4a8_linear"),
+              "w5a8": (torch.ops.sparsegen, "w5a8_linear")}
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8", "w5a8"])
 def test_linears_that_read_one_input_are_one_matmul_with_each_ones_own_output(weights, monkeypatch):
     """q/k/v and gate/up run as one kernel call each: the logits are exactly those of each linear packed alone."""
     model = _model()
@@ -242,8 +281,8 @@ def test_linears_that_read_one_input_are_one_matmul_with_each_ones_own_output(we
         logits = model(input_ids=ids).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
     layers = model.config.num_hidden_layers
-    # qkv, o, gate-up, down (+ the LM head, at 8 bits by another op under int4 and w4a8)
-    assert len(calls) == 4 * layers + (weights not in ("int4", "w4a8"))
+    # qkv, o, gate-up, down (+ the LM head, at 8 bits by another op under int4, w4a8 and w5a8)
+    assert len(calls) == 4 * layers + (weights not in ("int4", "w4a8", "w5a8"))
     shared = [m for m in model.modules() if isinstance(m, SharedInput)]
     assert len(shared) == 2 * layers and all(m.pending is None for m in shared)  # nothing held between calls
 
@@ -265,7 +304,7 @@ def test_only_linears_stored_alike_share_a_matmul():
     assert fast._input_sharers(kinds) == [["b.self_attn.q_proj", "b.self_attn.k_proj"]]
 
 
-@pytest.mark.parametrize("weights", ["int4", "w8a8", "w4a8"])
+@pytest.mark.parametrize("weights", ["int4", "w8a8", "w4a8", "w5a8"])
 def test_a_decode_step_over_shared_matmuls_is_one_graph(weights):
     from sparsegen.decoding import DecodeStep, prefill
     from sparsegen.kv import EvictionCache, make_policy
@@ -277,7 +316,7 @@ def test_a_decode_step_over_shared_matmuls_is_one_graph(weights):
     with torch.inference_mode():
         token = [prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1) for cache in caches][0]
         step, position = DecodeStep(model, compile=True), torch.full((2,), 12)
-        if weights in ("w8a8", "w4a8"):  # the ops' C++ kernels called from inductor's code: the eager step's logits
+        if weights in ("w8a8", "w4a8", "w5a8"):  # the ops' C++ kernels called from inductor's code: the eager step's logits
             torch.testing.assert_close(step(caches[0], token, position), step.uncompiled(caches[1], token, position),
                                        atol=1e-4, rtol=1e-4)
             assert step.compiled_steps == 1
@@ -347,7 +386,8 @@ def test_gguf_weights_follow_each_tensors_stored_type():
     assert len(smollm2) == 30 * 7 + 1 and smollm2["lm_head"] == "w8a8"  # (llama.cpp's integer arithmetic, on x86)
     assert {smollm2[f"model.layers.{i}.mlp.down_proj"] for i in range(30)} == {"w4a8"}
     gemma = gguf_plan(gguf_file("gemma3-270m"))  # Q4_K_M: Q4_K beside Q5_0, Q6_K and Q8_0
-    assert sorted(set(gemma.values())) == ["w4a8", "w8a8"] and len(gemma) == 18 * 7 + 1
+    assert sorted(set(gemma.values())) == ["w4a8", "w5a8", "w8a8"] and len(gemma) == 18 * 7 + 1
+    assert gemma["model.layers.0.mlp.gate_proj"] == "w5a8" and gemma["model.layers.0.self_attn.o_proj"] == "w4a8"
 
 
 def test_gguf_weights_need_a_gguf_model(capsys):
