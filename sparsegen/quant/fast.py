@@ -82,8 +82,14 @@ _LIBRARY = native.LIBRARY
 _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
 _LIBRARY.define("w4a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
 _LIBRARY.define("w5a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
-# a block of 32 weights: an fp16 scale, an fp16 minimum, 16 bytes of 4-bit codes (and 4 of fifth bits)
-BLOCK_BYTES = {4: 20, 5: 24}
+# a block of 32 weights: an fp16 scale, an fp16 minimum, 16 bytes of 4-bit codes (w5a8: and 4 of fifth bits, in
+# planes of 32 bytes for 8 blocks, the last one whole)
+FIFTH_PLANE, BLOCKS_A_PLANE = 32, 8
+
+
+def row_bytes(groups: int, bits: int) -> int:
+    """The bytes of a W4A8Linear (``bits=5``: W5A8Linear) row of ``groups`` blocks of 32 weights."""
+    return 20 * groups + (-(-groups // BLOCKS_A_PLANE) * FIFTH_PLANE if bits == 5 else 0)
 
 
 def _w8a8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -123,23 +129,40 @@ def blocks_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int, b
 
 
 def blocks_unpacked(blocks: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scale, minimum, codes)`` of W4A8Linear's (``bits=5``: W5A8Linear's) packed rows ``[out, groups * 20]``
-    (each: its groups' fp16 scales, their fp16 minimums, 16 bytes of codes a group, then 4 bytes of fifth bits a
-    group): fp32 ``[out, groups]`` twice and ``[out, groups, 32]`` codes in [0, 2^bits) (int64)."""
-    groups = blocks.shape[1] // BLOCK_BYTES[bits]
+    """``(scale, minimum, codes)`` of W4A8Linear's (``bits=5``: W5A8Linear's) packed rows ``[out, row_bytes]``
+    (each: its groups' fp16 scales, their fp16 minimums, 16 bytes of codes a group, then the fifth bits' planes):
+    fp32 ``[out, groups]`` twice and ``[out, groups, 32]`` codes in [0, 2^bits) (int64)."""
+    out, width = blocks.shape
+    groups = next(g for g in range(width // 20, 0, -1) if row_bytes(g, bits) == width)  # (row_bytes only grows)
     scales = blocks[:, :4 * groups].contiguous().view(torch.float16).float()  # [out, 2 * groups]
-    nibbles = blocks[:, 4 * groups:20 * groups].reshape(blocks.shape[0], groups, 16).long()
+    nibbles = blocks[:, 4 * groups:20 * groups].reshape(out, groups, 16).long()
     codes = torch.cat([nibbles & 0xF, nibbles >> 4], -1)
     if bits == 5:
-        fifths = (blocks[:, 20 * groups:, None].long() >> torch.arange(8)) & 1  # [out, 4 * groups, 8]: bit j of a byte
-        codes |= fifths.reshape(blocks.shape[0], -1)[:, _code_slots(groups)] << 4
+        planes = blocks[:, 20 * groups:].reshape(out, -1, 1, 1, FIFTH_PLANE).long()
+        fifths = (planes >> _PLANE_BITS) & 1  # [out, planes, 4 pairs, low/high, 32 lanes]: slots in code_slot's order
+        codes |= fifths.reshape(out, -1)[:, _code_slots(groups)] << 4
     return scales[:, :groups], scales[:, groups:], codes
+
+
+_PLANE_BITS = (torch.arange(4)[:, None] + 4 * torch.arange(2))[..., None]  # pair p's low bits at bit p, high at p + 4
+
+
+def _fifth_planes(fifths: torch.Tensor, groups: int) -> torch.Tensor:
+    """Fifth bits ``[out, groups, 32]`` (0 or 1) as W5A8Linear's planes ``[out, planes * 32]`` (uint8): each plane's
+    byte k holds lane k of four pairs' low-nibble vectors (bits 0-3) and high-nibble ones (bits 4-7), so that the
+    kernel moves a pair's bits into its codes with one shift and one mask (``w4a8_linear.cpp``)."""
+    out = fifths.shape[0]
+    slots = torch.zeros(out, -(-groups // BLOCKS_A_PLANE) * BLOCKS_A_PLANE * 32, dtype=torch.long)
+    slots[:, _code_slots(groups).flatten()] = fifths.reshape(out, -1).long()
+    planes = (slots.view(out, -1, 4, 2, FIFTH_PLANE) << _PLANE_BITS).sum((2, 3))
+    return planes.to(torch.uint8).view(out, -1)
 
 
 def _code_slots(groups: int) -> torch.Tensor:
     """``[groups, 32]``: where the kernel keeps input ``i`` of each group among a row's codes (``code_slot`` in
     ``w4a8_linear.cpp``): per pair of groups, the first's 16 low codes, the second's, then their 16 high codes; an
-    odd last group in its own order. Fifth bits are stored in this order."""
+    odd last group in its own order. A row's fifth bits take this order, 64 slots a pair (the odd group's 32 as a
+    pair's low half)."""
     block, i = torch.arange(groups)[:, None], torch.arange(32)
     paired = block // 2 * 64 + (i >= 16) * 32 + block % 2 * 16 + i % 16
     return torch.where(block < groups // 2 * 2, paired, block * 32 + i)
@@ -260,11 +283,8 @@ class W4A8Linear(nn.Module):
         nibbles = ((codes[..., :16] & 0xF) | ((codes[..., 16:] & 0xF) << 4)).view(out_features, -1)
         # (a row: its scales, its minimums, its codes: the kernel loads two groups' codes and eight scales at once)
         parts = [scale.view(torch.uint8), low.view(torch.uint8), nibbles]
-        if self.BITS == 5:  # (then the fifth bits, in the order the kernel expands them, 8 a byte)
-            fifths = torch.zeros(out_features, codes.shape[1] * INT4_GROUP, dtype=torch.uint8)
-            fifths[:, _code_slots(codes.shape[1]).flatten()] = (codes >> 4).view(out_features, -1)
-            parts.append((fifths.view(out_features, -1, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1,
-                                                                                                    dtype=torch.uint8))
+        if self.BITS == 5:  # (then the fifth bits, in the planes the kernel reads them from)
+            parts.append(_fifth_planes(codes >> 4, codes.shape[1]))
         self.register_buffer("blocks", torch.cat(parts, -1))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)

@@ -6,9 +6,11 @@
 // Weights: blocks of 32 inputs, w = d * code + m with fp16 d and m and 4-bit codes (llama.cpp's Q4_1 values). A row
 // of G blocks is stored as G scales d, G minimums m, then G times 16 bytes whose low nibbles are a block's codes 0-15
 // and high nibbles its codes 16-31: two blocks' codes are one 32-byte load, and eight blocks' scales one 16-byte load.
-// 5-bit codes (0-31; llama.cpp's Q5_0 is d * code - 16 d) add their fifth bits after the nibbles, 4 bytes a block, in
-// the order the activations' codes take below: a pair's low-nibble bits, then its high-nibble bits, one 32-bit mask
-// each, expanded to one byte a code as the nibbles are loaded.
+// 5-bit codes (0-31; llama.cpp's Q5_0 is d * code - 16 d) add their fifth bits after the nibbles, as planes of 32
+// bytes, one a turn of four pairs: byte k of a plane holds lane k's fifth bit of the pairs' low-nibble vectors in bits
+// 0-3 (pair p: bit p) and of their high-nibble vectors in bits 4-7, so that one shift and one mask put a pair's fifth
+// bits where its codes need them (bit 4 of each byte); an odd last block takes the next pair's low bits. 4 bytes a
+// block, in planes rounded up to 32 bytes.
 // Activations, per row and block: x ~ dx * q with q = round(x / dx) in [-127, 127], dx = max|x| / 127.
 // A block's product is d * dx * sum(code * q) + m * dx * sum(q): one integer sum and one float term.
 #include <ATen/Parallel.h>
@@ -28,8 +30,8 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // inputs a block holds
 
-constexpr int64_t block_bytes(int bits) {  // a block's bytes: 2 + 2 + 16, and 4 of fifth bits
-  return bits == 5 ? 24 : 20;
+constexpr int64_t row_bytes(int bits, int64_t blocks) {  // 2 + 2 + 16 a block, and the fifth bits' planes
+  return 20 * blocks + (bits == 5 ? (blocks + 7) / 8 * 32 : 0);
 }
 
 // Where input i of a block goes in a row of codes: for each pair of blocks (b, b + 1), b's first 16, b + 1's first
@@ -81,14 +83,16 @@ float half_bits(const uint8_t* bytes) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// A weight's code: its nibble, and (5 bits) its fifth bit, stored at its code_slot among the row's fifth bits.
+// A weight's code: its nibble, and (5 bits) its fifth bit, found by its code_slot: slots come 64 a pair (32 of its
+// low-nibble vector, then 32 of its high one), and a pair's bits sit in plane pair / 4 at bit pair % 4 (+ 4: high).
 template <int kBits>
 int32_t weight_code(const uint8_t* weights, int64_t blocks, int64_t block, int64_t i) {
   const uint8_t byte = weights[4 * blocks + block * 16 + i % 16];
   const int32_t nibble = i < 16 ? byte & 0xF : byte >> 4;
   if (kBits == 4) return nibble;
-  const int64_t slot = code_slot(blocks, block, i);
-  return nibble | ((weights[20 * blocks + slot / 8] >> (slot % 8)) & 1) << 4;
+  const int64_t slot = code_slot(blocks, block, i), pair = slot / 64, lane = slot % 32;
+  const int shift = pair % 4 + (slot % 64 >= 32 ? 4 : 0);
+  return nibble | ((weights[20 * blocks + pair / 4 * 32 + lane] >> shift) & 1) << 4;
 }
 
 template <int kBits>
@@ -111,19 +115,20 @@ struct PairCodes {
   __m256 scales;
 };
 
-// 32 fifth bits (a 32-bit mask at ``bits``) as 32 bytes: 16 where the bit is set, else 0.
-AVX2 inline __m256i fifth_bits(const uint8_t* bits) {
-  int32_t mask;
-  std::memcpy(&mask, bits, 4);
-  const __m256i spread = _mm256_shuffle_epi8(  // (byte j of the result takes byte j / 8 of the mask)
-      _mm256_set1_epi32(mask), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                                                3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);  // (then bit j % 8 of it)
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+// Bit ``bit`` of each byte of a plane, moved to bit 4 (16 where it is set, else 0): one 16-bit shift and a mask (bits
+// a shift carries across bytes land outside bit 4). ``bit`` is a constant where the callers' loops unroll.
+AVX2 inline __m256i fifth_bits(__m256i plane, int bit) {
+  const __m256i moved = bit <= 4 ? _mm256_slli_epi16(plane, 4 - bit) : _mm256_srli_epi16(plane, bit - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
+AVX2 inline __m256i load_plane(const uint8_t* weights, int64_t blocks, int64_t pair) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 20 * blocks + pair / 4 * 32));
+}
+
+// A pair's codes; 5 bits: ``plane`` is its plane, ``bit`` its place there (pair % 4).
 template <int kBits>
-AVX2 inline PairCodes pair_codes(const uint8_t* weights, int64_t blocks, int64_t pair) {
+AVX2 inline PairCodes pair_codes(const uint8_t* weights, int64_t blocks, int64_t pair, __m256i plane, int bit) {
   const __m256i nibble = _mm256_set1_epi8(0xF);
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 4 * blocks + pair * 32));
   int32_t two_scales;
@@ -132,9 +137,8 @@ AVX2 inline PairCodes pair_codes(const uint8_t* weights, int64_t blocks, int64_t
   PairCodes codes{_mm256_and_si256(packed, nibble), _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
                   _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))};
   if (kBits == 5) {
-    const uint8_t* fifths = weights + 20 * blocks + pair * 8;
-    codes.low = _mm256_or_si256(codes.low, fifth_bits(fifths));
-    codes.high = _mm256_or_si256(codes.high, fifth_bits(fifths + 4));
+    codes.low = _mm256_or_si256(codes.low, fifth_bits(plane, bit));
+    codes.high = _mm256_or_si256(codes.high, fifth_bits(plane, bit + 4));
   }
   return codes;
 }
@@ -163,7 +167,7 @@ AVX2 inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& 
     const int64_t last = blocks - 1;
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
     __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
-    if (kBits == 5) codes = _mm256_or_si256(codes, fifth_bits(weights + 20 * blocks + last * 4));
+    if (kBits == 5) codes = _mm256_or_si256(codes, fifth_bits(load_plane(weights, blocks, last / 2), last / 2 % 4));
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes.data() + last * kBlock));
     const __m256 sums_last =
         _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1)));
@@ -180,12 +184,19 @@ AVX2 void dot_avx2(const uint8_t* weights, const QuantizedRow* rows, int64_t blo
   constexpr int kChains = ROWS == 1 ? 2 : ROWS;
   __m256 sums[kChains];
   for (int c = 0; c < kChains; ++c) sums[c] = _mm256_setzero_ps();
-  for (int64_t pair = 0; pair < blocks / 2; ++pair) {
-    const PairCodes codes = pair_codes<kBits>(weights, blocks, pair);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 scales = _mm256_mul_ps(codes.scales, _mm256_loadu_ps(rows[r].pair_scales.data() + pair * 8));
-      const int c = ROWS == 1 ? pair % 2 : r;
-      sums[c] = _mm256_fmadd_ps(scales, pair_sums(codes, rows[r].codes.data() + pair * 2 * kBlock), sums[c]);
+  const int64_t pairs = blocks / 2;
+  for (int64_t first = 0; first < pairs; first += 4) {  // (a plane's four pairs, unrolled: its shifts are constants)
+    const __m256i plane = kBits == 5 ? load_plane(weights, blocks, first) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int bit = 0; bit < 4; ++bit) {
+      const int64_t pair = first + bit;
+      if (pair == pairs) break;
+      const PairCodes codes = pair_codes<kBits>(weights, blocks, pair, plane, bit);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 scales = _mm256_mul_ps(codes.scales, _mm256_loadu_ps(rows[r].pair_scales.data() + pair * 8));
+        const int c = ROWS == 1 ? bit % 2 : r;
+        sums[c] = _mm256_fmadd_ps(scales, pair_sums(codes, rows[r].codes.data() + pair * 2 * kBlock), sums[c]);
+      }
     }
   }
   if (ROWS == 1) sums[0] = _mm256_add_ps(sums[0], sums[kChains - 1]);
@@ -244,9 +255,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_fea
   const char* name = kBits == 5 ? "sparsegen::w5a8_linear" : "sparsegen::w4a8_linear";
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 inputs, got ", x.scalar_type());
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == out_features, name,
-              ": blocks must be uint8 [out_features, in_features / 32 * ", block_bytes(kBits), "]");
+              ": blocks must be uint8 [out_features, ", kBits == 5 ? "W5A8Linear's row bytes]" : "in_features / 32 * 20]");
   const int64_t in_features = x.size(-1);
-  TORCH_CHECK(in_features % kBlock == 0 && blocks.size(1) == in_features / kBlock * block_bytes(kBits), name, ": ",
+  TORCH_CHECK(in_features % kBlock == 0 && blocks.size(1) == row_bytes(kBits, in_features / kBlock), name, ": ",
               in_features, " inputs do not match blocks of shape ", blocks.sizes());
   const at::Tensor flat = x.reshape({-1, in_features}).contiguous();
   const at::Tensor weights = blocks.contiguous();
