@@ -256,7 +256,9 @@ def test_a_quantized_model_predicts_what_fp32_does_and_reads_fewer_bytes(weights
     assert not linears  # every decoder linear and the LM head were replaced
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     assert agree > (0.7 if weights in ("int4", "w4a8") else 0.9)
-    assert weight_bytes_per_step(model) < before / (4 if weights in ("int4", "w4a8", "w5a8") else 2.5)
+    # (w5a8 reads 6.2 bits a weight on real widths, but a row of this 32-wide model is one block beside a whole
+    # 32-byte plane of fifth bits: its bytes are checked per row in the block kernels' test)
+    assert weight_bytes_per_step(model) < before / (4 if weights in ("int4", "w4a8") else 2.5)
 
 
 KERNEL_OPS = {"int8": (torch.ops.aten, "_weight_int8pack_mm"), "int4": (torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
