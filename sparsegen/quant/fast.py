@@ -38,10 +38,9 @@ from sparsegen import native
 
 WEIGHTS = ("fp32", "int8", "int4", "w8a8", "w4a8", "w5a8", "gguf")
 # ``gguf``: each linear at the bit width its GGUF file stores it with (a Q4_K_M file mixes Q4_K, Q5_0, Q6_K, Q8_0)
-# in the integer kernels (w4a8, w8a8) as llama.cpp computes
-GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}
-GGUF_INT5 = {"Q5_0"}  # (its blocks come back exactly on W5A8Linear's grid) every other type (Q5_K, Q6_K, Q8_0, ...)
-# runs at 8 bits
+# in the integer kernels (w4a8, w5a8, w8a8) as llama.cpp computes
+GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # as w4a8
+GGUF_INT5 = {"Q5_0"}  # as w5a8 (its blocks come back exactly); every other type (Q5_K, Q6_K, Q8_0, ...) at 8 bits
 GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}  # llama.cpp's names of a Llama/Gemma block's linears
@@ -295,9 +294,9 @@ class W4A8Linear(nn.Module):
     def _grid(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each group's fp16 scale and minimum, and its codes (uint8): round to nearest on Q4_1's grid, from the
         group's minimum to its maximum in 15 steps (a constant group's scale is fp16's smallest, not 0)."""
-        low, high = grouped.amin(-1), grouped.amax(-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float16).tiny).half()
-        low = low.half()  # (the codes rounded on the grid as stored)
+        _, scale, low = int4_grid(grouped.flatten(1), INT4_GROUP)
+        # (stored at 16 bits, the codes rounded on that grid)
+        scale, low = scale.clamp(min=torch.finfo(torch.float16).tiny).half(), low.half()
         codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
         return scale, low, codes.to(torch.uint8)
 
