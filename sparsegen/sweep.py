@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -271,7 +272,9 @@ def run(sweep: Sweep, out: Path, workers: int = 1, ray: str | None = None, retri
             for row in _run_ray(todo, ray, retries):
                 record(row)
         else:
-            with ProcessPoolExecutor(workers) as pool:
+            # (spawned, not forked: a worker forked from this process, which has threads (tqdm's monitor, torch's),
+            # can start holding a lock one of them held, and hang; CI saw a cell's worker stuck loading its tokenizer)
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
                 futures = {pool.submit(run_cell, cell): cell for cell in todo}
                 for future in as_completed(futures):
                     try:
