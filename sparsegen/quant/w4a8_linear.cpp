@@ -282,7 +282,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_fea
   at::Tensor out = at::empty({rows, out_features}, x.options());
   float* y = out.data_ptr<float>();
   const uint8_t* w = weights.data_ptr<uint8_t>();
-  const int64_t row_bytes = weights.size(1);
+  const int64_t weight_stride = weights.size(1);  // (row_bytes(kBits, count), checked above)
   // (output channels split across threads; each weight row is read once and used for every input row)
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) {
@@ -290,11 +290,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_fea
 #ifdef SPARSEGEN_X86
       if (vector) {
         for (; r + 4 <= rows; r += 4)
-          dot_avx2<4, kBits>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n, out_features);
-        for (; r < rows; ++r) dot_avx2<1, kBits>(w + n * row_bytes, &quantized[r], count, y + r * out_features + n, 0);
+          dot_avx2<4, kBits>(w + n * weight_stride, &quantized[r], count, y + r * out_features + n, out_features);
+        for (; r < rows; ++r) dot_avx2<1, kBits>(w + n * weight_stride, &quantized[r], count, y + r * out_features + n, 0);
       }
 #endif
-      for (; r < rows; ++r) y[r * out_features + n] = dot_scalar<kBits>(w + n * row_bytes, quantized[r], count);
+      for (; r < rows; ++r) y[r * out_features + n] = dot_scalar<kBits>(w + n * weight_stride, quantized[r], count);
     }
   });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
