@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from sparsegen.cli.common import (budget_args, check_draft_model, kv_quantization, load_draft_model, load_model,
-                                  model_args, policy_factories, speculative_args)
+from sparsegen.cli.common import (budget_args, check_draft_model, compile_arg, kv_quantization, load_draft_model,
+                                  load_model, model_args, policy_factories, speculative_args)
 from sparsegen.eval.protocols import PROTOCOLS
 
 PROTOCOL_HELP = ("stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
@@ -107,7 +107,7 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
                        dict(policy_factories(args)), lengths, tasks, args.samples, tuple(protocols), chat, depths,
                        args.seed, args.chunk_size, args.positions, kv_quantization(args), args.max_new_tokens,
-                       on_row=show, done=done, speculation=speculation)
+                       on_row=show, done=done, speculation=speculation, compile=args.compile)
     print()
     print(ruler.markdown(report["rows"]))
     if args.json:  # in table order; rows of the file this run did not ask for stay in it
@@ -198,6 +198,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="ask in the model's chat template (default: when the model has one)")
+    compile_arg(p)
     speculative_args(p)
     p.add_argument("--json", default=None, help="write the rows (with every answer) as JSON to this file, after "
                                                 "every row")

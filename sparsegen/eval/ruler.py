@@ -309,11 +309,12 @@ def score(answer: str, references: list[str]) -> float:
 def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Policy], protocol: str = "stream",
              chunk_size: int = 512, positions: str | None = None, kv_bits: int | KVQuantization | None = None,
              max_new_tokens: int | None = None, progress: bool = True,
-             speculation: Callable[[int], Speculation] | None = None) -> list[dict]:
+             speculation: Callable[[int], Speculation] | None = None, compile: bool = False) -> list[dict]:
     """Greedy answers to ``samples`` (one at a time) through a cache under ``make(context_tokens)``'s policy, each
     with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``. ``speculation``
     (``make`` giving the full cache, ``stream`` protocol): the same answers, drafted over a cache under
-    ``speculation(context_tokens)``'s policy; each result then carries the round's ``speculation`` report."""
+    ``speculation(context_tokens)``'s policy; each result then carries the round's ``speculation`` report.
+    ``compile``: answer tokens through the compiled decode step (``DecodeStep``)."""
     check_protocol(protocol)
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
@@ -321,7 +322,7 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
     for sample in tqdm(samples, desc="ruler", unit="sample", disable=not progress, leave=False):
         ids, policy = torch.tensor([sample.ids], device=device), make(sample.context_tokens)
         common = dict(max_new_tokens=max_new_tokens or sample.max_new_tokens, chunk_size=chunk_size, eos_id=eos,
-                      pad_id=eos if eos is not None else 0, progress=False)
+                      pad_id=eos if eos is not None else 0, progress=False, compile=compile)
         if speculation is None:
             new, counts, stats, *_ = generate_tokens(
                 model, ids, torch.ones_like(ids), policy, positions, kv_bits=kv_bits,
@@ -365,7 +366,7 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
         positions: str | None = None, kv_bits: int | KVQuantization | None = None,
         max_new_tokens: int | None = None, progress: bool = True,
         on_row: Callable[[dict], None] | None = None, done: list[dict] | None = None,
-        speculation: Callable[[int], Speculation] | None = None) -> dict:
+        speculation: Callable[[int], Speculation] | None = None, compile: bool = False) -> dict:
     """RULER over ``policies`` (name -> policy for a context of n tokens) x ``protocols`` x ``lengths`` x ``tasks``:
     ``{"rows": [{"policy", "budget", "protocol", "task", "length", "score", "depths", "kv_tokens_peak",
     "samples": [...]}]}``, the same prompts for every policy. ``done``: rows of an interrupted run with the same
@@ -387,7 +388,7 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
                     rows.append(finished[name, protocol, task, length])
                     continue
                 results = evaluate(model, tokenizer, task_samples, make, protocol, chunk_size, positions, kv_bits,
-                                   max_new_tokens, progress, speculation)
+                                   max_new_tokens, progress, speculation, compile)
                 summary = summarize(results)
                 row = {"policy": name, "budget": make(task_samples[0].context_tokens).budget, "protocol": protocol,
                        "task": task, "length": length, "score": summary["tasks"][task],

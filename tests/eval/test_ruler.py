@@ -143,6 +143,28 @@ def test_cli_rows_per_policy_protocol_task_and_length(tiny_checkpoint, book_slic
     assert "unknown RULER task(s) qa_1" in capsys.readouterr().err
 
 
+def test_cli_compile_answers_through_the_compiled_step_as_eager_does(tiny_checkpoint, book_slice, tmp_path,
+                                                                      monkeypatch):
+    """``--compile``: every answer token through the compiled decode step (one graph with the eviction), the eager
+    answers."""
+    import sparsegen.decoding as decoding
+
+    compiled = []
+    step = decoding.DecodeStep.__call__
+    monkeypatch.setattr(decoding.DecodeStep, "__call__",
+                        lambda self, *a: compiled.append(self.compiled) or step(self, *a))
+    answers = {}
+    for flags in ([], ["--compile"]):
+        out = tmp_path / f"r{len(flags)}.json"
+        assert main(["ruler", "--model", str(tiny_checkpoint), "--haystack", str(book_slice), "--tasks",
+                     "niah_single_1", "--length", "600", "--samples", "2", "--policies", "streaming", "--budget", "0.5",
+                     "--protocol", "context", "--max-new-tokens", "4", "--json", str(out), *flags]) == 0
+        answers[bool(flags)] = [s["answer"] for s in json.loads(out.read_text())["rows"][0]["samples"]]
+        assert compiled and set(compiled) == {bool(flags)}
+        compiled.clear()
+    assert answers[True] == answers[False]
+
+
 def test_context_once_holds_the_question_and_answer(tiny_checkpoint):
     """kvpress's exact protocol: the context compressed once to the budget, nothing evicted after (the cache grows by
     the question and the answer); ``context`` holds the budget throughout."""

@@ -7,10 +7,11 @@ from sparsegen.kv import EvictionCache, make_policy
 from tests.kv.families import VOCAB, tiny_model
 
 
-def _kept_and_logits(model, policy: str, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int | None = None):
+def _kept_and_logits(model, policy: str, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int | None = None,
+                     budget: int | None = 24, positions: str | None = None):
     """Each layer's kept token positions after a prefill (by default in one pass: a long call, compressed once), then
     the logits of the prefill and of three decode steps."""
-    cache = EvictionCache(model, make_policy(policy, 24))
+    cache = EvictionCache(model, make_policy(policy, budget), positions)
     logits = [prefill(model, cache, ids, mask, chunk_size=chunk_size or ids.shape[1])]
     kept = [layer.index.masked_fill(~layer.valid, -1).sort(-1).values for layer in cache.layers]
     step, position = DecodeStep(model), mask.sum(-1)
@@ -38,6 +39,31 @@ def test_a_long_call_scores_only_the_queries_its_policy_reads_and_keeps_what_sco
     calls.clear()
     kept_ref, logits_ref = _kept_and_logits(model, policy, ids, mask)
     assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(kept, kept_ref))
+    torch.testing.assert_close(logits, logits_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family,policy,budget,positions", [
+    ("llama", "full", None, None), ("llama", "snapkv", 24, None), ("qwen2", "h2o", 24, None),
+    ("llama", "streaming", 200, "rolling"), ("gemma3", "full", None, None), ("gpt_neox", "tova", 24, "rolling")])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_first_pass_leaves_its_causal_mask_to_sdpa_and_keeps_what_the_mask_keeps(family, policy, budget, positions,
+                                                                                  padded, monkeypatch):
+    """An empty cache's one-pass prompt, every token real, takes SDPA's ``is_causal`` (no mask materialized) through
+    each attention path (SDPA, SnapKV's observed window, H2O's grouped sums, rolling positions, Gemma 3's global layer
+    beside its sliding ones); a padded batch keeps its mask. Either way: the kept tokens and logits of the mask."""
+    model = tiny_model(family)
+    ids = torch.randint(3, VOCAB, (2, 120), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :30] = 0
+    plain = []
+    decide = attention._plainly_causal
+    monkeypatch.setattr(attention, "_plainly_causal", lambda *a: plain.append(decide(*a)) or plain[-1])
+    kept, logits = _kept_and_logits(model, policy, ids, mask, budget=budget, positions=positions)
+    assert any(plain) != padded
+    monkeypatch.setattr(attention, "_plainly_causal", lambda *a: False)
+    kept_ref, logits_ref = _kept_and_logits(model, policy, ids, mask, budget=budget, positions=positions)
     assert all(torch.equal(a, b) for a, b in zip(kept, kept_ref))
     torch.testing.assert_close(logits, logits_ref, atol=1e-5, rtol=1e-5)
 
