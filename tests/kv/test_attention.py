@@ -45,24 +45,30 @@ def test_a_long_call_scores_only_the_queries_its_policy_reads_and_keeps_what_sco
 
 @pytest.mark.parametrize("family,policy,budget,positions", [
     ("llama", "full", None, None), ("llama", "snapkv", 24, None), ("qwen2", "h2o", 24, None),
-    ("llama", "streaming", 200, "rolling"), ("gemma3", "full", None, None), ("gpt_neox", "tova", 24, "rolling")])
+    ("llama", "streaming", 200, "rolling"), ("gemma3", "full", None, None), ("gpt_neox", "tova", 24, "rolling"),
+    ("llama", "window", 24, None), ("qwen2", "streaming", 40, "original"), ("gemma3", "streaming", 24, "original")])
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_first_pass_leaves_its_causal_mask_to_sdpa_and_keeps_what_the_mask_keeps(family, policy, budget, positions,
-                                                                                  padded, monkeypatch):
-    """An empty cache's one-pass prompt, every token real, takes SDPA's ``is_causal`` (no mask materialized) through
-    each attention path (SDPA, SnapKV's observed window, H2O's grouped sums, rolling positions, Gemma 3's global layer
-    beside its sliding ones); a padded batch keeps its mask. Either way: the kept tokens and logits of the mask."""
+def test_a_first_pass_builds_no_mask_and_keeps_what_the_mask_keeps(family, policy, budget, positions, padded,
+                                                                   monkeypatch):
+    """An empty cache's one-pass prompt, every token real, builds no [q, q] mask: plain causal attention goes to
+    SDPA's ``is_causal`` (through SDPA, SnapKV's observed window, H2O's grouped sums, rolling positions, Gemma 3's
+    global layer), and an order policy's or a sliding-window layer's band (a window, sinks and recent tokens, Gemma 3's
+    sliding layers) a block of queries at a time over the keys it sees; a padded batch keeps its mask. Either way:
+    the kept tokens and logits of the mask."""
     model = tiny_model(family)
     ids = torch.randint(3, VOCAB, (2, 120), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if padded:
         mask[1, :30] = 0
-    plain = []
-    decide = attention._plainly_causal
-    monkeypatch.setattr(attention, "_plainly_causal", lambda *a: plain.append(decide(*a)) or plain[-1])
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 32)  # bands a block of queries at a time: several blocks
+    bands = []
+    decide = attention._first_pass_band
+    monkeypatch.setattr(attention, "_first_pass_band", lambda *a: bands.append(decide(*a)) or bands[-1])
     kept, logits = _kept_and_logits(model, policy, ids, mask, budget=budget, positions=positions)
-    assert any(plain) != padded
-    monkeypatch.setattr(attention, "_plainly_causal", lambda *a: False)
+    assert any(bands) != padded
+    if not padded and (policy in ("window", "streaming") and budget < 100 or family == "gemma3"):
+        assert any(band is not None and band[1] < 119 for band in bands)  # a band narrower than the pass
+    monkeypatch.setattr(attention, "_first_pass_band", lambda *a: None)
     kept_ref, logits_ref = _kept_and_logits(model, policy, ids, mask, budget=budget, positions=positions)
     assert all(torch.equal(a, b) for a, b in zip(kept, kept_ref))
     torch.testing.assert_close(logits, logits_ref, atol=1e-5, rtol=1e-5)
