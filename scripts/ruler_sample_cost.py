@@ -36,7 +36,8 @@ def main() -> None:
     torch.set_num_threads(2)
     model, tokenizer = sparsegen.load(args.model, weights=args.weights)
     hay = ruler.Haystack(tokenizer, (data_dir() / "books" / "test" / "great_expectations.txt").read_text())
-    sample = ruler.make_samples(hay, "niah_single_1", args.length, 1, chat=True)[0]
+    chat = bool(getattr(tokenizer, "chat_template", None))  # as sparsegen ruler asks: in the template, if any
+    sample = ruler.make_samples(hay, "niah_single_1", args.length, 1, chat=chat)[0]
     decide = attention._first_pass_band
     rows = []
     for name in args.policies.split(","):

@@ -185,23 +185,28 @@ def _first_pass_band(cache, q: int, total: int, view, sliding_window: int | None
 def _band_mask(first: int, rows: int, total: int, band: tuple[int, int], device: torch.device) -> torch.Tensor:
     """The first pass's mask (``_first_pass_band``), rows ``first .. first + rows`` over ``total`` slots,
     ``[1, 1, rows, T]``."""
+    queries = torch.arange(first, first + rows, device=device)
+    return _band_rows(queries, torch.arange(total, device=device), band)[None, None]
+
+
+def _band_rows(rows: torch.Tensor, slots: torch.Tensor, band: tuple[int, int]) -> torch.Tensor:
+    """Which of ``slots`` (token ordinals) each query of ``rows`` sees under ``band``, ``[rows, slots]``."""
     sinks, reach = band
-    slot, row = torch.arange(total, device=device), torch.arange(first, first + rows, device=device)[:, None]
-    return ((slot <= row) & ((slot >= row - reach) | (slot < sinks)))[None, None]
+    rows = rows[:, None]
+    return (slots <= rows) & ((slots >= rows - reach) | (slots < sinks))
 
 
 def _banded_attention(query, key, value, band: tuple[int, int], scaling: float) -> torch.Tensor:
     """SDPA of a first pass whose queries see only the ``reach`` tokens before them (and the first ``sinks``), a
     block of queries at a time over the keys the block sees: Gemma 3's sliding-window layers over an 8K prompt read
-    1K keys a query instead of 8K under a [8K, 8K] mask."""
+    at most 767 keys a block of 256 queries instead of 8K under a [8K, 8K] mask (a RULER 8K sample 2x faster)."""
     sinks, reach = band
     q, outs = query.shape[2], []
     for start in range(0, q, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, q)
         first = max(start - reach, 0)
         slots = torch.cat((torch.arange(min(sinks, first)), torch.arange(first, end))).to(query.device)
-        row = torch.arange(start, end, device=query.device)[:, None]
-        mask = (slots <= row) & ((slots >= row - reach) | (slots < sinks))
+        mask = _band_rows(torch.arange(start, end, device=query.device), slots, band)
         outs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, slots], value[:, :, slots],
                                                    attn_mask=mask, scale=scaling, enable_gqa=True))
     return torch.cat(outs, dim=2)
