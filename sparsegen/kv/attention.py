@@ -28,7 +28,7 @@ from sparsegen.models.compat import attention_implementation, model_eager_attent
 
 BACKENDS = ("sdpa", "eager")
 CACHE_KWARG = "sparsegen_cache"  # how the decoder hook hands the cache to every layer's attention, through the call
-FEW_QUERIES = 17  # up to a speculative verification: the pending token and 16 drafts
+FEW_QUERIES = native_attention.MOST_QUERIES  # up to a speculative verification: the pending token and 16 drafts
 # a long call's queries per pass of ``_grouped_attention``: each block's scores stay in cache and read only the keys
 # its queries can see (a causal one-pass 4K prefill, one SmolLM2 layer's 9 heads: 1.39 s whole, 0.69 s in blocks of
 # 512, 0.43 s in blocks of 256, measured)

@@ -1,8 +1,10 @@
 // sparsegen::decode_attention: one decode step's attention on a CPU, in one pass over a layer's keys and values.
 //
-// Each sequence brings one query per query head; the G query heads that share a KV head score its held slots (and the
-// step's own token, which waits beside them until eviction places it) together, so each key and value is read once a
-// step. The slots are cut into chunks, scored, exponentiated against the chunk's own maximum and summed into the
+// Each sequence brings one query per query head (a decode step) or a few (a speculative verification: the pending
+// token and the drafts); the G query heads that share a KV head score its held slots (and the step's own tokens, which
+// wait beside them until eviction places them) with all their queries together, so each key and value is read once a
+// call: a verification of five tokens costs about what one token's step does, where grouped matmuls, a masked
+// softmax and a second matmul cost three steps (SmolLM2, batch 8, 8K tokens). The slots are cut into chunks, scored, exponentiated against the chunk's own maximum and summed into the
 // chunk's output, all while the chunk is in cache; chunks run in parallel and are merged by their maxima
 // (flash-decoding). Grouped matmuls, a masked softmax and a second matmul read the cache twice and wrote the scores
 // three times: at 2K tokens they were ~60% of a SmolLM2 step on a 2-core AVX2 CPU.
@@ -21,6 +23,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -31,52 +34,68 @@ namespace {
 constexpr int64_t kChunk = 256;  // slots a task scores: its keys, values and scores stay in L2
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// A [B, H, T, D] operand of fp32 or fp16 numbers (T): the held slots, then the step's own token (``extra``) in slot
-// ``slots``, if any.
+// A [B, H, T, D] operand of fp32 or fp16 numbers (T): the held slots, then the step's own tokens (``extra``) from
+// slot ``slots`` on, if any.
 template <typename T>
 struct Rows {
   const T* held;
   int64_t batch_stride, head_stride, slot_stride, slots;
   const T* extra;
-  int64_t extra_batch_stride, extra_head_stride;
+  int64_t extra_batch_stride, extra_head_stride, extra_slot_stride;
 
   const T* row(int64_t b, int64_t h, int64_t t) const {
     return t < slots ? held + b * batch_stride + h * head_stride + t * slot_stride
-                     : extra + b * extra_batch_stride + h * extra_head_stride;
+                     : extra + b * extra_batch_stride + h * extra_head_stride + (t - slots) * extra_slot_stride;
   }
 };
 
-// A [B, 1 or H, T] mask, by strides (0 where broadcast); ``fallback`` where none is given.
+// A [B, 1 or H, Q, T] mask (query row r of a KV head reads its query's, r % Q), by strides (0 where broadcast);
+// ``fallback`` where none is given.
 struct Flags {
   const bool* data;
-  int64_t batch_stride, head_stride, slot_stride;
+  int64_t batch_stride, head_stride, query_stride, slot_stride, queries;
   bool fallback;
 
-  bool at(int64_t b, int64_t h, int64_t t) const {
-    return data == nullptr ? fallback : data[b * batch_stride + h * head_stride + t * slot_stride];
+  bool at(int64_t b, int64_t h, int64_t r, int64_t t) const {
+    return data == nullptr ? fallback : row(b, h, r)[t * slot_stride];
+  }
+  // query row r's flags (index them by slot times ``slot_stride``)
+  const bool* row(int64_t b, int64_t h, int64_t r) const {
+    return data + b * batch_stride + h * head_stride + (r % queries) * query_stride;
+  }
+  // whether any query sees slot t
+  bool any(int64_t b, int64_t h, int64_t t) const {
+    if (data == nullptr) return fallback;
+    for (int64_t r = 0; r < queries; ++r)
+      if (data[b * batch_stride + h * head_stride + r * query_stride + t * slot_stride]) return true;
+    return false;
   }
 };
 
 template <typename T>
 Rows<T> rows_of(const at::Tensor& held, const c10::optional<at::Tensor>& extra) {
-  Rows<T> rows{held.data_ptr<T>(), held.stride(0), held.stride(1), held.stride(2), held.size(2), nullptr, 0, 0};
+  Rows<T> rows{held.data_ptr<T>(), held.stride(0), held.stride(1), held.stride(2), held.size(2), nullptr, 0, 0, 0};
   if (extra.has_value()) {
     rows.extra = extra->data_ptr<T>();
     rows.extra_batch_stride = extra->stride(0);
     rows.extra_head_stride = extra->stride(1);
+    rows.extra_slot_stride = extra->stride(2);
   }
   return rows;
 }
 
+// ``mask`` [B, 1 or H, T] (one for every query) or [B, 1 or H, Q, T]
 Flags flags_of(const c10::optional<at::Tensor>& mask, bool fallback) {
-  if (!mask.has_value()) return {nullptr, 0, 0, 0, fallback};
+  if (!mask.has_value()) return {nullptr, 0, 0, 0, 0, 1, fallback};
   const at::Tensor& m = *mask;
-  return {m.data_ptr<bool>(), m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), m.stride(2), fallback};
+  const bool each = m.dim() == 4;
+  return {m.data_ptr<bool>(), m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), each ? m.stride(2) : 0,
+          m.stride(m.dim() - 1), each ? m.size(2) : 1, fallback};
 }
 
 template <typename T>
 struct Problem {
-  const float* query;       // [B, H, G, D] contiguous
+  const float* query;       // [B, H, G, D] contiguous (G: the query heads of a KV head times the queries)
   const float* sink_query;  // the same, in the sinks' frame, or null
   Rows<T> keys, values;
   Flags visible, sink;
@@ -86,7 +105,7 @@ struct Problem {
   std::vector<float> maxima, sums, outputs;  // per task (b, h, chunk): [G], [G], [G, Dv]
 
   const float* query_of(int64_t b, int64_t h, int64_t t) const {
-    const float* q = sink_query != nullptr && sink.at(b, h, t) ? sink_query : query;
+    const float* q = sink_query != nullptr && sink.at(b, h, 0, t) ? sink_query : query;
     return q + (b * heads + h) * group * dim;
   }
   float* scores_of(int64_t b, int64_t h, int64_t g) const { return scores + ((b * heads + h) * group + g) * total; }
@@ -95,7 +114,7 @@ struct Problem {
   bool any_visible(int64_t b, int64_t h, int64_t t, int64_t n) const {
     if (visible.data == nullptr) return true;
     for (int64_t i = 0; i < n; ++i)
-      if (visible.at(b, h, t + i)) return true;
+      if (visible.any(b, h, t + i)) return true;
     return false;
   }
 };
@@ -113,7 +132,7 @@ void chunk_scalar(Problem<T>& p, int64_t task) {
     float* s = p.scores_of(b, h, g);
     float peak = kMinusInf;
     for (int64_t t = first; t < last; ++t) {
-      if (!p.visible.at(b, h, t)) {
+      if (!p.visible.at(b, h, g, t)) {
         s[t] = kMinusInf;
         continue;
       }
@@ -222,7 +241,7 @@ AVX2 void weigh_values(const Problem<T>& p, int64_t b, int64_t h, int64_t first,
   const T* v[kRowBlock];
   for (int64_t t = first; t < last; ++t) {
     v[t - first] = p.values.row(b, h, t);
-    if (t + 2 * kRowBlock < p.total && p.visible.at(b, h, t + 2 * kRowBlock))
+    if (t + 2 * kRowBlock < p.total && p.visible.any(b, h, t + 2 * kRowBlock))
       prefetch_row(p.values.row(b, h, t + 2 * kRowBlock), p.value_dim);
   }
   for (int64_t d = 0; d < p.value_dim; d += 8 * VECS) {
@@ -285,9 +304,11 @@ AVX2 void chunk_avx2(Problem<T>& p, int64_t task) {
   for (int64_t g = 0; g < p.group; ++g) {
     float* s = p.scores_of(b, h, g);
     int64_t t;
-    if (p.visible.data != nullptr)
+    if (p.visible.data != nullptr) {
+      const bool* seen = p.visible.row(b, h, g);
       for (t = first; t < last; ++t)
-        if (!p.visible.at(b, h, t)) s[t] = kMinusInf;
+        if (!seen[t * p.visible.slot_stride]) s[t] = kMinusInf;
+    }
     __m256 peaks = _mm256_set1_ps(kMinusInf);
     for (t = first; t + 8 <= last; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(s + t));
     float peak = lanes_max(peaks);
@@ -340,13 +361,18 @@ void check_rows(const at::Tensor& x, const char* name, at::ScalarType dtype, int
               " strides ", x.strides());
 }
 
-void check_mask(const c10::optional<at::Tensor>& mask, const char* name, int64_t batch, int64_t heads, int64_t total) {
+// ``mask``: bool [B, 1 or H, T], or (``queries``) [B, 1 or H, Q, T] with Q dividing the rows of a KV head
+void check_mask(const c10::optional<at::Tensor>& mask, const char* name, int64_t batch, int64_t heads, int64_t rows,
+                int64_t total, bool queries) {
   if (!mask.has_value()) return;
   const at::Tensor& m = *mask;
-  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.size(0) == batch &&
-                  (m.size(1) == 1 || m.size(1) == heads) && m.size(2) == total,
-              "sparsegen::decode_attention: ", name, " must be bool [", batch, ", 1 or ", heads, ", ", total,
-              "], got ", m.scalar_type(), " ", m.sizes());
+  const bool each = queries && m.dim() == 4;
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == (each ? 4 : 3) && m.size(0) == batch &&
+                  (m.size(1) == 1 || m.size(1) == heads) && m.size(m.dim() - 1) == total &&
+                  (!each || (m.size(2) > 0 && rows % m.size(2) == 0)),
+              "sparsegen::decode_attention: ", name, " must be bool [", batch, ", 1 or ", heads, ", ",
+              queries ? "(queries, dividing " + std::to_string(rows) + ",) " : "", total, "], got ", m.scalar_type(),
+              " ", m.sizes());
 }
 
 // The attention itself, over fp32 or fp16 (T) keys and values, checked by ``decode_attention``.
@@ -357,7 +383,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
                                           const c10::optional<at::Tensor>& visible,
                                           const c10::optional<at::Tensor>& sink, double scaling, bool probs) {
   const int64_t batch = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
-  const int64_t value_dim = value.size(-1), total = key.size(2) + (new_key.has_value() ? 1 : 0);
+  const int64_t value_dim = value.size(-1), total = key.size(2) + (new_key.has_value() ? new_key->size(2) : 0);
   at::Tensor scores = at::empty({batch, heads, group, total}, q.options());
   Problem<T> p{q.data_ptr<float>(), sq.defined() ? sq.data_ptr<float>() : nullptr,
                rows_of<T>(key, new_key), rows_of<T>(value, new_value), flags_of(visible, true), flags_of(sink, false),
@@ -449,13 +475,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
   if (new_key.has_value()) {
     check_rows(*new_key, "new_key", dtype, batch, heads, dim);
     check_rows(*new_value, "new_value", dtype, batch, heads, value_dim);
-    TORCH_CHECK(new_key->size(2) == 1 && new_value->size(2) == 1,
-                "sparsegen::decode_attention: one new token a row, got ", new_key->sizes());
+    TORCH_CHECK(new_key->size(2) == new_value->size(2), "sparsegen::decode_attention: ", new_key->size(2),
+                " new keys but ", new_value->size(2), " new values");
   }
-  const int64_t total = key.size(2) + (new_key.has_value() ? 1 : 0);
+  const int64_t total = key.size(2) + (new_key.has_value() ? new_key->size(2) : 0);
   TORCH_CHECK(total > 0, "sparsegen::decode_attention: no slots to attend over");
-  check_mask(visible, "visible", batch, heads, total);
-  check_mask(sink, "sink", batch, heads, total);
+  check_mask(visible, "visible", batch, heads, group, total, true);
+  check_mask(sink, "sink", batch, heads, group, total, false);
   TORCH_CHECK(sink.has_value() == sink_query.has_value(),
               "sparsegen::decode_attention: sink and sink_query come together");
   const at::Tensor q = query.contiguous();

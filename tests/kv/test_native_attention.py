@@ -18,29 +18,29 @@ pytestmark = pytest.mark.skipif(not native_attention.ready(), reason="sparsegen'
 
 
 def reference(query, key, value, incoming, mask, sink_query, sink_slot, scaling):
-    """What ``_grouped_attention`` computes for one query a row: fp32 scores, -inf where hidden, softmax, weighted
-    values; the sinks' slots scored with ``sink_query``."""
-    batch, q_heads, _, dim = query.shape
+    """What ``_grouped_attention`` computes for a few queries a row: fp32 scores, -inf where hidden, softmax,
+    weighted values; the sinks' slots scored with ``sink_query``."""
+    batch, q_heads, q, dim = query.shape
     heads = key.shape[1]
     if incoming is not None:
         key, value = torch.cat((key, incoming[0]), 2), torch.cat((value, incoming[1]), 2)
-    scores = query.view(batch, heads, -1, dim) @ key.transpose(-1, -2) * scaling
+    scores = query.view(batch, heads, -1, q, dim) @ key[:, :, None].transpose(-1, -2) * scaling
     if sink_query is not None:
-        sink_scores = sink_query.view(batch, heads, -1, dim) @ key.transpose(-1, -2) * scaling
-        scores = torch.where(sink_slot[:, :, 0, None], sink_scores, scores)
+        sink_scores = sink_query.view(batch, heads, -1, q, dim) @ key[:, :, None].transpose(-1, -2) * scaling
+        scores = torch.where(sink_slot[:, :, None], sink_scores, scores)
     if mask is not None:
-        scores = scores.masked_fill(~mask[:, :, 0, None], -torch.inf)
+        scores = scores.masked_fill(~mask[:, :, None], -torch.inf)
     probs = scores.softmax(-1)
-    return (probs @ value).view(batch, q_heads, 1, -1), probs[:, :, :, None]
+    return (probs @ value[:, :, None]).view(batch, q_heads, q, -1), probs
 
 
-def _case(batch, heads, group, slots, dim, seed=0):
+def _case(batch, heads, group, slots, dim, seed=0, queries=1):
     generator = torch.Generator().manual_seed(seed)
     storage = torch.randn(batch, heads, slots + 5, dim, generator=generator)  # (held slots: a slice, as the cache's)
     values = torch.randn(batch, heads, slots + 5, dim, generator=generator)
-    query = torch.randn(batch, heads * group, 1, dim, generator=generator) * 2
-    incoming = (torch.randn(batch, heads, 1, dim, generator=generator),
-                torch.randn(batch, heads, 1, dim, generator=generator))
+    query = torch.randn(batch, heads * group, queries, dim, generator=generator) * 2
+    incoming = (torch.randn(batch, heads, queries, dim, generator=generator),
+                torch.randn(batch, heads, queries, dim, generator=generator))
     return storage[:, :, :slots], values[:, :, :slots], query, incoming, generator
 
 
@@ -70,6 +70,35 @@ def test_the_kernel_is_the_grouped_matmuls(group, dim, slots):
         torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-6, equal_nan=True)
         alone, none = native_attention.decode_attention(*args, scaling=0.125, probs=False)
         assert none is None and torch.allclose(alone, out, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("queries", [2, 5, 17])
+@pytest.mark.parametrize("group,dim,slots", [(3, 64, 700), (4, 64, 37), (2, 24, 50)])
+def test_a_few_queries_a_row_are_the_grouped_matmuls(queries, group, dim, slots):
+    """A speculative verification's queries (the pending token and the drafts), each with its own mask row (causal
+    among the new tokens, rows of different lengths, a head's own slots), the new tokens held or beside the held
+    slots: what the grouped matmuls compute, AVX2 (64) and portable (24)."""
+    key, value, query, incoming, generator = _case(2, 2, group, slots, dim, queries=queries)
+    held = torch.rand(2, 1, 1, slots, generator=generator) > 0.3
+    causal = torch.ones(queries, queries, dtype=torch.bool).tril()
+    beside = torch.cat((held.expand(2, 1, queries, slots), causal.expand(2, 1, queries, queries)), -1)
+    beside[1, :, :, slots - 20:slots] = False  # (a shorter row)
+    per_head = beside.repeat(1, 2, 1, 1)
+    per_head[:, 1, :, :10] = False
+    seen = torch.cat((torch.ones(queries, slots, dtype=torch.bool), causal), -1)  # (one mask for every row: [1, 1, q, T])
+    written = torch.cat((key, incoming[0]), 2), torch.cat((value, incoming[1]), 2)  # (the new tokens held)
+    sink_query = torch.randn(query.shape, generator=generator)
+    sink_slot = torch.zeros(2, 1, 1, slots + queries, dtype=torch.bool)
+    sink_slot[..., :4] = True
+    for kv, step_tokens, mask, sinks in [((key, value), incoming, beside, False), (written, None, beside, False),
+                                         ((key, value), incoming, per_head, True), (written, None, None, False),
+                                         (written, None, seen[None, None], False)]:
+        args = (query, *kv, step_tokens, mask, sink_query if sinks else None, sink_slot if sinks else None)
+        out, probs = native_attention.decode_attention(*args, scaling=0.125, probs=True)
+        expected = mask if mask is None else mask.expand(2, -1, -1, -1)
+        expected_out, expected_probs = reference(*args[:4], expected, *args[5:], 0.125)
+        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dim", [64, 24])
@@ -109,8 +138,12 @@ def test_bad_operands_are_refused_with_what_is_expected():
         op(grouped, None, key.double(), value, None, None, None, None, 0.1, False)
     with pytest.raises(RuntimeError, match=r"value must be Half \(as key\) \[1, 2, slots, 64\]"):
         op(grouped, None, key.half(), value, None, None, None, None, 0.1, False)
-    with pytest.raises(RuntimeError, match=r"visible must be bool \[1, 1 or 2, 17\]"):
+    with pytest.raises(RuntimeError, match=r"visible must be bool \[1, 1 or 2, \(queries, dividing 2,\) 17\]"):
         op(grouped, None, key, value, *incoming, torch.ones(1, 1, 16, dtype=torch.bool), None, 0.1, False)
+    with pytest.raises(RuntimeError, match=r"visible must be bool \[1, 1 or 2, \(queries, dividing 2,\) 17\]"):
+        op(grouped, None, key, value, *incoming, torch.ones(1, 1, 3, 17, dtype=torch.bool), None, 0.1, False)
+    with pytest.raises(RuntimeError, match="2 new keys but 1 new values"):
+        op(grouped, None, key, value, torch.cat([incoming[0]] * 2, 2), incoming[1], None, None, 0.1, False)
     with pytest.raises(RuntimeError, match="sink and sink_query come together"):
         op(grouped, grouped, key, value, None, None, None, None, 0.1, False)
 
