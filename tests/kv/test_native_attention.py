@@ -85,7 +85,7 @@ def test_a_few_queries_a_row_are_the_grouped_matmuls(queries, group, dim, slots)
     beside[1, :, :, slots - 20:slots] = False  # (a shorter row)
     per_head = beside.repeat(1, 2, 1, 1)
     per_head[:, 1, :, :10] = False
-    seen = torch.cat((torch.ones(queries, slots, dtype=torch.bool), causal), -1)  # (one mask for every row: [1, 1, q, T])
+    seen = torch.cat((torch.ones(queries, slots, dtype=torch.bool), causal), -1)  # (one mask for all rows)
     written = torch.cat((key, incoming[0]), 2), torch.cat((value, incoming[1]), 2)  # (the new tokens held)
     sink_query = torch.randn(query.shape, generator=generator)
     sink_slot = torch.zeros(2, 1, 1, slots + queries, dtype=torch.bool)
