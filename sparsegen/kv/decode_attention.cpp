@@ -66,8 +66,9 @@ struct Flags {
   // whether any query sees slot t
   bool any(int64_t b, int64_t h, int64_t t) const {
     if (data == nullptr) return fallback;
+    const bool* slot = row(b, h, 0) + t * slot_stride;
     for (int64_t r = 0; r < queries; ++r)
-      if (data[b * batch_stride + h * head_stride + r * query_stride + t * slot_stride]) return true;
+      if (slot[r * query_stride]) return true;
     return false;
   }
 };
