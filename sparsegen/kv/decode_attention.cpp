@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -114,6 +115,15 @@ struct Problem {
   // budget, a sliding window's past) is neither read nor scored, so a step costs the slots it sees
   bool any_visible(int64_t b, int64_t h, int64_t t, int64_t n) const {
     if (visible.data == nullptr) return true;
+    if (n == 8 && visible.slot_stride == 1) {  // (a query's eight flags as one word)
+      const bool* flags = visible.row(b, h, 0) + t;
+      for (int64_t r = 0; r < visible.queries; ++r) {
+        uint64_t word;
+        std::memcpy(&word, flags + r * visible.query_stride, 8);
+        if (word != 0) return true;
+      }
+      return false;
+    }
     for (int64_t i = 0; i < n; ++i)
       if (visible.any(b, h, t + i)) return true;
     return false;
@@ -240,11 +250,7 @@ AVX2 void weigh_values(const Problem<T>& p, int64_t b, int64_t h, int64_t first,
   const float* e[GROUP];
   for (int g = 0; g < GROUP; ++g) e[g] = p.scores_of(b, h, g0 + g);
   const T* v[kRowBlock];
-  for (int64_t t = first; t < last; ++t) {
-    v[t - first] = p.values.row(b, h, t);
-    if (t + 2 * kRowBlock < p.total && p.visible.any(b, h, t + 2 * kRowBlock))
-      prefetch_row(p.values.row(b, h, t + 2 * kRowBlock), p.value_dim);
-  }
+  for (int64_t t = first; t < last; ++t) v[t - first] = p.values.row(b, h, t);
   for (int64_t d = 0; d < p.value_dim; d += 8 * VECS) {
     __m256 acc[GROUP][VECS];
     for (int g = 0; g < GROUP; ++g)
@@ -260,6 +266,24 @@ AVX2 void weigh_values(const Problem<T>& p, int64_t b, int64_t h, int64_t first,
     for (int g = 0; g < GROUP; ++g)
       for (int j = 0; j < VECS; ++j) _mm256_storeu_ps(out + (g0 + g) * p.value_dim + d + 8 * j, acc[g][j]);
   }
+}
+
+// s[t] = -inf where ``seen`` (by ``stride``) is false, t in [first, last): eight flags at a time when they are
+// contiguous, a block all seen (the common case) left as it is.
+AVX2 inline void hide(const bool* seen, int64_t stride, float* s, int64_t first, int64_t last) {
+  int64_t t = first;
+  if (stride == 1) {
+    for (; t + 8 <= last; t += 8) {
+      uint64_t word;
+      std::memcpy(&word, seen + t, 8);
+      if (word == 0x0101010101010101ULL) continue;
+      const __m256i flags = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(seen + t)));
+      const __m256 hidden = _mm256_castsi256_ps(_mm256_cmpeq_epi32(flags, _mm256_setzero_si256()));
+      _mm256_storeu_ps(s + t, _mm256_blendv_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(kMinusInf), hidden));
+    }
+  }
+  for (; t < last; ++t)
+    if (!seen[t * stride]) s[t] = kMinusInf;
 }
 
 // The chunk's scores, eight keys at a time for every query head while the eight are in L1 (each key read once).
@@ -305,11 +329,7 @@ AVX2 void chunk_avx2(Problem<T>& p, int64_t task) {
   for (int64_t g = 0; g < p.group; ++g) {
     float* s = p.scores_of(b, h, g);
     int64_t t;
-    if (p.visible.data != nullptr) {
-      const bool* seen = p.visible.row(b, h, g);
-      for (t = first; t < last; ++t)
-        if (!seen[t * p.visible.slot_stride]) s[t] = kMinusInf;
-    }
+    if (p.visible.data != nullptr) hide(p.visible.row(b, h, g), p.visible.slot_stride, s, first, last);
     __m256 peaks = _mm256_set1_ps(kMinusInf);
     for (t = first; t + 8 <= last; t += 8) peaks = _mm256_max_ps(peaks, _mm256_loadu_ps(s + t));
     float peak = lanes_max(peaks);
@@ -335,6 +355,9 @@ AVX2 void chunk_avx2(Problem<T>& p, int64_t task) {
   for (int64_t t = first; t < last; t += kRowBlock) {
     const int64_t end = std::min(t + kRowBlock, last);
     if (!p.any_visible(b, h, t, end - t)) continue;  // (every weight 0)
+    const int64_t ahead = t + 2 * kRowBlock;  // (the values two blocks on, streaming while these are weighed)
+    if (ahead + kRowBlock <= p.total && p.any_visible(b, h, ahead, kRowBlock))
+      for (int64_t i = ahead; i < ahead + kRowBlock; ++i) prefetch_row(p.values.row(b, h, i), p.value_dim);
     int64_t g = 0;
     for (; g + 4 <= p.group; g += 4) weigh_values<T, 4, 2>(p, b, h, t, end, g, out);
     switch (p.group - g) {
