@@ -235,6 +235,10 @@ def speculative_tokens(
         if on_token is not None:
             on_token(*out.tensors(pad_id, device))
         k_round = min(k, out.most_needed() - 1)
+        # rows already done are still fed (the batch's shapes stay), then forget the round whole: their caches stop
+        # growing, where they grew by up to a round's drafts each round until the slowest row was done and outgrew
+        # the full cache's room (a reallocation and a second copy of it: 8K x 8, one verification of 6 s)
+        done = torch.tensor(out.finished, device=device)
         t1 = _synchronized(device)
         drafted, draft_probs = _draft(drafter, draft, draft_step, k_round, pending, last_draft, carried, fed,
                                       (temperature, top_p, generator))
@@ -244,14 +248,14 @@ def speculative_tokens(
         accepted, bonus = accept(drafted, draft_probs, logits, temperature, top_p, generator)
         t3 = _synchronized(device)
         # both caches keep the pending token and the accepted drafts; the draft cache was never fed the last draft
-        target.forget_last(k_round - accepted)
-        if k_round:
-            draft.forget_last((k_round - 1 - accepted).clamp(min=0))
-            carried = accepted == k_round
+        target.forget_last(torch.where(done, k_round + 1, k_round - accepted))
+        if k_round:  # (the draft was fed the pending token, k - 1 drafts and a carried one)
+            draft.forget_last(torch.where(done, k_round + carried.long(), (k_round - 1 - accepted).clamp(min=0)))
+            carried = (accepted == k_round) & ~done
             last_draft = drafted[rows, -1]
         counters.add(accepted, k_round, out.active(), t2 - t1, t3 - t2)
         out.extend(drafted.tolist(), accepted.tolist(), bonus.tolist())
-        fed, pending = fed + accepted + 1, bonus
+        fed, pending = torch.where(done, fed, fed + accepted + 1), torch.where(done, pending, bonus)
         if fixed == "auto":
             k = best_draft_length(counters.acceptance(), counters.draft_seconds / max(counters.draft_steps, 1),
                                   counters.verify_seconds / counters.rounds)

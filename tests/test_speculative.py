@@ -61,6 +61,21 @@ def test_rows_stop_at_their_end_token_as_without_speculation():
         assert torch.equal(new[row, : counts[row]], expected[row, : expected_counts[row]])
 
 
+def test_rows_that_are_done_stop_growing_the_caches():
+    """A row done early is still fed each round (the batch's shapes), but keeps none of it: the full cache holds at
+    most the prompt, the answer and one round's drafts, the room it was sized for (no reallocation)."""
+    model = tiny_model("qwen2")
+    ids, mask = _padded_batch([25, 18], 25, seed=9)
+    reference, _, _, _, _ = _full(model, ids, mask, max_new_tokens=40)
+    eos = int(reference[1, 0])  # row 1 is done at its first token, row 0 never meets it
+    new, counts, stats, _, _ = _speculate(model, ids, mask, make_policy("streaming", 6), 5, max_new_tokens=40,
+                                          eos_id=eos)
+    assert counts.tolist() == [40, 1] and stats["speculation"]["rounds"] >= 7
+    assert torch.equal(new[0], reference[0])
+    assert stats["kv_tokens_peak"] <= 25 + 40 + 5 + 1
+    assert stats["draft_cache"]["tokens_seen"] <= 25 + 40 + 5 + 1
+
+
 def _target_marginals(model, prompt, temperature, top_p):
     """Exact distributions of the first and second new token under the full model (no cache, no speculation)."""
     with torch.no_grad():
