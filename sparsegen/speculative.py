@@ -202,9 +202,9 @@ def speculative_tokens(
     """What ``generation.generate_tokens`` returns under the full cache, drafted as ``speculation`` says: ``(new
     [B, n], counts [B], the full cache's stats with "draft_cache" and "speculation" entries, prefill s, decode s)``.
 
-    Rows accept different numbers of tokens: each row's caches forget what that row rejected. A row that accepted
-    every draft has one the draft cache never saw; it is fed with the next round's first draft step. ``compile``:
-    the draft's one-token steps go through ``torch.compile`` (``DecodeStep``).
+    Rows accept different numbers of tokens: each row's caches forget what that row rejected (a row already done,
+    the whole round). A row that accepted every draft has one the draft cache never saw; it is fed with the next
+    round's first draft step. ``compile``: the draft's one-token steps go through ``torch.compile`` (``DecodeStep``).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
@@ -237,7 +237,7 @@ def speculative_tokens(
         k_round = min(k, out.most_needed() - 1)
         # rows already done are still fed (the batch's shapes stay), then forget the round whole: their caches stop
         # growing, where they grew by up to a round's drafts each round until the slowest row was done and outgrew
-        # the full cache's room (a reallocation and a second copy of it: 8K x 8, one verification of 6 s)
+        # the full cache's room (a reallocation and a second copy of it: at 4K x 8, a 2 s verification)
         done = torch.tensor(out.finished, device=device)
         t1 = _synchronized(device)
         drafted, draft_probs = _draft(drafter, draft, draft_step, k_round, pending, last_draft, carried, fed,
