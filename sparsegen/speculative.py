@@ -238,7 +238,7 @@ def speculative_tokens(
         # rows already done are still fed (the batch's shapes stay), then forget the round whole: their caches stop
         # growing, where they grew by up to a round's drafts each round until the slowest row was done and outgrew
         # the full cache's room (a reallocation and a second copy of it: at 4K x 8, a 2 s verification)
-        done = torch.tensor(out.finished, device=device)
+        done = ~torch.tensor(out.active(), device=device)
         t1 = _synchronized(device)
         drafted, draft_probs = _draft(drafter, draft, draft_step, k_round, pending, last_draft, carried, fed,
                                       (temperature, top_p, generator))
