@@ -223,7 +223,10 @@ def _index_frame_queries(cache, layer, query, total: int, query_slot: torch.Tens
         return at_index, None, None
     rank = layer.valid[:, :1, :total].sum(-1, keepdim=True) - 1 if query_slot is None else query_slot  # [B, 1, q]
     at_rank = rotary.turn(query, step.positions, rank, step.memo, (layer.sinks, layer.policy.budget))
-    return at_index, at_rank, layer.index[:, :1, None, :total] < layer.sinks
+    memo_key = ("sink slots", total, layer.sinks, layer.index.shape)  # (the same in every layer of the policy)
+    if memo_key not in step.memo:
+        step.memo[memo_key] = layer.index[:, :1, None, :total] < layer.sinks
+    return at_index, at_rank, step.memo[memo_key]
 
 
 def _side_by_side(query, sink_query, near_key, far_key, value, sink_slot: torch.Tensor):
