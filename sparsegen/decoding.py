@@ -199,9 +199,9 @@ def _compiled_step(graphs: bool):
     The wrapper's ~460 size and stride assertions (of inputs dynamo's guards have checked, and of kernels' outputs)
     cost 1.4 ms of a 13.4 ms SmolLM2 step on this CPU (full at 512, one process): off (CUDA keeps the alignment
     checks: Triton's kernels assume aligned inputs). (``triton.cudagraphs`` is what mode="reduce-overhead"
-    sets; a mode and options cannot both be given.) On a CPU the graph's wrapper is C++ (``cpp_wrapper``): its ~700
-    kernel and op calls a SmolLM2 step made from Python cost ~2 ms of a 7.7 ms step at 512 (w4a8, streaming;
-    ``bench`` with ``--compile``), for ~40 s more of the first compile; CUDA replays a graph instead."""
+    sets; a mode and options cannot both be given.) On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the ~700
+    kernel and op calls of a SmolLM2 step no longer go through Python, 6.5-7.4% of a w4a8 step (one process, both
+    wrappers, interleaved; docs/benchmarks.md); CUDA replays a graph instead."""
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
     limit = {"recompile_limit": COMPILED_SHAPES}
