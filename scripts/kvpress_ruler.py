@@ -170,6 +170,13 @@ def main() -> None:
                                                                                   chat=chat)]
     rows = []
 
+    def save() -> None:
+        """The rows so far, rewritten after every method: a run cut short keeps what it measured."""
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": args.model, "kvpress": getattr(kvpress, "__version__",
+                                                   "0.5.5"), "transformers": __import__("transformers").__version__,
+                                                   "samples_per_task": args.samples, "rows": rows}, indent=2))
+
     def record(library: str, method: str, results: list[dict], seconds: float, window: int | None = None) -> None:
         for task in dict.fromkeys(r["task"] for r in results):
             mine = [r for r in results if r["task"] == task]
@@ -179,6 +186,7 @@ def main() -> None:
                          "kv_tokens": max(r["kv_tokens"] for r in mine), "samples": mine,
                          "seconds_per_sample": round(seconds / len(results), 2)})
             print(f"{library:>9} {method:>10} {task:>16}: {rows[-1]['score']:.3f}", flush=True)
+        save()
 
     # kvpress first: sparsegen's cache switches the model's attention to its own registered functions
     for method in (["full"] + methods) if "kvpress" in libraries else []:
@@ -207,10 +215,6 @@ def main() -> None:
     print(f"\n{args.model}, RULER {args.length}, {args.samples} samples a task, {args.protocol} protocol, budget "
           f"{args.budget} of the context (kvpress keeping as many tokens)\n")
     print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "kvpress": kvpress.__version__ if hasattr(
-            kvpress, "__version__") else "0.5.5", "transformers": __import__("transformers").__version__,
-            "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from sparsegen.models.families import family
 from sparsegen.kv import native_attention
 from sparsegen.kv.policy import TokenView
 from sparsegen.kv.quantized import HeldCodes
+from sparsegen.kv.rotary import memoized
 from sparsegen.models.compat import attention_implementation, model_eager_attention, passed_cache
 
 BACKENDS = ("sdpa", "eager")
@@ -223,10 +224,9 @@ def _index_frame_queries(cache, layer, query, total: int, query_slot: torch.Tens
         return at_index, None, None
     rank = layer.valid[:, :1, :total].sum(-1, keepdim=True) - 1 if query_slot is None else query_slot  # [B, 1, q]
     at_rank = rotary.turn(query, step.positions, rank, step.memo, (layer.sinks, layer.policy.budget))
-    memo_key = ("sink slots", total, layer.sinks, layer.index.shape)  # (the same in every layer of the policy)
-    if memo_key not in step.memo:
-        step.memo[memo_key] = layer.index[:, :1, None, :total] < layer.sinks
-    return at_index, at_rank, step.memo[memo_key]
+    sink_slots = memoized(step.memo, ("sink slots", total, layer.sinks, layer.index.shape),  # (alike in every layer)
+                          lambda: layer.index[:, :1, None, :total] < layer.sinks)
+    return at_index, at_rank, sink_slots
 
 
 def _side_by_side(query, sink_query, near_key, far_key, value, sink_slot: torch.Tensor):
@@ -277,13 +277,8 @@ def _rank_frames(cache, layer, query, key, total: int, view):
 
     # an order policy lays out every layer's slots alike: one computation per step serves all layers that
     # share the policy and the rotary embedding
-    memo_key = ("ranks", total, view, id(rotary))
-    angles = step.memo.get(memo_key) if view is not None else None
-    if angles is None:
-        angles = rank_angles()
-        if view is not None:
-            step.memo[memo_key] = angles
-    key_angles, query_angles = angles
+    key_angles, query_angles = memoized(step.memo if view is not None else None, ("ranks", total, view, id(rotary)),
+                                        rank_angles)
     key = rotary.rotate(key, None, angles=key_angles, out=cache.workspace(key.shape, key))
     query = rotary.rotate(rotary.unrotate(query, step.positions, step.memo), None, angles=query_angles)
     return query, key

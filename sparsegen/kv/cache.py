@@ -38,7 +38,7 @@ from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.window import Window
 from sparsegen.kv.policy import Policy, TokenView
 from sparsegen.kv.quantized import TINY, HeldCodes, KVQuantization, as_quantization, dequantize, quantize
-from sparsegen.kv.rotary import Rotary
+from sparsegen.kv.rotary import Rotary, memoized
 from sparsegen.models.anatomy import pinned_tokens
 
 DEFAULT_CHUNK = 512
@@ -490,12 +490,9 @@ class EvictionLayer(CacheLayerMixin):
         (``query_view``): one search a step serves every layer with the same view (a profile of a compiled SmolLM2
         streaming step put a search at ~8 us: 30 a step)."""
         slots, view = self.fixed_slots, self.query_view()
-        if view is None:
-            return self._free_or_lowest_slot(seen, slots)
-        memo, key = self.cache.step.memo, ("fixed slot", slots, view, self.pinned, self.valid.shape)
-        if key not in memo:
-            memo[key] = self._free_or_lowest_slot(seen, slots)
-        return memo[key]
+        return memoized(self.cache.step.memo if view is not None else None,
+                        ("fixed slot", slots, view, self.pinned, self.valid.shape),
+                        lambda: self._free_or_lowest_slot(seen, slots))
 
     def _free_or_lowest_slot(self, seen: torch.Tensor, slots: int) -> torch.Tensor:
         valid = self.valid[:, :, :slots]

@@ -5,9 +5,23 @@ RoPE (Gemma 3's local and global layers differ)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+
+T = TypeVar("T")
+
+
+def memoized(memo: dict | None, key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()`` kept in ``memo`` (``Step.memo``: a dict the layers of one step share) under ``key``, so that
+    the step's other layers reuse it instead of computing it again; computed afresh where there is no memo."""
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 class Rotary:
@@ -145,23 +159,16 @@ class Rotary:
         one rotation: by the exact angle at ``index`` less the model's own at ``positions`` (from the cos/sin the
         model used, so its rotation is undone exactly). ``memo``: a dict shared by the layers of one step, where the
         angles are kept under ``memo_key`` (``index`` must be the same for every layer that passes it)."""
-        key = ("turn", self.layer_type, *memo_key)
-        angles = None if memo is None else memo.get(key)
-        if angles is None:
+        def angles() -> tuple[torch.Tensor, torch.Tensor]:
             model_cos, model_sin = self.cos_sin(x, positions[:, None, :])
             cos, sin = self._exact_angles(x, index)
             square = self.scale * self.scale
-            angles = ((cos * model_cos + sin * model_sin) / square, (sin * model_cos - cos * model_sin) / square)
-            if memo is not None:
-                memo[key] = angles
-        return self.rotate(x, None, angles=angles)
+            return (cos * model_cos + sin * model_sin) / square, (sin * model_cos - cos * model_sin) / square
+
+        return self.rotate(x, None, angles=memoized(memo, ("turn", self.layer_type, *memo_key), angles))
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
         """Undo the model's rotation of new tokens: ``x[B, H, q, D]`` at ``positions[B, q]`` (``memo``: a dict
         shared by the layers of one step, so the angles are computed once)."""
-        if memo is None:
-            return self.rotate(x, positions[:, None, :], inverse=True)
-        angles = memo.get(("model positions", self.layer_type))
-        if angles is None:
-            angles = memo[("model positions", self.layer_type)] = self.cos_sin(x, positions[:, None, :])
+        angles = memoized(memo, ("model positions", self.layer_type), lambda: self.cos_sin(x, positions[:, None, :]))
         return self.rotate(x, None, inverse=True, angles=angles)
