@@ -10,9 +10,9 @@ import functools
 import inspect
 import math
 import time
+import types
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -23,7 +23,7 @@ from sparsegen.models.compat import cache_kwargs
 # graphs the one compiled step may hold (one per model, policy kind and (batch, slots) shape; past it dynamo fails
 # loudly, fullgraph); dynamo's default, 8, is less than one bench run of a few policies over a few contexts needs
 COMPILED_SHAPES = 128
-GUARDED_STATES = 8  # states of one cache a DecodeStep remembers as having passed dynamo's guards (past it: forgets)
+GUARDED_STATES = 8  # states of one cache a DecodeStep remembers the graphs of (past it: forgets them)
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
 
 
@@ -87,8 +87,9 @@ class DecodeStep:
         self.model, self.compiled = model, compile
         self.graphs = compile and next(model.parameters()).device.type == "cuda"
         self.compiled_steps = 0  # steps that ran the compiled step
-        self.unguarded_steps = 0  # of them, those that skipped dynamo's guards (their state had passed them)
-        self._guarded: weakref.WeakKeyDictionary[object, set[tuple]] = weakref.WeakKeyDictionary()  # cache: states
+        self.unguarded_steps = 0  # of them, those that evaluated no guard (their state's graph was known)
+        # cache: {state: the function of the graph that state takes}
+        self._graphs: weakref.WeakKeyDictionary[object, dict[tuple, Callable]] = weakref.WeakKeyDictionary()
         # the first compiled step's wall time: the compile (CUDA: + capture), unless this process has compiled the
         # step for these shapes already (every DecodeStep shares the compiled step's graphs)
         self.compile_seconds: float | None = None
@@ -116,29 +117,37 @@ class DecodeStep:
             for tensor in cache.step_state():
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
         token, position = _unit_stride(token), _unit_stride(position)
-        state = self._state(cache, token, position) if compiled else None
-        guarded = self._guarded.setdefault(cache, set()) if compiled else set()
-        unguarded = state in guarded and torch._dynamo.eval_frame._stance == _DEFAULT_STANCE
+        direct = compiled and torch._dynamo.eval_frame._stance == _DEFAULT_STANCE  # (a stance the caller set: dynamo)
+        graphs = self._graphs.setdefault(cache, {}) if direct else {}
+        state = self._state(cache, token, position) if direct else None
+        graph = graphs.get(state)
+        unguarded = graph is not None and _still_cached(graph)
         started = time.perf_counter()
-        with cache.fixed_shape_step(), _SKIP_GUARDS() if unguarded else nullcontext():
-            logits = run(cache, token, position)
+        with cache.fixed_shape_step():
+            if not unguarded and direct:
+                graph = _graph_passing_guards(self.model, cache, token, position)
+            if graph is not None:
+                logits = graph(self.model, cache, token, position)
+            else:
+                logits = run(cache, token, position)  # through dynamo: it checks its graphs' guards, or compiles
         if compiled:
             self.compiled_steps += 1
             self.unguarded_steps += unguarded
-            if len(guarded) >= GUARDED_STATES:
-                guarded.clear()
-            guarded.add(state)
+            if graph is not None and not unguarded:
+                if len(graphs) >= GUARDED_STATES:
+                    graphs.clear()
+                graphs[state] = graph
             if self.compile_seconds is None:
                 self.compile_seconds = time.perf_counter() - started
         return logits.clone() if self.graphs and compiled else logits  # (a CUDA graph's output is its next replay's)
 
     def _state(self, cache, token: torch.Tensor, position: torch.Tensor) -> tuple:
-        """All a compiled step's graph may depend on: dynamo's guards check it every step (2 ms of a 15 ms step of
-        SmolLM2 on this CPU), so once a state has passed them (compiling if it needed to), the same state again
-        skips them (``skip_guard_eval_unsafe``: dynamo then tells its graphs apart by the guards that differ between
-        them). Kept per cache (a state names its objects by identity, which a new cache may reuse): the model by
-        identity (a model changed in place between steps, not supported, is not seen), the cache's
-        ``step_fingerprint``, the inputs' layouts and the autograd modes."""
+        """All a compiled step's graph may depend on. Dynamo's guards check it every step (2 ms of a 15 ms step of
+        SmolLM2 on this CPU; 0.8 ms even when told to skip all but the tensors' checks), so the graph a state's
+        guards once chose is called directly when the same state comes again (``_graph_passing_guards``). Kept per
+        cache (a state names its objects by identity, which a new cache may reuse): the model by identity (a model
+        changed in place between steps, not supported, is not seen), the cache's ``step_fingerprint``, the inputs'
+        layouts and the autograd modes."""
         inputs = tuple((x.shape, x.dtype, x.device, x.requires_grad, x.is_inference()) for x in (token, position))
         modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         return id(self.model), inputs, modes, cache.step_fingerprint()
@@ -214,7 +223,26 @@ def _compiled_step(graphs: bool):
 
 
 _DEFAULT_STANCE = torch._dynamo.eval_frame.DynamoStance()
-_SKIP_GUARDS = partial(torch.compiler.set_stance, "default", skip_guard_eval_unsafe=True)
+_cache_entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+
+
+def _graph_passing_guards(model: torch.nn.Module, cache, token: torch.Tensor,
+                          position: torch.Tensor) -> Callable | None:
+    """The graph dynamo would run ``_step`` through on these arguments, as a function that runs it without dynamo:
+    the code of the first of its cached graphs whose guards pass (dynamo's own choice), or None (none passes: dynamo
+    compiles one; or this torch cannot list them). What dynamo adds to a steady step on this CPU is mostly its
+    guards: 0.8 ms of a 5.2 ms SmolLM2 step even under ``skip_guard_eval_unsafe``, which still checks every input
+    tensor that is not a parameter (the cache's slots, the packed weights)."""
+    arguments = {"model": model, "cache": cache, "token": token, "position": position}
+    for entry in _cache_entries(_step.__code__) if _cache_entries is not None else ():
+        if entry.guard_manager.check(arguments):
+            return types.FunctionType(entry.code, _step.__globals__, _step.__name__)
+    return None
+
+
+def _still_cached(graph: Callable) -> bool:
+    """Whether dynamo still holds ``graph``'s code (``torch._dynamo.reset`` drops every graph)."""
+    return any(entry.code is graph.__code__ for entry in _cache_entries(_step.__code__))
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:

@@ -307,18 +307,25 @@ def test_a_caches_fingerprint_holds_from_step_to_step_and_changes_with_its_state
 
 
 @pytest.mark.parametrize("name", ["streaming", "h2o", "full"])
-def test_a_steady_step_skips_dynamos_guards_and_gives_the_eager_logits(name):
+def test_a_steady_step_runs_its_graph_without_dynamo_and_gives_the_eager_logits(name):
+    """The first step compiles (through dynamo), the second finds its graph by the guards, and every later step
+    calls that graph directly: dynamo is not entered again."""
     torch._dynamo.reset()
     budget, room = _sizes(name)
     model, reference, token, position = _prefilled(name, budget=budget, **room)
     _, cache, _, _ = _prefilled(name, budget=budget, **room)
     step = _through_dynamo(model)
+    through_dynamo, run = [], step._run
+    step._run = lambda *args: through_dynamo.append(1) or run(*args)
     expected = _decode(DecodeStep(model), model, reference, token, position)
     torch.testing.assert_close(_decode(step, model, cache, token, position), expected, rtol=1e-5, atol=1e-5)
-    assert step.compiled_steps == STEPS and step.unguarded_steps == STEPS - 1  # all but the first
-    with torch.compiler.set_stance("force_eager"):  # a stance the caller chose is kept
+    assert step.compiled_steps == STEPS and step.unguarded_steps == STEPS - 2 and len(through_dynamo) == 1
+    with torch.compiler.set_stance("force_eager"):  # a stance the caller chose is kept: through dynamo
         _decode(step, model, cache, expected[-1].argmax(-1), position + STEPS, steps=1)
-    assert step.unguarded_steps == STEPS - 1
+    assert step.unguarded_steps == STEPS - 2 and len(through_dynamo) == 2
+    torch._dynamo.reset()  # dynamo's graphs dropped: the step compiles again rather than run a dropped graph
+    _decode(step, model, cache, expected[-1].argmax(-1), position + STEPS + 1, steps=1)
+    assert step.unguarded_steps == STEPS - 2 and len(through_dynamo) == 3
 
 
 def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
@@ -344,8 +351,8 @@ def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
     for _ in range(3):
         for run in runs:
             one_step(run)
-    # each cache's first step checked
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and step.unguarded_steps == 4
+    # each cache's first two steps checked: by dynamo (compiling), then to find the graph it chose
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and step.unguarded_steps == 2
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     for index, cache in enumerate(runs[0][:2]):
         with torch.inference_mode():
@@ -362,7 +369,10 @@ def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
     for _ in range(2):
         for run in runs:
             one_step(run)
-    assert step.compiled_steps == 11 and step.unguarded_steps == 4 + 3  # the first step of each new state checked
+    # the grown cache compiles a third graph (checked twice, then direct once); the smaller budget finds that graph
+    # by its guards at once (its slots and budget are the grown cache's now), then runs it directly
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    assert step.compiled_steps == 11 and step.unguarded_steps == 2 + 1 + 1
 
 
 def test_the_compiled_step_builds_on_a_torch_without_a_per_function_recompile_limit(monkeypatch):
