@@ -94,8 +94,11 @@ class DecodeStep:
         # step for these shapes already (every DecodeStep shares the compiled step's graphs)
         self.compile_seconds: float | None = None
         self._run = self.eager
+        self._region: int | None = None  # the compiled step's own graphs in dynamo's cache (None: not listed)
         if compile:
-            self._run = partial(_compiled_step(self.graphs), model)
+            compiled = _compiled_step(self.graphs)
+            self._run = partial(compiled, model)
+            self._region = getattr(compiled, "_isolate_recompiles_id", None)
 
     def eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The step uncompiled (what the compiled step traces)."""
@@ -117,19 +120,20 @@ class DecodeStep:
             for tensor in cache.step_state():
                 torch._dynamo.mark_static_address(tensor)  # guarded: new buffers (a new batch) record a new graph
         token, position = _unit_stride(token), _unit_stride(position)
-        direct = compiled and torch._dynamo.eval_frame._stance == _DEFAULT_STANCE  # (a stance the caller set: dynamo)
+        # (a stance the caller set goes through dynamo)
+        direct = compiled and self._region is not None and torch._dynamo.eval_frame._stance == _DEFAULT_STANCE
         graphs = self._graphs.setdefault(cache, {}) if direct else {}
         state = self._state(cache, token, position) if direct else None
         graph = graphs.get(state)
-        unguarded = graph is not None and _still_cached(graph)
+        unguarded = graph is not None and _still_cached(self._region, graph)
         started = time.perf_counter()
         with cache.fixed_shape_step():
-            if not unguarded and direct:
-                graph = _graph_passing_guards(self.model, cache, token, position)
+            if direct and not unguarded:
+                graph = _graph_passing_guards(self._region, self.model, cache, token, position)
             if graph is not None:
                 logits = graph(self.model, cache, token, position)
             else:
-                logits = run(cache, token, position)  # through dynamo: it checks its graphs' guards, or compiles
+                logits = run(cache, token, position)  # through dynamo: it compiles a graph for this state
         if compiled:
             self.compiled_steps += 1
             self.unguarded_steps += unguarded
@@ -213,36 +217,44 @@ def _compiled_step(graphs: bool):
     wrappers, interleaved; docs/benchmarks.md); CUDA replays a graph instead."""
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
-    limit = {"recompile_limit": COMPILED_SHAPES}
-    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+    accepted = inspect.signature(torch.compile).parameters
+    # (isolated: its own list of graphs, which _graph_passing_guards reads)
+    limit = {name: value for name, value in (("recompile_limit", COMPILED_SHAPES), ("isolate_recompiles", True))
+             if name in accepted}
+    if "recompile_limit" not in accepted:
         # torch before 2.13 has no per-function limit: raise dynamo's global one (cache_size_limit before 2.7)
-        config, limit = torch._dynamo.config, {}
+        config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), COMPILED_SHAPES))
     return torch.compile(_step, fullgraph=True, options=options, **limit)
 
 
 _DEFAULT_STANCE = torch._dynamo.eval_frame.DynamoStance()
-_cache_entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
 
 
-def _graph_passing_guards(model: torch.nn.Module, cache, token: torch.Tensor,
+def _graphs_of(region: int) -> list:
+    """Dynamo's cached graphs of ``_step`` compiled by the ``torch.compile`` call that owns ``region``
+    (``isolate_recompiles``), in the order dynamo tries them."""
+    return torch._C._dynamo.eval_frame._get_cache_entries_for_region(_step.__code__, region)
+
+
+def _graph_passing_guards(region: int, model: torch.nn.Module, cache, token: torch.Tensor,
                           position: torch.Tensor) -> Callable | None:
     """The graph dynamo would run ``_step`` through on these arguments, as a function that runs it without dynamo:
-    the code of the first of its cached graphs whose guards pass (dynamo's own choice), or None (none passes: dynamo
-    compiles one; or this torch cannot list them). What dynamo adds to a steady step on this CPU is mostly its
-    guards: 0.8 ms of a 5.2 ms SmolLM2 step even under ``skip_guard_eval_unsafe``, which still checks every input
-    tensor that is not a parameter (the cache's slots, the packed weights)."""
+    the code of the first of the compiled step's graphs whose guards pass (dynamo's guard managers; its own choice),
+    or None (none passes: dynamo compiles one). What dynamo adds to a steady step on this CPU is mostly its guards:
+    0.8 ms of a 5.2 ms SmolLM2 step even under ``skip_guard_eval_unsafe``, which still checks every input tensor that
+    is not a parameter (the cache's slots, the packed weights)."""
     arguments = {"model": model, "cache": cache, "token": token, "position": position}
-    for entry in _cache_entries(_step.__code__) if _cache_entries is not None else ():
+    for entry in _graphs_of(region):
         if entry.guard_manager.check(arguments):
             return types.FunctionType(entry.code, _step.__globals__, _step.__name__)
     return None
 
 
-def _still_cached(graph: Callable) -> bool:
+def _still_cached(region: int, graph: Callable) -> bool:
     """Whether dynamo still holds ``graph``'s code (``torch._dynamo.reset`` drops every graph)."""
-    return any(entry.code is graph.__code__ for entry in _cache_entries(_step.__code__))
+    return any(entry.code is graph.__code__ for entry in _graphs_of(region))
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:

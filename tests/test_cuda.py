@@ -46,7 +46,7 @@ def _decode(name: str, device: str, family: str = "llama", compile: bool = False
                 token, position = out.argmax(-1), position + 1
             logits.append(out.clone())
     assert step.compiled_steps == (STEPS if compile else 0)  # fixed-shape steps, filling and evicting
-    # every step after the first two (dynamo compiles; the guards find its graph) runs that graph directly
+    # every step after the first two (dynamo compiles; its guards find the graph) runs that graph directly
     # (DecodeStep._state); the first, too, finds it where an earlier test compiled the same graph
     assert step.unguarded_steps in ((STEPS - 2, STEPS - 1) if compile else (0,))
     return torch.stack(logits).cpu(), cache

@@ -49,7 +49,8 @@ def _fixed_as_compiled(model) -> DecodeStep:
 def _through_dynamo(model) -> DecodeStep:
     """A DecodeStep whose fixed step goes through dynamo (guards, graphs, recompiles) with the eager backend."""
     step = _fixed_as_compiled(model)
-    step._run = partial(torch.compile(_step, fullgraph=True, backend="eager"), model)
+    compiled = torch.compile(_step, fullgraph=True, backend="eager", isolate_recompiles=True)
+    step._run, step._region = partial(compiled, model), compiled._isolate_recompiles_id
     return step
 
 
@@ -308,7 +309,7 @@ def test_a_caches_fingerprint_holds_from_step_to_step_and_changes_with_its_state
 
 @pytest.mark.parametrize("name", ["streaming", "h2o", "full"])
 def test_a_steady_step_runs_its_graph_without_dynamo_and_gives_the_eager_logits(name):
-    """The first step compiles (through dynamo), the second finds its graph by the guards, and every later step
+    """The first step compiles (through dynamo), the second finds its graph by dynamo's guards, and every later step
     calls that graph directly: dynamo is not entered again."""
     torch._dynamo.reset()
     budget, room = _sizes(name)
@@ -351,7 +352,7 @@ def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
     for _ in range(3):
         for run in runs:
             one_step(run)
-    # each cache's first two steps checked: by dynamo (compiling), then to find the graph it chose
+    # each cache's first two steps checked: by dynamo (compiling), then to find the graph it compiled
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and step.unguarded_steps == 2
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     for index, cache in enumerate(runs[0][:2]):
@@ -369,8 +370,8 @@ def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
     for _ in range(2):
         for run in runs:
             one_step(run)
-    # the grown cache compiles a third graph (checked twice, then direct once); the smaller budget finds that graph
-    # by its guards at once (its slots and budget are the grown cache's now), then runs it directly
+    # the grown cache compiles a third graph (checked twice, then run directly once); the smaller budget's guards
+    # find that graph at once (its slots and budget are the grown cache's now), which then runs directly
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
     assert step.compiled_steps == 11 and step.unguarded_steps == 2 + 1 + 1
 
