@@ -76,7 +76,8 @@ class DecodeStep:
     ``compile=True``: ``torch.compile(fullgraph=True)`` of the whole step (one graph: model, cache update,
     eviction), run in fixed shapes (``EvictionCache.fixed_shape_step``: each layer attends over its budget's slots,
     or a ``full`` cache's allocation, free ones masked, and writes the token into a free slot or the one it evicts),
-    so one compile per (batch, slots) shape serves every step, filling or evicting. On CUDA,
+    so one compile per (batch, slots) shape serves every step, filling or evicting; once dynamo's guards have chosen
+    a state's graph, the state's later steps call it without dynamo (``_state``). On CUDA,
     ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token, with the
     cache's state marked static (it is updated in place). Rows of different lengths (a server's stacked batch,
     speculation's rows after they accepted different counts) take it too: each row writes into its own first free
