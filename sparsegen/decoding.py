@@ -23,7 +23,7 @@ from sparsegen.models.compat import cache_kwargs
 # graphs the one compiled step may hold (one per model, policy kind and (batch, slots) shape; past it dynamo fails
 # loudly, fullgraph); dynamo's default, 8, is less than one bench run of a few policies over a few contexts needs
 COMPILED_SHAPES = 128
-GUARDED_STATES = 8  # states of one cache a DecodeStep remembers the graphs of (past it: forgets them)
+KNOWN_STATES = 8  # states of one cache whose graphs a DecodeStep keeps to call directly (past it: forgets them)
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
 
 
@@ -139,7 +139,7 @@ class DecodeStep:
             self.compiled_steps += 1
             self.unguarded_steps += unguarded
             if graph is not None and not unguarded:
-                if len(graphs) >= GUARDED_STATES:
+                if len(graphs) >= KNOWN_STATES:
                     graphs.clear()
                 graphs[state] = graph
             if self.compile_seconds is None:
