@@ -38,7 +38,11 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     the output layer is read whole, once)."""
     output = model.get_output_embeddings()
     tied = output.weight.data_ptr() if isinstance(getattr(output, "weight", None), torch.Tensor) else None
-    lookups = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)} - {tied}
+    from sparsegen.quant.fast import BlockEmbedding
+
+    tables = [t for m in model.modules() for t in ([m.weight] if isinstance(m, torch.nn.Embedding) else
+                                                   [m.codes, m.scales] if isinstance(m, BlockEmbedding) else [])]
+    lookups = {t.data_ptr() for t in tables} - {tied}
     return sum(t.numel() * t.element_size() for t in weights(model) if t.data_ptr() not in lookups)
 
 

@@ -50,7 +50,8 @@ def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "blocks of 32 weights times inputs quantized to 8 bits a block, in sparsegen's AVX2 kernel "
                         "(5 bits a weight read; the LM head at w8a8); w5a8: the same with llama.cpp's Q5_0 blocks (6 "
                         "bits read); gguf: each linear at the bit width its GGUF file has, in those integer kernels "
-                        "(4-bit types as w4a8, Q5_0 as w5a8, the others as w8a8)"
+                        "(4-bit types as w4a8, Q5_0 as w5a8, the others as w8a8); every kind keeps the embedding "
+                        "table in llama.cpp's 8-bit Q8_0 blocks (exact for a Q8_0 GGUF's table)"
                         + ("; several, comma-separated, are measured in turn and compared" if several else "")
                         + " (default fp32: as loaded)")
 

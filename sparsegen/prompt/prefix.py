@@ -12,6 +12,7 @@ An ``EvictionCache`` pins the prefix: its k tokens are never evicted under any p
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from pathlib import Path
@@ -53,14 +54,15 @@ class PromptPrefix(nn.Module):
         """The embeddings the model gives ``ids`` (its embedding layer's own forward: Gemma scales its table)."""
         embed = model.get_input_embeddings()
         with torch.no_grad():
-            return cls(embed(ids.to(embed.weight.device)).detach().clone().float(), info)
+            table = next(itertools.chain(embed.parameters(), embed.buffers()))  # (a weight, or ``BlockEmbedding``'s codes)
+            return cls(embed(ids.to(table.device)).detach().clone().float(), info)
 
     @classmethod
     def from_vocabulary(cls, model: nn.Module, tokens: int, seed: int = 0) -> PromptPrefix:
         """A soft prompt to train, started at the embeddings of ``tokens`` random vocabulary entries (Lester et al.)."""
         if tokens < 1:
             raise ValueError(f"a soft prompt needs at least 1 token, got {tokens}")
-        vocabulary = model.get_input_embeddings().weight.shape[0]
+        vocabulary = model.get_input_embeddings().num_embeddings
         ids = torch.randint(vocabulary, (tokens,), generator=torch.Generator().manual_seed(seed))
         return cls.from_ids(model, ids, {"kind": "soft"})
 
@@ -155,7 +157,7 @@ def attach(model: nn.Module, prefix: PromptPrefix) -> nn.Module:
     decoder = model.get_decoder()
     if getattr(decoder, "_sparsegen_prefix", None) is not None:
         raise ValueError("this model already has a prompt prefix; detach it first")
-    hidden = model.get_input_embeddings().weight.shape[1]
+    hidden = model.get_input_embeddings().embedding_dim
     if prefix.embeddings.shape[1] != hidden:
         raise ValueError(f"the prompt has {prefix.embeddings.shape[1]}-dimensional embeddings but the model's are "
                          f"{hidden}-dimensional: it was trained for another model")

@@ -7,7 +7,8 @@ the fp32 bytes); ``"int4"`` as 4-bit codes with a scale per group of 32 inputs (
 the kernel torchao's int4 path calls: an eighth), asymmetric with a minimum per group as llama.cpp's Q4_1, the LM
 head at 8 bits as Q4 GGUF files keep it. Both kernels take bfloat16 activations: each linear casts its
 input to bfloat16 and its output back, so the rest of the model (attention, norms, the KV cache) keeps its dtype.
-Round-to-nearest; the embedding table stays as it is (a step reads one row of it). Linears that read one input
+Round-to-nearest. The embedding table, of which a step reads one row, is stored in llama.cpp's Q8_0 blocks for its
+memory (``BlockEmbedding``; exact for a Q8_0 GGUF's table). Linears that read one input
 and are stored alike (a block's q/k/v, a gated MLP's gate and up) are stacked into one kernel call
 (``SharedInput``): at one token a call costs about as much as its bytes.
 
@@ -47,6 +48,17 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 INT4_GROUP = 32  # inputs per int4 scale: llama.cpp's Q4 block size
 FEW_ROWS = 16  # up to a batch of decode steps: W8A8Linear turns their inputs by a sum, not a matmul
 ROTATION_BLOCK = 64  # inputs a w8a8 linear turns together (W8A8Linear): SmolLM2's and Gemma 3's widths divide by it
+ROWS_AT_ONCE = 4096  # rows quantized together: a large table's fp32 temporaries stay small (Gemma 3's LM head: 262,144)
+
+
+def _row_chunks(weight: torch.Tensor):
+    """``weight``'s rows in fp32, ``ROWS_AT_ONCE`` at a time, each chunk's pages released once it is quantized
+    (``page_out``): quantizing a table whole made fp32 copies of it and kept its pages resident (Gemma 3's tied LM
+    head: 671 MB each), which set the load's peak memory."""
+    for start in range(0, weight.shape[0], ROWS_AT_ONCE):
+        rows = weight[start:start + ROWS_AT_ONCE].detach()
+        yield rows.float()
+        page_out(rows)
 
 
 class Int8Linear(nn.Module):
@@ -54,10 +66,13 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(1) / 127).clamp(min=1e-8).to(torch.bfloat16).float()  # as the kernel holds it
-        self.register_buffer("codes", (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
+        codes, scales = [], []
+        for rows in _row_chunks(linear.weight):
+            scale = (rows.abs().amax(1) / 127).clamp(min=1e-8).to(torch.bfloat16).float()  # as the kernel holds it
+            codes.append((rows / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+            scales.append(scale.to(torch.bfloat16))
+        self.register_buffer("codes", torch.cat(codes))
+        self.register_buffer("scale", torch.cat(scales))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -210,12 +225,17 @@ class W8A8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.blocks = self.in_features // ROTATION_BLOCK if self.in_features % ROTATION_BLOCK == 0 else 0
         self.register_buffer("rotation", _hadamard(ROTATION_BLOCK) if self.blocks else None, persistent=False)
-        weight = self._rotated(linear.weight.detach().float())
-        scale = (weight.abs().amax(1) / 127).clamp(min=1e-8).double()
+        codes = torch.empty(self.out_features, self.in_features, dtype=torch.int8)  # (filled a chunk at a time)
+        scale = torch.empty(self.out_features, dtype=torch.double)
+        zeros = torch.zeros_like(scale, dtype=torch.long)
         with warnings.catch_warnings():  # (PyTorch 2.13 marks quantized tensors deprecated: docs/benchmarks.md)
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            codes = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0,
-                                               torch.qint8)
+            for start, rows in zip(itertools.count(0, ROWS_AT_ONCE), _row_chunks(linear.weight)):
+                turned = self._rotated(rows, few_rows=0)  # (each row has its own scale: a chunk's codes are its own)
+                chunk = slice(start, start + rows.shape[0])
+                scale[chunk] = (turned.abs().amax(1) / 127).clamp(min=1e-8)
+                codes[chunk] = torch.quantize_per_channel(turned, scale[chunk], zeros[chunk], 0, torch.qint8).int_repr()
+            codes = torch._make_per_channel_quantized_tensor(codes, scale, zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(codes, None)  # (the bias is added after the rescale)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self.packed
@@ -226,13 +246,14 @@ class W8A8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
 
-    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., in]`` with each block of ``ROTATION_BLOCK`` inputs turned by the Hadamard rotation: a few rows
-        (a decode step's) by a broadcast sum, which inductor fuses with the norm before it, more by a matmul."""
+    def _rotated(self, x: torch.Tensor, few_rows: int = FEW_ROWS) -> torch.Tensor:
+        """``x`` ``[..., in]`` with each block of ``ROTATION_BLOCK`` inputs turned by the Hadamard rotation: up to
+        ``few_rows`` rows (a decode step's) by a broadcast sum, which inductor fuses with the norm before it, more by a
+        matmul (weights: always, whatever rows a chunk has)."""
         if not self.blocks:
             return x
         blocks = x.reshape(-1, self.blocks, ROTATION_BLOCK)
-        if blocks.shape[0] <= FEW_ROWS:
+        if blocks.shape[0] <= few_rows:
             return (blocks[..., None] * self.rotation).sum(2).view(x.shape)
         return (blocks @ self.rotation).view(x.shape)
 
@@ -274,21 +295,25 @@ class W4A8Linear(nn.Module):
         if in_features % INT4_GROUP:
             raise ValueError(f"--weights {kind} needs input widths divisible by {INT4_GROUP}; a linear is "
                              f"{in_features} -> {out_features}: use --weights w8a8")
-        grouped = linear.weight.detach().float().view(out_features, -1, INT4_GROUP)
-        scale, low, codes = self._grid(grouped)
-        if not (scale.isfinite().all() and low.isfinite().all()):
-            raise ValueError(f"--weights {kind} stores each group's scale and minimum in fp16, and a linear's weights "
-                             "reach beyond its range (65504): use --weights w8a8")
-        nibbles = ((codes[..., :16] & 0xF) | ((codes[..., 16:] & 0xF) << 4)).view(out_features, -1)
-        # (a row: its scales, its minimums, its codes: the kernel loads two groups' codes and eight scales at once)
-        parts = [scale.view(torch.uint8), low.view(torch.uint8), nibbles]
-        if self.BITS == 5:  # (then the fifth bits, in the planes the kernel reads them from)
-            parts.append(_fifth_planes(codes >> 4, codes.shape[1]))
-        self.register_buffer("blocks", torch.cat(parts, -1))
+        self.register_buffer("blocks", torch.cat([self._packed(rows, kind) for rows in _row_chunks(linear.weight)]))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
         _native_kernels()
+
+    def _packed(self, rows: torch.Tensor, kind: str) -> torch.Tensor:
+        """The kernel's rows for fp32 weight rows: per row its scales, its minimums, its codes (the kernel loads two
+        groups' codes and eight scales at once), and for 5 bits the fifth bits, in the planes the kernel reads."""
+        grouped = rows.view(rows.shape[0], -1, INT4_GROUP)
+        scale, low, codes = self._grid(grouped)
+        if not (scale.isfinite().all() and low.isfinite().all()):
+            raise ValueError(f"--weights {kind} stores each group's scale and minimum in fp16, and a linear's weights "
+                             "reach beyond its range (65504): use --weights w8a8")
+        nibbles = ((codes[..., :16] & 0xF) | ((codes[..., 16:] & 0xF) << 4)).view(rows.shape[0], -1)
+        parts = [scale.view(torch.uint8), low.view(torch.uint8), nibbles]
+        if self.BITS == 5:
+            parts.append(_fifth_planes(codes >> 4, codes.shape[1]))
+        return torch.cat(parts, -1)
 
     @staticmethod
     def _grid(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -331,6 +356,59 @@ class W5A8Linear(W4A8Linear):
         scale = torch.where(scale == 0, torch.full_like(scale, tiny), scale)
         codes = (grouped / scale.float()[..., None]).round().add(16).clamp(0, 31)
         return scale, -16 * scale, codes.to(torch.uint8)
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table in llama.cpp's Q8_0 blocks: int8 codes with one fp16 scale a block of 32 values (8.5 bits a
+    value, against fp32's 32). A step reads one row of the table, so this saves memory, not time: SmolLM2's table is
+    113 MB in fp32, Gemma 3's 671 MB. A lookup gathers its rows' codes and scales and multiplies them (then by the
+    table's ``embed_scale``, as Gemma's scaled embeddings do). A Q8_0 GGUF's table (SmolLM2's and Gemma 3's) comes back
+    exactly: each block's largest magnitude is its fp16 scale times 127, so the scale and codes are found again."""
+
+    BLOCK = 32
+
+    @classmethod
+    def fits(cls, table: nn.Module) -> bool:
+        """A plain embedding, or a scaled one (``ScaledWordEmbedding``: the lookup times ``embed_scale``), whose rows
+        divide into blocks; any other kind keeps its own table and lookup."""
+        scaled = type(table).__name__.endswith("ScaledWordEmbedding") and hasattr(table, "embed_scale")
+        return (isinstance(table, nn.Embedding) and (type(table) is nn.Embedding or scaled) and table.max_norm is None
+                and table.embedding_dim % cls.BLOCK == 0)
+
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.num_embeddings, table.embedding_dim
+        self.dtype = table.weight.dtype
+        codes, scales = [], []
+        for rows in _row_chunks(table.weight):
+            blocks = rows.view(rows.shape[0], -1, self.BLOCK)
+            scale = (blocks.abs().amax(-1) / 127).half()
+            if not scale.isfinite().all():
+                raise ValueError("an embedding table reaches beyond fp16's range (65504), where its 8-bit blocks keep "
+                                 "their scales: use --weights fp32")
+            divisor = torch.where(scale == 0, 1, scale.float())[..., None]  # (an all-zero block: codes 0)
+            codes.append((blocks / divisor).round().clamp(-127, 127).to(torch.int8).flatten(1))
+            scales.append(scale)
+        self.register_buffer("codes", torch.cat(codes))
+        self.register_buffer("scales", torch.cat(scales))
+        scaled = getattr(table, "embed_scale", None)
+        self.register_buffer("embed_scale", None if scaled is None else torch.as_tensor(scaled, dtype=torch.float32),
+                             persistent=False)
+
+    def _values(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return (codes.float().unflatten(-1, (-1, self.BLOCK)) * scales.float()[..., None]).flatten(-2)
+
+    def dequantized(self) -> torch.Tensor:
+        """The table's values in fp32 (what ``weight`` held, without ``embed_scale``): the tests' reference."""
+        return self._values(self.codes, self.scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._values(self.codes[ids], self.scales[ids]).to(self.dtype)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        scaled = ", times embed_scale" if self.embed_scale is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {self.BLOCK} (Q8_0){scaled}"
 
 
 def _hadamard(size: int) -> torch.Tensor:
@@ -391,11 +469,12 @@ def gguf_plan(path) -> dict[str, str]:
     are left out: they stay as loaded): 4-bit types as ``w4a8``, Q5_0 as ``w5a8``, the others at 8 bits as ``w8a8``,
     llama.cpp's own arithmetic (its weights times 8-bit inputs in integer dot products); where FBGEMM is missing (not
     x86), PyTorch's weight-only ``int4`` and ``int8``. The LM head takes the output tensor's type, or the token
-    embedding's when the two are tied."""
+    embedding's when the two are tied. ``TABLE``, the token embedding, is there when the file stores it below 16 bits
+    (as ``BlockEmbedding``, whatever its type: SmolLM2's and Gemma 3's are Q8_0, which it holds exactly)."""
     from gguf import GGUFReader
 
     types = {t.name.removesuffix(".weight"): t.tensor_type.name for t in GGUFReader(str(path)).tensors}
-    plan = {}
+    plan = {TABLE: types.get(TABLE)}
     for name, kind in types.items():
         parts = name.split(".")
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LINEARS:
@@ -408,6 +487,7 @@ def gguf_plan(path) -> dict[str, str]:
             if kind is not None and kind not in ("F32", "F16", "BF16")}
 
 
+TABLE = "token_embd"  # a GGUF plan's key for the input embedding (llama.cpp's name)
 INPUT_SHARERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # a block's linears that read one input
 _KERNELS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear, "w5a8": W5A8Linear}
 PACKED_LINEARS = tuple(_KERNELS.values())
@@ -476,8 +556,9 @@ class SharedInput(nn.Module):
 
 
 def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None = None) -> nn.Module:
-    """Re-store ``model``'s decoder linears and LM head as ``weights`` (``fp32``: unchanged), in place; returns it.
-    ``gguf`` takes ``plan`` (``gguf_plan`` of the model's file): each linear at its file's bit width."""
+    """Re-store ``model``'s decoder linears and LM head as ``weights`` (``fp32``: unchanged), and its embedding table
+    in Q8_0 blocks (``BlockEmbedding``), in place; returns it. ``gguf`` takes ``plan`` (``gguf_plan`` of the model's
+    file): each linear at its file's bit width, the table in blocks if the file stores it below 16 bits."""
     if weights not in WEIGHTS:
         raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if weights == "gguf" and not plan:
@@ -491,6 +572,12 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
                if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
+    table = model.get_input_embeddings()
+    table = table if (plan is None or TABLE in plan) and BlockEmbedding.fits(table) else None
+    for weight in [module.weight for _, module in targets] + ([table.weight] if table is not None else []):
+        page_out(weight)  # (what loading left resident: each is read again only while it is packed)
+    if table is not None:
+        model.set_input_embeddings(BlockEmbedding(table))
     head = {"int4": "int8", "w4a8": "w8a8", "w5a8": "w8a8"}  # (the LM head stays at 8 bits, as a Q4 GGUF keeps it
     # (SmolLM2's: Q8_0): 4 bits there cost 6% perplexity on SmolLM2, while its Q4_1 decoder linears come back to their
     # own grid (+0.1%))
@@ -511,9 +598,7 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
     for name, module in linears.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, _KERNELS[kinds[name]](module))
-        # (read from the mapped checkpoint to pack: its pages need not stay; a tied LM head's are the embedding's,
-        # which ``_own_memory`` reads back once to copy: keeping them instead raised the peak by its size, measured)
-        page_out(module.weight)
+        page_out(module.weight)  # (read from the mapped checkpoint to pack: its pages need not stay)
     if not targets:
         raise ValueError(f"{type(model).__name__} has no decoder linears to quantize")
     _own_memory(model)
@@ -553,7 +638,7 @@ def _own_memory(model: nn.Module) -> None:
     1,006 MiB resident with the mapping, 601 MiB without, measured)."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, PACKED_LINEARS):
+            if isinstance(module, (*PACKED_LINEARS, BlockEmbedding)):
                 continue  # (built in memory)
             for registry in (module._parameters, module._buffers):
                 for tensor in registry.values():

@@ -11,8 +11,8 @@ from sparsegen.bench import roofline
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
 from sparsegen.quant import fast
-from sparsegen.quant.fast import (Int4Linear, Int8Linear, SharedInput, W4A8Linear, W5A8Linear, W8A8Linear, dequantized,
-                                  page_out, quantize_weights)
+from sparsegen.quant.fast import (BlockEmbedding, Int4Linear, Int8Linear, SharedInput, W4A8Linear, W5A8Linear,
+                                  W8A8Linear, dequantized, page_out, quantize_weights)
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
 from tests.models.test_real_models import _installed
@@ -220,6 +220,70 @@ def test_a_q5_0_tensor_of_gemmas_gguf_comes_back_exactly():
     assert torch.equal(W5A8Linear(linear).dequantized(), weight)
 
 
+def _q8_0_table(rows: int, width: int) -> torch.Tensor:
+    """Values on llama.cpp's Q8_0 grid, as a GGUF's table is: an fp16 scale a block of 32 times int8 codes, each
+    block's largest magnitude 127 steps (with either sign)."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-126, 127, (rows, width // 32, 32), generator=generator)
+    codes[..., 3] = 127 * (torch.randint(0, 2, codes.shape[:2], generator=generator) * 2 - 1)
+    scales = (torch.rand(rows, width // 32, 1, generator=generator) * 1e-3 + 1e-5).half().float()
+    return (codes * scales).view(rows, width)
+
+
+def test_an_embedding_table_in_q8_0_blocks_is_a_q8_0_tables_own_and_looks_up_what_the_layer_did():
+    table = torch.nn.Embedding(300, 96)
+    with torch.no_grad():
+        table.weight.copy_(_q8_0_table(300, 96))
+        table.weight[7] = 0  # (an all-zero block: no scale to divide by)
+    blocks = BlockEmbedding(table)
+    assert torch.equal(blocks.dequantized(), table.weight)  # stored exactly: codes and scales found again
+    assert blocks.codes.dtype == torch.int8 and blocks.codes.nbytes + blocks.scales.nbytes < table.weight.nbytes / 3.5
+    ids = torch.tensor([[0, 7, 299], [5, 5, 1]])
+    assert torch.equal(blocks(ids), table(ids))
+    fresh = torch.nn.Embedding(300, 96)  # (off the grid: round to nearest, half a step of its block's scale, and the
+    # scale's fp16 rounding (2^-11 of it) times up to 127 codes)
+    step = fresh.weight.detach().view(300, 3, 32).abs().amax(-1, keepdim=True) / 127
+    error = (BlockEmbedding(fresh).dequantized() - fresh.weight).view(300, 3, 32).abs()
+    assert (error <= step * (0.5 + 127 / 2**11)).all() and (error > step * 0.45).any()
+    gemma = tiny_model("gemma3").get_input_embeddings()  # (a scaled table: the lookup times embed_scale)
+    assert BlockEmbedding.fits(gemma) and not BlockEmbedding.fits(torch.nn.Embedding(10, 48))  # (48: no whole blocks)
+    with torch.no_grad():
+        gemma.weight.copy_(_q8_0_table(*gemma.weight.shape))
+    small = ids % gemma.num_embeddings
+    assert torch.equal(BlockEmbedding(gemma)(small), gemma(small)) and gemma.embed_scale != 1
+    with torch.no_grad():
+        table.weight[0, 0] = 1e8
+    with pytest.raises(ValueError, match="beyond fp16's range .65504.*use --weights fp32"):
+        BlockEmbedding(table)
+
+
+def test_smollm2s_q8_0_table_comes_back_exactly():
+    """SmolLM2's own token embedding (Q8_0 in its GGUF, tied to the LM head), dequantized as the loader does."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from sparsegen.models.gguf import gguf_file
+
+    tensor = next(t for t in GGUFReader(str(gguf_file("smollm2"))).tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type.name == "Q8_0"
+    table = torch.nn.Embedding.from_pretrained(torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).float())
+    assert torch.equal(BlockEmbedding(table).dequantized(), table.weight)
+
+
+def test_a_quantized_models_table_is_in_blocks_and_not_counted_as_read_each_step():
+    model = _model()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(_q8_0_table(*model.get_input_embeddings().weight.shape))
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        embedded = model.get_input_embeddings()(ids)
+        quantize_weights(model, "w8a8")
+        table = model.get_input_embeddings()
+        assert isinstance(table, BlockEmbedding) and torch.equal(table(ids), embedded)
+    every = sum(t.numel() * t.element_size() for t in roofline.weights(model))
+    assert weight_bytes_per_step(model) == every - table.codes.nbytes - table.scales.nbytes  # (a row a token)
+
+
 @pytest.mark.parametrize("weights", BLOCK_KERNELS)
 def test_block_kernels_scalar_path_is_the_reference_too(weights):
     """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_SCALAR_KERNELS``), in a process of its own."""
@@ -337,7 +401,7 @@ def test_a_quantized_model_lets_go_of_the_file_it_was_mapped_from(tmp_path):
     quantize_weights(model, "int8")
     after = dict(list(model.named_parameters()) + list(model.named_buffers()))
     kept = [name for name in before if name in after]
-    assert "model.embed_tokens.weight" in kept and "model.norm.weight" in kept
+    assert "model.norm.weight" in kept and "model.embed_tokens.codes" in after  # (the table: packed in memory)
     assert all(after[name].data_ptr() != before[name] for name in kept)
 
 
@@ -386,10 +450,11 @@ def test_gguf_weights_follow_each_tensors_stored_type():
     from sparsegen.quant.fast import gguf_plan
 
     smollm2 = gguf_plan(gguf_file("smollm2"))  # Q4_1 blocks, a Q8_0 embedding tied to the head
-    assert len(smollm2) == 30 * 7 + 1 and smollm2["lm_head"] == "w8a8"  # (llama.cpp's integer arithmetic, on x86)
+    assert len(smollm2) == 30 * 7 + 2 and fast.TABLE in smollm2
+    assert smollm2["lm_head"] == "w8a8"  # (llama.cpp's integer arithmetic, on x86)
     assert {smollm2[f"model.layers.{i}.mlp.down_proj"] for i in range(30)} == {"w4a8"}
     gemma = gguf_plan(gguf_file("gemma3-270m"))  # Q4_K_M: Q4_K beside Q5_0, Q6_K and Q8_0
-    assert sorted(set(gemma.values())) == ["w4a8", "w5a8", "w8a8"] and len(gemma) == 18 * 7 + 1
+    assert sorted(set(gemma.values())) == ["w4a8", "w5a8", "w8a8"] and len(gemma) == 18 * 7 + 2
     assert gemma["model.layers.0.mlp.gate_proj"] == "w5a8" and gemma["model.layers.0.self_attn.o_proj"] == "w4a8"
 
 
