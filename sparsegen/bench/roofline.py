@@ -36,14 +36,16 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every parameter and saved buffer (packed int4/int8 weights and their
     scales are buffers) except embedding tables, of which a step reads one row per token (an input embedding tied to
     the output layer is read whole, once)."""
-    output = model.get_output_embeddings()
-    tied = output.weight.data_ptr() if isinstance(getattr(output, "weight", None), torch.Tensor) else None
     from sparsegen.quant.fast import BlockEmbedding
 
+    output = model.get_output_embeddings()
+    read_whole = {t.data_ptr() for t in weights(output)} if output is not None else set()
     tables = [t for m in model.modules() for t in ([m.weight] if isinstance(m, torch.nn.Embedding) else
                                                    [m.codes, m.scales] if isinstance(m, BlockEmbedding) else [])]
-    lookups = {t.data_ptr() for t in tables} - {tied}
-    return sum(t.numel() * t.element_size() for t in weights(model) if t.data_ptr() not in lookups)
+    lookups = {t.data_ptr() for t in tables} - read_whole
+    stored = list(weights(model))  # (held while counted: a freed temporary's address could come back)
+    once = {t.data_ptr(): t.numel() * t.element_size() for t in stored}  # (a tied head's table: once)
+    return sum(size for pointer, size in once.items() if pointer not in lookups)
 
 
 def weights(model: torch.nn.Module):

@@ -54,7 +54,7 @@ class PromptPrefix(nn.Module):
         """The embeddings the model gives ``ids`` (its embedding layer's own forward: Gemma scales its table)."""
         embed = model.get_input_embeddings()
         with torch.no_grad():
-            table = next(itertools.chain(embed.parameters(), embed.buffers()))  # (a weight, or ``BlockEmbedding``'s codes)
+            table = next(itertools.chain(embed.parameters(), embed.buffers()))  # (``BlockEmbedding``: its codes)
             return cls(embed(ids.to(table.device)).detach().clone().float(), info)
 
     @classmethod

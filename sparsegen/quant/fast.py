@@ -8,7 +8,8 @@ the kernel torchao's int4 path calls: an eighth), asymmetric with a minimum per 
 head at 8 bits as Q4 GGUF files keep it. Both kernels take bfloat16 activations: each linear casts its
 input to bfloat16 and its output back, so the rest of the model (attention, norms, the KV cache) keeps its dtype.
 Round-to-nearest. The embedding table, of which a step reads one row, is stored in llama.cpp's Q8_0 blocks for its
-memory (``BlockEmbedding``; exact for a Q8_0 GGUF's table). Linears that read one input
+memory (``BlockEmbedding``; exact for a Q8_0 GGUF's table); an LM head tied to it multiplies by those blocks
+(``TiedHead``) under ``gguf``, so the table is held once, as llama.cpp holds it. Linears that read one input
 and are stored alike (a block's q/k/v, a gated MLP's gate and up) are stacked into one kernel call
 (``SharedInput``): at one token a call costs about as much as its bytes.
 
@@ -96,6 +97,7 @@ _LIBRARY = native.LIBRARY
 _LIBRARY.define("w8a8_linear(Tensor x, int handle, int out_features) -> Tensor")
 _LIBRARY.define("w4a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
 _LIBRARY.define("w5a8_linear(Tensor x, Tensor blocks, int out_features) -> Tensor")
+_LIBRARY.define("q8_0_linear(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor")
 # a block of 32 weights: an fp16 scale, an fp16 minimum, 16 bytes of 4-bit codes (w5a8: and 4 of fifth bits, in
 # planes of 32 bytes for 8 blocks, the last one whole)
 FIFTH_PLANE, BLOCKS_A_PLANE = 32, 8
@@ -126,14 +128,38 @@ for _op in ("w4a8_linear", "w5a8_linear"):
     torch.library.register_fake(f"sparsegen::{_op}", _blocks_linear_shape, lib=_LIBRARY)
 
 
+@torch.library.register_fake("sparsegen::q8_0_linear", lib=_LIBRARY)
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def _input_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``'s rows as the kernels quantize them: ``(q, dx)``, codes ``[rows, groups, 32]`` (integers in fp32) and a
+    scale a block of 32, ``x ~ dx * q``."""
+    rows = x.reshape(-1, x.shape[-1]).float().view(-1, x.shape[-1] // INT4_GROUP, INT4_GROUP)
+    scale = rows.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return torch.round(rows * inverse[..., None]), scale
+
+
+def q8_0_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``sparsegen::q8_0_linear`` in PyTorch ops, as ``w4a8_linear.cpp`` computes it (the integer sums exact, the
+    float terms summed in another order): Q8_0 weights (int8 ``codes``, an fp16 scale a block of 32) times 8-bit
+    inputs a block. The Python kernel where the C++ one cannot be built, and the tests' reference."""
+    q, scale = _input_blocks(x)
+    blocks = codes.view(out_features, -1, INT4_GROUP)
+    y = torch.zeros(q.shape[0], out_features, dtype=torch.float64)
+    for group in range(q.shape[1]):  # (a group at a time, as blocks_reference)
+        sums = q[:, group].double() @ blocks[:, group].double().T
+        y += sums * (scale[:, group, None] * scales[None, :, group].float()).double()
+    return y.float().view(*x.shape[:-1], out_features)
+
+
 def blocks_reference(x: torch.Tensor, blocks: torch.Tensor, out_features: int, bits: int = 4) -> torch.Tensor:
     """``sparsegen::w4a8_linear`` (``bits=5``: ``w5a8_linear``) in PyTorch ops, step for step as ``w4a8_linear.cpp``
     computes it (the integer sums exact, the float terms summed in another order): the Python kernel where the C++
     one cannot be built, and the tests' reference."""
-    rows = x.reshape(-1, x.shape[-1]).float().view(-1, x.shape[-1] // INT4_GROUP, INT4_GROUP)
-    scale = rows.abs().amax(-1) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    q = torch.round(rows * inverse[..., None])  # [rows, groups, 32]
+    q, scale = _input_blocks(x)  # [rows, groups, 32], [rows, groups]
     d, low, codes = blocks_unpacked(blocks, bits)  # [out, groups], [out, groups], [out, groups, 32]
     y = (scale * q.sum(-1)).double() @ low.double().T
     for group in range(q.shape[1]):  # (a group at a time: a prefill chunk's [rows, out, groups] would not fit)
@@ -184,8 +210,8 @@ def _code_slots(groups: int) -> torch.Tensor:
 
 @functools.cache
 def _native_kernels() -> str:
-    """Give ``sparsegen::w8a8_linear``, ``w4a8_linear`` and ``w5a8_linear`` their CPU kernels, once: ``"c++"`` when
-    sparsegen's kernels build (``native.build``), else ``"python"`` with a warning. Each call of a Python kernel goes
+    """Give ``sparsegen::w8a8_linear``, ``w4a8_linear``, ``w5a8_linear`` and ``q8_0_linear`` their CPU kernels, once:
+    ``"c++"`` when sparsegen's kernels build (``native.build``), else ``"python"`` with a warning. Each call of a Python kernel goes
     through the interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes ~30 us at one token (121
     calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python w4a8 and w5a8
     kernels are slower still."""
@@ -198,6 +224,7 @@ def _native_kernels() -> str:
     _LIBRARY.impl("w8a8_linear", _w8a8_linear, "CPU")
     _LIBRARY.impl("w4a8_linear", blocks_reference, "CPU")
     _LIBRARY.impl("w5a8_linear", functools.partial(blocks_reference, bits=5), "CPU")
+    _LIBRARY.impl("q8_0_linear", q8_0_reference, "CPU")
     return "python"
 
 
@@ -411,6 +438,34 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {self.BLOCK} (Q8_0){scaled}"
 
 
+class TiedHead(nn.Module):
+    """An LM head tied to its input embedding, multiplying by the table's own Q8_0 blocks (``BlockEmbedding``) with
+    inputs quantized to 8 bits a block of 32 (``sparsegen::q8_0_linear``: llama.cpp's Q8_0 x Q8_0 arithmetic): the
+    table is held once, where a head of its own packed a second copy (Gemma 3: 168 MB), and a Q8_0 GGUF's head keeps
+    its file's weights, not a re-quantization of them."""
+
+    def __init__(self, table: BlockEmbedding):
+        super().__init__()
+        object.__setattr__(self, "table", table)  # (the embedding's, not a second child: stored once)
+        self.in_features, self.out_features = table.embedding_dim, table.num_embeddings
+        _native_kernels()
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """What a step reads: the whole table (``bench.roofline``)."""
+        return [self.table.codes, self.table.scales]
+
+    def dequantized(self) -> torch.Tensor:
+        return self.table.dequantized()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.sparsegen.q8_0_linear(x.float(), self.table.codes, self.table.scales, self.out_features)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}: the input embedding's Q8_0 "
+                f"blocks, 8-bit inputs a block")
+
+
 def _hadamard(size: int) -> torch.Tensor:
     """The orthonormal Hadamard matrix of a power-of-two ``size`` (Sylvester's construction; symmetric, so its own
     inverse): entries +-1/sqrt(size), exact in fp32 for these sizes."""
@@ -576,8 +631,11 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
     table = table if (plan is None or TABLE in plan) and BlockEmbedding.fits(table) else None
     for weight in [module.weight for _, module in targets] + ([table.weight] if table is not None else []):
         page_out(weight)  # (what loading left resident: each is read again only while it is packed)
+    lm_head = dict(targets).get("lm_head")
+    tied = table is not None and lm_head is not None and lm_head.weight is table.weight
     if table is not None:
-        model.set_input_embeddings(BlockEmbedding(table))
+        table = BlockEmbedding(table)
+        model.set_input_embeddings(table)
     head = {"int4": "int8", "w4a8": "w8a8", "w5a8": "w8a8"}  # (the LM head stays at 8 bits, as a Q4 GGUF keeps it
     # (SmolLM2's: Q8_0): 4 bits there cost 6% perplexity on SmolLM2, while its Q4_1 decoder linears come back to their
     # own grid (+0.1%))
@@ -595,6 +653,9 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
             setattr(owner, child, SharedInput.Part(shared, index))
         for name in names:
             page_out(linears.pop(name).weight)
+    if tied and weights == "gguf" and kinds["lm_head"] == "w8a8":  # (llama.cpp's head: the table's Q8_0 blocks)
+        model.lm_head = TiedHead(table)
+        linears.pop("lm_head")
     for name, module in linears.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, _KERNELS[kinds[name]](module))
@@ -638,7 +699,7 @@ def _own_memory(model: nn.Module) -> None:
     1,006 MiB resident with the mapping, 601 MiB without, measured)."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (*PACKED_LINEARS, BlockEmbedding)):
+            if isinstance(module, (*PACKED_LINEARS, BlockEmbedding, TiedHead)):
                 continue  # (built in memory)
             for registry in (module._parameters, module._buffers):
                 for tensor in registry.values():

@@ -13,6 +13,10 @@
 // block, in planes rounded up to 32 bytes.
 // Activations, per row and block: x ~ dx * q with q = round(x / dx) in [-127, 127], dx = max|x| / 127.
 // A block's product is d * dx * sum(code * q) + m * dx * sum(q): one integer sum and one float term.
+//
+// The same activations also multiply llama.cpp's Q8_0 blocks (q8_0_linear: int8 codes and one fp16 scale a block of
+// 32, the layout of BlockEmbedding's table, so a tied LM head reads the table itself), as llama.cpp's Q8_0 x Q8_0
+// dot product: d * dx * sum(code * q).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -41,20 +45,25 @@ int64_t code_slot(int64_t blocks, int64_t block, int64_t i) {
   return block / 2 * 2 * kBlock + (i < 16 ? 0 : 32) + (block % 2) * 16 + i % 16;
 }
 
-// One row of activations, quantized, its codes in code_slot's order. Per pair, spread [dx_b x4, dx_b+1 x4] (the
-// lanes its sums land in); per block, dx * sum(q).
+// One row of activations, quantized, its codes in code_slot's order (``paired``: for the 4- and 5-bit weights) or in
+// their own (Q8_0's). Per pair, spread [dx_b x4, dx_b+1 x4] (the lanes its sums land in); per block, dx * sum(q).
 struct QuantizedRow {
   std::vector<int8_t> codes;
   std::vector<float> pair_scales, scale, scaled_sum;
+  bool paired = true;
 
-  int8_t& code(int64_t block, int64_t i) { return codes[code_slot(scale.size(), block, i)]; }
+  int64_t paired_blocks() const { return paired ? static_cast<int64_t>(scale.size()) / 2 * 2 : 0; }
+  int8_t& code(int64_t block, int64_t i) {
+    return codes[paired ? code_slot(scale.size(), block, i) : block * kBlock + i];
+  }
 };
 
-void resize(QuantizedRow& row, int64_t blocks) {
+void resize(QuantizedRow& row, int64_t blocks, bool paired) {
+  row.paired = paired;
   row.codes.resize(blocks * kBlock);
   row.scale.resize(blocks);
   row.scaled_sum.resize(blocks);
-  row.pair_scales.resize(blocks / 2 * 8);
+  row.pair_scales.resize(paired ? blocks / 2 * 8 : 0);
 }
 
 void quantize_row(const float* x, int64_t blocks, QuantizedRow& row) {
@@ -72,7 +81,7 @@ void quantize_row(const float* x, int64_t blocks, QuantizedRow& row) {
     }
     row.scale[b] = scale;
     row.scaled_sum[b] = scale * static_cast<float>(sum);
-    if (b < blocks / 2 * 2)
+    if (b < row.paired_blocks())
       for (int64_t lane = 0; lane < 4; ++lane) row.pair_scales[(b / 2) * 8 + (b % 2) * 4 + lane] = scale;
   }
 }
@@ -108,7 +117,56 @@ float dot_scalar(const uint8_t* weights, QuantizedRow& row, int64_t blocks) {
   return total;
 }
 
+// Q8_0 weights (``codes``: a row's int8 codes, ``scales``: its fp16 scales) times a row quantized in order.
+float dot_q8_0_scalar(const int8_t* codes, const uint8_t* scales, QuantizedRow& row, int64_t blocks) {
+  float total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) sum += codes[b * kBlock + i] * row.code(b, i);
+    total += half_bits(scales + 2 * b) * row.scale[b] * static_cast<float>(sum);
+  }
+  return total;
+}
+
 #ifdef SPARSEGEN_X86
+// ROWS input rows against one Q8_0 weight row, as llama.cpp's AVX2 Q8_0 dot product: |code| times q with code's sign
+// (unsigned times signed bytes, pair sums of at most 2 * 127 * 127: 16 bits never saturate); one row alternates two
+// accumulators, as dot_avx2 does.
+template <int ROWS>
+AVX2 void dot_q8_0_avx2(const int8_t* codes, const uint8_t* scales, const QuantizedRow* rows, int64_t blocks,
+                        float* out, int64_t stride) {
+  constexpr int kChains = ROWS == 1 ? 2 : ROWS;
+  __m256 sums[kChains];
+  for (int c = 0; c < kChains; ++c) sums[c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) float steps[ROWS][8];  // (d * dx of eight blocks, each row: one conversion and one product for eight)
+  for (int64_t first = 0; first < blocks; first += 8) {
+    const int64_t count = blocks - first < 8 ? blocks - first : 8;
+    for (int r = 0; r < ROWS; ++r) {
+      if (count == 8) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * first)));
+        _mm256_store_ps(steps[r], _mm256_mul_ps(d, _mm256_loadu_ps(rows[r].scale.data() + first)));
+      } else {
+        for (int64_t k = 0; k < count; ++k)
+          steps[r][k] = half_bits(scales + 2 * (first + k)) * rows[r].scale[first + k];
+      }
+    }
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t b = first + k;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kBlock));
+      const __m256i magnitude = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r].codes.data() + b * kBlock));
+        const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, w)), ones);
+        const int c = ROWS == 1 ? k % 2 : r;
+        sums[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(products), sums[c]);
+      }
+    }
+  }
+  if (ROWS == 1) sums[0] = _mm256_add_ps(sums[0], sums[kChains - 1]);
+  for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]);
+}
+
 // A pair of blocks' codes, low nibbles (codes 0-15 of each) and high (16-31), and scales spread to their sums' lanes.
 struct PairCodes {
   __m256i low, high;
@@ -228,7 +286,7 @@ AVX2 void quantize_row_avx2(const float* x, int64_t blocks, QuantizedRow& row) {
     const __m256i packed = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    const int64_t pairs_end = blocks / 2 * 2;
+    const int64_t pairs_end = row.paired_blocks();
     int8_t* first = b < pairs_end ? row.codes.data() + (b / 2) * 2 * kBlock + (b % 2) * 16 : row.codes.data() + b * kBlock;
     int8_t* second = b < pairs_end ? first + 32 : first + 16;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(packed));
@@ -250,25 +308,16 @@ bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the scalar path, as a CPU w
 }
 #endif
 
-template <int kBits>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
-  const char* name = kBits == 5 ? "sparsegen::w5a8_linear" : "sparsegen::w4a8_linear";
-  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 inputs, got ", x.scalar_type());
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == out_features, name,
-              ": blocks must be uint8 [out_features, ", kBits == 5 ? "W5A8Linear's row bytes]" : "in_features / 32 * 20]");
-  const int64_t in_features = x.size(-1);
-  TORCH_CHECK(in_features % kBlock == 0 && blocks.size(1) == row_bytes(kBits, in_features / kBlock), name, ": ",
-              in_features, " inputs do not match blocks of shape ", blocks.sizes());
-  const at::Tensor flat = x.reshape({-1, in_features}).contiguous();
-  const at::Tensor weights = blocks.contiguous();
-  const int64_t rows = flat.size(0), count = in_features / kBlock;
+// Every row of ``flat`` quantized (``paired``: in code_slot's order), a prefill chunk's rows split across threads.
+std::vector<QuantizedRow> quantized_rows(const at::Tensor& flat, int64_t count, bool paired) {
+  const int64_t rows = flat.size(0), in_features = flat.size(1);
 #ifdef SPARSEGEN_X86
   const bool vector = has_avx2();
 #endif
   std::vector<QuantizedRow> quantized(rows);
-  at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {  // (a prefill chunk's rows: worth the threads)
+  at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      resize(quantized[r], count);
+      resize(quantized[r], count, paired);
       const float* row = flat.data_ptr<float>() + r * in_features;
 #ifdef SPARSEGEN_X86
       if (vector) {
@@ -279,22 +328,60 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_fea
       quantize_row(row, count, quantized[r]);
     }
   });
+  return quantized;
+}
+
+// The 4- and 5-bit weights' dot products, by output channel.
+template <int kBits>
+struct BlocksKernel {
+  const uint8_t* weights;
+  int64_t stride, count;  // (stride: row_bytes(kBits, count), checked by the caller)
+#ifdef SPARSEGEN_X86
+  template <int ROWS>
+  void dot(int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
+    dot_avx2<ROWS, kBits>(weights + n * stride, rows, count, out, out_stride);
+  }
+#endif
+  float scalar(int64_t n, QuantizedRow& row) const { return dot_scalar<kBits>(weights + n * stride, row, count); }
+};
+
+// The Q8_0 weights' dot products, by output channel.
+struct Q8_0Kernel {
+  const int8_t* codes;
+  const uint8_t* scales;
+  int64_t count;
+#ifdef SPARSEGEN_X86
+  template <int ROWS>
+  void dot(int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
+    dot_q8_0_avx2<ROWS>(codes + n * count * kBlock, scales + n * count * 2, rows, count, out, out_stride);
+  }
+#endif
+  float scalar(int64_t n, QuantizedRow& row) const {
+    return dot_q8_0_scalar(codes + n * count * kBlock, scales + n * count * 2, row, count);
+  }
+};
+
+// ``x``'s outputs [..., out_features] from its quantized rows: output channels split across threads, each weight row
+// read once and used for every input row (four at a time, then one by one).
+template <class Kernel>
+at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<QuantizedRow>& quantized,
+                   int64_t out_features) {
+  const int64_t rows = quantized.size();
   at::Tensor out = at::empty({rows, out_features}, x.options());
   float* y = out.data_ptr<float>();
-  const uint8_t* w = weights.data_ptr<uint8_t>();
-  const int64_t weight_stride = weights.size(1);  // (row_bytes(kBits, count), checked above)
-  // (output channels split across threads; each weight row is read once and used for every input row)
+#ifdef SPARSEGEN_X86
+  const bool vector = has_avx2();
+#endif
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) {
       int64_t r = 0;
 #ifdef SPARSEGEN_X86
       if (vector) {
-        for (; r + 4 <= rows; r += 4)
-          dot_avx2<4, kBits>(w + n * weight_stride, &quantized[r], count, y + r * out_features + n, out_features);
-        for (; r < rows; ++r) dot_avx2<1, kBits>(w + n * weight_stride, &quantized[r], count, y + r * out_features + n, 0);
+        for (; r + 4 <= rows; r += 4) kernel.template dot<4>(n, &quantized[r], y + r * out_features + n, out_features);
+        for (; r < rows; ++r) kernel.template dot<1>(n, &quantized[r], y + r * out_features + n, 0);
       }
 #endif
-      for (; r < rows; ++r) y[r * out_features + n] = dot_scalar<kBits>(w + n * weight_stride, quantized[r], count);
+      for (; r < rows; ++r) y[r * out_features + n] = kernel.scalar(n, quantized[r]);
     }
   });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -302,9 +389,41 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_fea
   return out.view(shape);
 }
 
+template <int kBits>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
+  const char* name = kBits == 5 ? "sparsegen::w5a8_linear" : "sparsegen::w4a8_linear";
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 inputs, got ", x.scalar_type());
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(0) == out_features, name,
+              ": blocks must be uint8 [out_features, ", kBits == 5 ? "W5A8Linear's row bytes]" : "in_features / 32 * 20]");
+  const int64_t in_features = x.size(-1);
+  TORCH_CHECK(in_features % kBlock == 0 && blocks.size(1) == row_bytes(kBits, in_features / kBlock), name, ": ",
+              in_features, " inputs do not match blocks of shape ", blocks.sizes());
+  const at::Tensor weights = blocks.contiguous();
+  const int64_t count = in_features / kBlock;
+  std::vector<QuantizedRow> quantized = quantized_rows(x.reshape({-1, in_features}).contiguous(), count, true);
+  return outputs(x, BlocksKernel<kBits>{weights.data_ptr<uint8_t>(), weights.size(1), count}, quantized, out_features);
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t out_features) {
+  const int64_t in_features = x.size(-1), count = in_features / kBlock;
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "sparsegen::q8_0_linear: float32 inputs, got ", x.scalar_type());
+  TORCH_CHECK(in_features % kBlock == 0 && codes.scalar_type() == at::kChar && codes.dim() == 2 &&
+                  codes.size(0) == out_features && codes.size(1) == in_features && scales.scalar_type() == at::kHalf &&
+                  scales.dim() == 2 && scales.size(0) == out_features && scales.size(1) == count,
+              "sparsegen::q8_0_linear: codes must be int8 [out_features, in_features] and scales float16 "
+              "[out_features, in_features / 32], got ", codes.sizes(), " and ", scales.sizes(), " for ", in_features,
+              " inputs");
+  const at::Tensor weights = codes.contiguous(), steps = scales.contiguous();
+  std::vector<QuantizedRow> quantized = quantized_rows(x.reshape({-1, in_features}).contiguous(), count, false);
+  const Q8_0Kernel kernel{weights.data_ptr<int8_t>(), reinterpret_cast<const uint8_t*>(steps.data_ptr<at::Half>()),
+                          count};
+  return outputs(x, kernel, quantized, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("w4a8_linear", linear<4>);
   m.impl("w5a8_linear", linear<5>);
+  m.impl("q8_0_linear", q8_0_linear);
 }

@@ -11,8 +11,8 @@ from sparsegen.bench import roofline
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
 from sparsegen.quant import fast
-from sparsegen.quant.fast import (BlockEmbedding, Int4Linear, Int8Linear, SharedInput, W4A8Linear, W5A8Linear,
-                                  W8A8Linear, dequantized, page_out, quantize_weights)
+from sparsegen.quant.fast import (BlockEmbedding, Int4Linear, Int8Linear, SharedInput, TiedHead, W4A8Linear,
+                                  W5A8Linear, W8A8Linear, dequantized, page_out, quantize_weights)
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
 from tests.models.test_real_models import _installed
@@ -20,11 +20,11 @@ from tests.models.test_real_models import _installed
 VOCAB = 320  # (the int4 kernel takes output widths divisible by 16)
 
 
-def _model():  # widths that are multiples of the int4 group (32)
+def _model(**config):  # widths that are multiples of the int4 group (32)
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(VOCAB)).eval()
+    return LlamaForCausalLM(tiny_llama_config(VOCAB, **config)).eval()
 
 
 @pytest.mark.parametrize("weights,kind", [("int8", Int8Linear), ("int4", Int4Linear)])
@@ -280,8 +280,74 @@ def test_a_quantized_models_table_is_in_blocks_and_not_counted_as_read_each_step
         quantize_weights(model, "w8a8")
         table = model.get_input_embeddings()
         assert isinstance(table, BlockEmbedding) and torch.equal(table(ids), embedded)
+    assert isinstance(model.lm_head, W8A8Linear)  # (its own packed copy: FBGEMM's, faster at a batch of rows)
     every = sum(t.numel() * t.element_size() for t in roofline.weights(model))
     assert weight_bytes_per_step(model) == every - table.codes.nbytes - table.scales.nbytes  # (a row a token)
+
+
+def _gguf_plan(model) -> dict[str, str]:
+    """A Q4 GGUF's plan for ``model``: its decoder linears at w4a8, its head and table (tied) at 8 bits."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    return {**dict.fromkeys(linears, "w4a8"), "lm_head": "w8a8", fast.TABLE: "w8a8"}
+
+
+@pytest.mark.parametrize("shape", [(300, 96), (64, 640)])  # (3 blocks: fewer than a turn of 8; 20: two and a half)
+def test_q8_0_kernel_is_its_reference_on_either_path(shape):
+    """``sparsegen::q8_0_linear`` (AVX2 here, and the scalar path in a process of its own) computes what
+    ``q8_0_reference`` computes: the integer sums exact, the float terms summed in another order."""
+    import os
+    import subprocess
+
+    out, width = shape
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator)
+    scales = (torch.rand(out, width // 32, generator=generator) * 1e-2).half()
+    assert fast._native_kernels() == "c++"
+    for rows in (1, 4, 5, 8, 9):
+        x = torch.randn(rows, width, generator=generator) * torch.linspace(0.1, 10, rows)[:, None]
+        x[0, :32] = 0  # (a zero block of inputs: no division by zero)
+        reference = fast.q8_0_reference(x, codes, scales, out)
+        called = torch.ops.sparsegen.q8_0_linear(x, codes, scales, out)
+        torch.testing.assert_close(called, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        exact = x @ (codes.float().view(out, -1, 32) * scales.float()[..., None]).view(shape).T
+        assert ((called - exact).norm() / exact.norm()) < 0.01  # (8-bit inputs: ~0.5% here)
+    script = f"""
+import torch
+from sparsegen.quant import fast
+kernels = fast._native_kernels()
+codes = torch.randint(-127, 128, {shape}, dtype=torch.int8)
+scales = (torch.rand({out}, {width // 32}) * 1e-2).half()
+x = torch.randn(5, {width})
+reference = fast.q8_0_reference(x, codes, scales, {out})
+error = (torch.ops.sparsegen.q8_0_linear(x, codes, scales, {out}) - reference).abs().max() / reference.abs().max()
+print(kernels, float(error) < 1e-5)
+"""
+    env = {**os.environ, "SPARSEGEN_SCALAR_KERNELS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    assert result.stdout.split() == ["c++", "True"], result.stdout
+    with pytest.raises(RuntimeError, match="codes must be int8 .out_features, in_features."):
+        torch.ops.sparsegen.q8_0_linear(torch.randn(1, width), codes.T.contiguous(), scales, out)
+
+
+def test_a_gguf_models_tied_head_multiplies_by_its_tables_own_blocks():
+    """Under ``gguf`` a head tied to the table reads the table's Q8_0 blocks, held once (as llama.cpp holds them),
+    and its logits stay close to fp32's."""
+    model = _model(tie_word_embeddings=True)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(_q8_0_table(*model.get_input_embeddings().weight.shape))
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits
+        quantize_weights(model, "gguf", _gguf_plan(model))
+        logits = model(input_ids=ids).logits
+        table, head = model.get_input_embeddings(), model.lm_head
+        assert isinstance(head, TiedHead) and head.table is table and not list(head.buffers())
+        x = torch.randn(3, 32)
+        assert torch.equal(head(x), torch.ops.sparsegen.q8_0_linear(x, table.codes, table.scales, VOCAB))
+        assert torch.equal(head.dequantized(), table.dequantized())  # (the GGUF's own weights: the table's)
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8  # (4-bit decoder linears)
+    every = {t.data_ptr(): t.numel() * t.element_size() for t in roofline.weights(model)}
+    assert weight_bytes_per_step(model) == sum(every.values())  # (the table read whole, once)
 
 
 @pytest.mark.parametrize("weights", BLOCK_KERNELS)
@@ -371,19 +437,20 @@ def test_only_linears_stored_alike_share_a_matmul():
     assert fast._input_sharers(kinds) == [["b.self_attn.q_proj", "b.self_attn.k_proj"]]
 
 
-@pytest.mark.parametrize("weights", ["int4", "w8a8", "w4a8", "w5a8"])
+@pytest.mark.parametrize("weights", ["int4", "w8a8", "w4a8", "w5a8", "gguf"])
 def test_a_decode_step_over_shared_matmuls_is_one_graph(weights):
     from sparsegen.decoding import DecodeStep, prefill
     from sparsegen.kv import EvictionCache, make_policy
 
     torch._dynamo.reset()
-    model = quantize_weights(_model(), weights)
+    model = _model(tie_word_embeddings=weights == "gguf")
+    quantize_weights(model, weights, _gguf_plan(model) if weights == "gguf" else None)
     caches = [EvictionCache(model, make_policy("h2o", 10), chunk_size=8) for _ in range(2)]
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         token = [prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1) for cache in caches][0]
         step, position = DecodeStep(model, compile=True), torch.full((2,), 12)
-        if weights in ("w8a8", "w4a8", "w5a8"):  # the ops' C++ kernels called from inductor's code: the eager step's logits
+        if weights != "int4":  # the ops' C++ kernels called from inductor's code: the eager step's logits
             torch.testing.assert_close(step(caches[0], token, position), step.uncompiled(caches[1], token, position),
                                        atol=1e-4, rtol=1e-4)
             assert step.compiled_steps == 1
