@@ -663,6 +663,7 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
     if not targets:
         raise ValueError(f"{type(model).__name__} has no decoder linears to quantize")
     _own_memory(model)
+    release_freed_memory()
     model.config.sparsegen_weights = weights
     return model
 
@@ -671,12 +672,21 @@ MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (file-backed ones are d
 
 
 @functools.cache
-def _madvise():
+def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise
+    return libc
+
+
+def release_freed_memory() -> bool:
+    """Hand the memory the C heap holds freed back to the kernel (glibc's ``malloc_trim``; elsewhere nothing):
+    packing frees each linear's fp32 temporaries, which glibc keeps resident for reuse, and the process's peak then
+    carries them through every later step (Gemma-3-270M's generate peaked at 1,345 MiB without this, 968 with it,
+    measured). Whether anything was released."""
+    libc = _libc()
+    return bool(libc is not None and hasattr(libc, "malloc_trim") and libc.malloc_trim(0))
 
 
 def page_out(tensor: torch.Tensor) -> bool:
@@ -684,13 +694,13 @@ def page_out(tensor: torch.Tensor) -> bool:
     from a memory-mapped checkpoint stays resident as long as the mapping lives, and a model that no longer needs it
     (packed into low-bit codes) should not pay for it (SmolLM2 int4: the load's peak). Never loses data: a clean file
     page is read again if touched, and memory with nowhere to go (anonymous, no swap) stays. Whether it was asked."""
-    madvise = _madvise()
-    if madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
+    libc = _libc()
+    if libc is None or tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
         return False
     start = tensor.data_ptr()
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     last = (start + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    return last > first and madvise(first, last - first, MADV_PAGEOUT) == 0
+    return last > first and libc.madvise(first, last - first, MADV_PAGEOUT) == 0
 
 
 def _own_memory(model: nn.Module) -> None:

@@ -492,6 +492,35 @@ def test_paging_out_lets_go_of_a_mapped_files_pages_and_keeps_the_data(tmp_path)
     assert int(mapped.sum(dtype=torch.int64)) == total  # read again from the file
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_freed_heap_memory_goes_back_to_the_kernel_after_packing(monkeypatch):
+    """glibc keeps freed heap blocks resident for reuse; ``release_freed_memory`` hands them back, and packing calls
+    it (Gemma-3-270M's generate: 1,345 -> 968 MiB)."""
+    import ctypes
+    import ctypes.util
+    from pathlib import Path
+
+    def anonymous() -> int:
+        return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("RssAnon:")) * 1024
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_void_p,)
+    blocks = [libc.malloc(64 << 10) for _ in range(1024)]  # (under glibc's mmap threshold: on the heap)
+    for block in blocks:
+        ctypes.memset(block, 1, 64 << 10)
+    for block in blocks[:-1]:  # (the last one pins the heap's top: no plain shrink)
+        libc.free(block)
+    before = anonymous()
+    assert fast.release_freed_memory()
+    assert before - anonymous() > 32 << 20
+    libc.free(blocks[-1])
+    calls = []
+    monkeypatch.setattr(fast, "release_freed_memory", lambda: calls.append(1))
+    quantize_weights(_model(), "w8a8")
+    assert calls == [1]
+
+
 def test_bad_weights_are_refused(capsys):
     with pytest.raises(ValueError, match="fp32, int8, int4"):
         quantize_weights(_model(), "int3")
