@@ -211,10 +211,10 @@ def _code_slots(groups: int) -> torch.Tensor:
 @functools.cache
 def _native_kernels() -> str:
     """Give ``sparsegen::w8a8_linear``, ``w4a8_linear``, ``w5a8_linear`` and ``q8_0_linear`` their CPU kernels, once:
-    ``"c++"`` when sparsegen's kernels build (``native.build``), else ``"python"`` with a warning. Each call of a Python kernel goes
-    through the interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes ~30 us at one token (121
-    calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python w4a8 and w5a8
-    kernels are slower still."""
+    ``"c++"`` when sparsegen's kernels build (``native.build``), else ``"python"`` with a warning. Each call of a
+    Python kernel goes through the interpreter, ~20-35 us on a 2-core AMD EPYC where FBGEMM's own call takes ~30 us at
+    one token (121 calls a SmolLM2 token; a ``torch.library.custom_op`` wrapper cost ~20 us more still); the Python
+    w4a8, w5a8 and q8_0 kernels are slower still."""
     failure = native.build()
     if failure is None:
         return "c++"
