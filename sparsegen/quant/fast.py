@@ -627,12 +627,12 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
                if isinstance(module, nn.Linear) and (".layers." in f".{name}" or name == "lm_head")]
     if plan is not None:
         targets = [(name, module) for name, module in targets if name in plan]
+    linears = dict(targets)
     table = model.get_input_embeddings()
     table = table if (plan is None or TABLE in plan) and BlockEmbedding.fits(table) else None
-    for weight in [module.weight for _, module in targets] + ([table.weight] if table is not None else []):
+    for weight in [module.weight for module in linears.values()] + ([table.weight] if table is not None else []):
         page_out(weight)  # (what loading left resident: each is read again only while it is packed)
-    lm_head = dict(targets).get("lm_head")
-    tied = table is not None and lm_head is not None and lm_head.weight is table.weight
+    tied = table is not None and "lm_head" in linears and linears["lm_head"].weight is table.weight
     if table is not None:
         table = BlockEmbedding(table)
         model.set_input_embeddings(table)
@@ -640,8 +640,7 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
     # (SmolLM2's: Q8_0): 4 bits there cost 6% perplexity on SmolLM2, while its Q4_1 decoder linears come back to their
     # own grid (+0.1%))
     kinds = {name: plan[name] if plan is not None else head.get(weights, weights) if name == "lm_head" else weights
-             for name, _ in targets}
-    linears = dict(targets)
+             for name in linears}
     for names in _input_sharers(kinds):
         parent, _, _ = names[0].rpartition(".")
         children = [name.rpartition(".")[2] for name in names]
