@@ -87,10 +87,11 @@ class Setup:
 
     def environment(self) -> dict:
         device = self.device
-        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+        machine, flags = (torch.cuda.get_device_name(device), []) if device.type == "cuda" else _cpu_info()
         return {
             "model": self.model_name, "random_weights": self.random_weights, "device": str(device),
-            "machine": machine, "dtype": str(self.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "machine": machine, "vector_extensions": flags, "dtype": str(self.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
             "prefill": self.prefill, "contextual": self.contextual, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
             "kv_bits": self.kv_bits.bits if self.kv_bits else None, "weight_bytes": self.weight_bytes,
@@ -106,15 +107,22 @@ def row_kv_bits(name: str, default: KVQuantization | None) -> KVQuantization | N
     return replace(default, bits=bits) if default else KVQuantization(bits)
 
 
-def _cpu_name() -> str:
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def _cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, list[str]]:
+    """The CPU's name (with the threads used) and its vector extensions among ``VECTOR_FLAGS``: what the kernels
+    compared may use (sparsegen's C++ kernels take AVX2; FBGEMM, and llama.cpp built natively, take AVX-512 and VNNI
+    where the CPU has them), so that a result says which machine kind it ran on."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+        with open(path) as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        fields = {}
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    present = set(fields.get("flags", "").split())
+    return f"{name} ({torch.get_num_threads()} threads)", [flag for flag in VECTOR_FLAGS if flag in present]
 
 
 class StepTimer:

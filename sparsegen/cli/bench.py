@@ -170,8 +170,9 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
         kv_bits=kv_quantization(args),
     )
     env = setup.environment()
+    extensions = f" [{' '.join(env['vector_extensions'])}]" if env["vector_extensions"] else ""
     print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
-          f"{env['machine']}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
+          f"{env['machine']}{extensions}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
           f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after "
           f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
     print(report.header())

@@ -48,6 +48,17 @@ def test_bench_cli_writes_rows_json_and_plot(tiny_checkpoint, tmp_path, capsys):
     assert matplotlib.image.imread(png).shape[2] in (3, 4)
 
 
+def test_a_result_names_the_cpu_and_its_vector_extensions(tmp_path):
+    """A bench's environment says which vector instructions the CPU has: FBGEMM and a native llama.cpp build use
+    AVX-512 and VNNI where they are, so a result on such a CPU is not one on an AVX2-only CPU."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx2 fma f16c avx512f avx512_vnni\n\n"
+                    "processor\t: 1\nmodel name\t: another\nflags\t\t: fpu\n")
+    name, flags = decode._cpu_info(str(info))
+    assert name.startswith("AMD EPYC (") and flags == ["avx2", "fma", "f16c", "avx512f", "avx512_vnni"]
+    assert decode._cpu_info(str(tmp_path / "missing"))[1] == []
+
+
 def test_the_roofline_counts_each_layers_own_slots():
     """Gemma 3's sliding layers read their window, its global layer the whole context: a step's K/V bytes are each
     layer's own slots (their mean times all layers' bytes a token), not the largest layer's times all, which put
