@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 
+from sparsegen import decoding
 from sparsegen.decoding import DecodeStep, _step, prefill
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.quantized import KVQuantization
@@ -327,6 +328,59 @@ def test_a_steady_step_runs_its_graph_without_dynamo_and_gives_the_eager_logits(
     torch._dynamo.reset()  # dynamo's graphs dropped: the step compiles again rather than run a dropped graph
     _decode(step, model, cache, expected[-1].argmax(-1), position + STEPS + 1, steps=1)
     assert step.unguarded_steps == STEPS - 2 and len(through_dynamo) == 3
+
+
+def _python_state(cache) -> list[dict]:
+    """The cache's and its layers' attributes, tensors by value."""
+    return [{name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in vars(obj).items()}
+            for obj in (cache, *cache.layers)]
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o", "full"])
+def test_a_steady_step_calls_its_graph_on_recorded_inputs_and_makes_the_recorded_assignments(name, monkeypatch):
+    """The step that finds a state's graph by its guards runs dynamo's code for that graph once and records it: the
+    graph's inputs, where the token and position go, the assignments after the graph. The state's later steps call
+    the graph on those inputs and make those assignments: the logits, the cache's buffers and every Python attribute
+    of the cache and its layers are what running dynamo's code each step gives."""
+    results = []
+    for replay in (True, False):
+        if not replay:
+            monkeypatch.setattr(decoding._GraphCall, "_record", lambda self, *args: self.function(*args))
+        torch._dynamo.reset()
+        budget, room = _sizes(name)
+        model, cache, token, position = _prefilled(name, budget=budget, **room)
+        step = _through_dynamo(model)
+        logits = _decode(step, model, cache, token, position)
+        calls = list(step._graphs[cache].values())
+        assert len(calls) == 1 and (calls[0].recorded is not None) == replay
+        results.append((logits, _python_state(cache)))
+    (logits, state), (expected, expected_state) = results
+    assert torch.equal(logits, expected)
+    for ours, theirs in zip(state, expected_state):
+        assert ours.keys() == theirs.keys()
+        for attribute, value in ours.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, theirs[attribute]), attribute
+            elif isinstance(value, (int, float, str, type(None))):
+                assert value == theirs[attribute], attribute
+            else:  # (each run's own policy, model, weak reference to its cache)
+                assert type(value) is type(theirs[attribute]), attribute
+
+
+def test_a_recorded_step_lets_go_of_another_states_inputs():
+    """A cache whose buffers were replaced (a prompt chunk grew them) takes a new state: the old state's recorded
+    inputs, which hold the old buffers, are let go."""
+    torch._dynamo.reset()
+    model, cache, token, position = _prefilled("h2o")
+    step = _through_dynamo(model)
+    logits = _decode(step, model, cache, token, position, steps=3)
+    (first,) = step._graphs[cache].values()
+    assert first.recorded is not None
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        logits = prefill(model, cache, ids, torch.ones_like(ids), 9, start=int(position[0]) + 3)
+    _decode(step, model, cache, logits.argmax(-1), position + 12, steps=2)
+    assert len(step._graphs[cache]) == 2 and first.recorded is None
 
 
 def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
