@@ -296,6 +296,8 @@ class _GraphCall:
         self.recorded = None
 
     def _record(self, model: torch.nn.Module, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        if sys.getprofile() is not None:  # (a profiler runs: recording would take its hook; run the code as it is)
+            return self.function(model, cache, token, position)
         graphs = [name for name in self.code.co_names if name.startswith("__compiled_fn")]
         if len(graphs) != 1 or any(i.opname in self._STORES for i in dis.get_instructions(self.code)):
             self.replayable = False
@@ -335,12 +337,11 @@ class _GraphCall:
 
         namespace = {**self.function.__globals__, graphs[0]: recorded_graph,
                      "__import_torch_dot__dynamo_dot_utils": Helpers()}
-        previous = sys.getprofile()
         sys.setprofile(watch)
         try:
             result = types.FunctionType(self.code, namespace, self.function.__name__)(model, cache, token, position)
         finally:
-            sys.setprofile(previous)
+            sys.setprofile(None)
         if unknown or len(calls) != 1 or any(isinstance(value, torch.Tensor) for _, _, value in assignments):
             self.replayable = False
             return result

@@ -4,6 +4,7 @@ one graph compiled once for all of them, updates the cache's state in place and 
 graphs need; replaying on a GPU: tests/test_cuda.py)."""
 
 import re
+import sys
 from functools import partial
 
 import pytest
@@ -365,6 +366,24 @@ def test_a_steady_step_calls_its_graph_on_recorded_inputs_and_makes_the_recorded
                 assert value == theirs[attribute], attribute
             else:  # (each run's own policy, model, weak reference to its cache)
                 assert type(value) is type(theirs[attribute]), attribute
+
+
+def test_a_step_under_a_profiler_runs_dynamos_code_and_leaves_the_profiler_its_hook():
+    """Recording a state's graph takes the interpreter's profile hook for a step; under a profiler (``cProfile``) the
+    step runs dynamo's code as it is, records nothing, and the profiler keeps profiling."""
+    import cProfile
+
+    torch._dynamo.reset()
+    model, cache, token, position = _prefilled("h2o")
+    step = _through_dynamo(model)
+    profiler = cProfile.Profile()
+    with profiler:
+        _decode(step, model, cache, token, position, steps=3)
+        assert sys.getprofile() is not None
+    (call,) = step._graphs[cache].values()
+    assert call.recorded is None and call.replayable
+    _decode(step, model, cache, token, position + 3, steps=2)
+    assert call.recorded is not None
 
 
 def test_a_recorded_step_lets_go_of_another_states_inputs():
