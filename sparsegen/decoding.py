@@ -269,7 +269,8 @@ class _GraphCall:
     first call runs that code and records the inputs, where the token and position went, the output returned and
     the assignments; later calls of the same state (the same buffers and settings, ``DecodeStep._state``) pass the
     recorded inputs with this step's token and position, and make the same assignments. Code that does anything
-    else (a store or a call beside dynamo's own assignment helper, an assigned tensor) keeps running as it is."""
+    else (a store or a call beside dynamo's own assignment helper, an assigned value other than a number, string or
+    None) keeps running as it is."""
 
     _STORES = frozenset({"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_SUBSCR"})
 
@@ -342,7 +343,7 @@ class _GraphCall:
             result = types.FunctionType(self.code, namespace, self.function.__name__)(model, cache, token, position)
         finally:
             sys.setprofile(None)
-        if unknown or len(calls) != 1 or any(isinstance(value, torch.Tensor) for _, _, value in assignments):
+        if unknown or len(calls) != 1 or any(type(value) not in _CONSTANTS for _, _, value in assignments):
             self.replayable = False
             return result
         inputs, outputs = calls[0]
@@ -358,6 +359,10 @@ class _GraphCall:
         self.recorded = (graph, tuple(inputs), token_at[0], position_at[0], output_at[0],
                          [(_weak(owner), values) for owner, values in owners.values()])
         return result
+
+
+_CONSTANTS = (int, float, bool, str, type(None))  # values an assignment replays (a tensor or a container of them
+# from the graph's outputs would be the recording step's)
 
 
 def _assign(owner: object, values: dict) -> None:
