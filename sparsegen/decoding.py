@@ -286,7 +286,7 @@ class _GraphCall:
             inputs[token_at], inputs[position_at] = token, position
             outputs = graph(*inputs)
             for owner, values in assignments:
-                _assign(owner() if isinstance(owner, weakref.ref) else owner, values)
+                _assign(owner(), values)
             return outputs[output_at]
         if not self.replayable:
             return self.function(model, cache, token, position)
@@ -375,13 +375,13 @@ def _assign(owner: object, values: dict) -> None:
             torch._dynamo.utils.object_setattr_ignore_descriptor(owner, name, value)
 
 
-def _weak(owner: object) -> object:
-    """A weak reference to ``owner`` where it takes one (a recorded assignment's cache or layer: a strong one would
-    keep the cache, a weak key of ``DecodeStep._graphs``, alive)."""
+def _weak(owner: object) -> Callable[[], object]:
+    """``owner`` when called: by a weak reference where it takes one (a recorded assignment's cache or layer: a strong
+    one would keep the cache, a weak key of ``DecodeStep._graphs``, alive)."""
     try:
         return weakref.ref(owner)
     except TypeError:
-        return owner
+        return lambda: owner
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:

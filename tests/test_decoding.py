@@ -392,7 +392,7 @@ def test_a_recorded_step_lets_go_of_another_states_inputs():
     torch._dynamo.reset()
     model, cache, token, position = _prefilled("h2o")
     step = _through_dynamo(model)
-    logits = _decode(step, model, cache, token, position, steps=3)
+    _decode(step, model, cache, token, position, steps=3)
     (first,) = step._graphs[cache].values()
     assert first.recorded is not None
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -116,10 +116,10 @@ def _cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, list[str]]:
     where the CPU has them), so that a result says which machine kind it ran on."""
     try:
         with open(path) as f:
-            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+            first = f.read().split("\n\n")[0].splitlines()  # (the first processor's fields)
     except OSError:
-        fields = {}
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+        first = []
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in first if ":" in line)}
     name = fields.get("model name") or platform.processor() or platform.machine()
     present = set(fields.get("flags", "").split())
     return f"{name} ({torch.get_num_threads()} threads)", [flag for flag in VECTOR_FLAGS if flag in present]
