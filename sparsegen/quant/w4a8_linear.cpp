@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -33,6 +34,10 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // inputs a block holds
+// How far ahead of its dot products a thread asks memory for weight rows. The hardware's prefetcher alone kept too few
+// reads in flight: Gemma-3-270M's tied head (178 MB of Q8_0) streamed at 42-53 GB/s where a plain sum of a tensor
+// reads 73 on the same machine, and a compiled Gemma step at 8K took 7.5-8.0% longer (one process, interleaved).
+constexpr int64_t kPrefetchBytes = 8192;
 
 constexpr int64_t row_bytes(int bits, int64_t blocks) {  // 2 + 2 + 16 a block, and the fifth bits' planes
   return 20 * blocks + (bits == 5 ? (blocks + 7) / 8 * 32 : 0);
@@ -342,6 +347,8 @@ struct BlocksKernel {
     dot_avx2<ROWS, kBits>(weights + n * stride, rows, count, out, out_stride);
   }
 #endif
+  const void* row(int64_t n) const { return weights + n * stride; }
+  int64_t row_bytes() const { return stride; }
   float scalar(int64_t n, QuantizedRow& row) const { return dot_scalar<kBits>(weights + n * stride, row, count); }
 };
 
@@ -356,13 +363,15 @@ struct Q8_0Kernel {
     dot_q8_0_avx2<ROWS>(codes + n * count * kBlock, scales + n * count * 2, rows, count, out, out_stride);
   }
 #endif
+  const void* row(int64_t n) const { return codes + n * count * kBlock; }
+  int64_t row_bytes() const { return count * kBlock; }
   float scalar(int64_t n, QuantizedRow& row) const {
     return dot_q8_0_scalar(codes + n * count * kBlock, scales + n * count * 2, row, count);
   }
 };
 
 // ``x``'s outputs [..., out_features] from its quantized rows: output channels split across threads, each weight row
-// read once and used for every input row (four at a time, then one by one).
+// read once and used for every input row (four at a time, then one by one), the rows kPrefetchBytes on requested.
 template <class Kernel>
 at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<QuantizedRow>& quantized,
                    int64_t out_features) {
@@ -372,8 +381,13 @@ at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<Quanti
 #ifdef SPARSEGEN_X86
   const bool vector = has_avx2();
 #endif
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / kernel.row_bytes());
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) {
+      if (n + ahead < last) {
+        const char* next = static_cast<const char*>(kernel.row(n + ahead));
+        for (int64_t at = 0; at < kernel.row_bytes(); at += 64) __builtin_prefetch(next + at);
+      }
       int64_t r = 0;
 #ifdef SPARSEGEN_X86
       if (vector) {
