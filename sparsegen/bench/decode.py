@@ -23,7 +23,8 @@ from transformers import DynamicCache
 
 from sparsegen.bench.llamacpp import Baseline
 from sparsegen.bench.memory import PeakMemory, available_bytes
-from sparsegen.bench.roofline import decode_bytes, roofline_tokens_per_s, synchronize, weight_bytes_per_step, weights
+from sparsegen.bench.roofline import (decode_bytes, measure_bandwidth, roofline_tokens_per_s, synchronize,
+                                      weight_bytes_per_step, weights)
 from sparsegen.bench.stats import percentile
 from sparsegen.bench.syncs import count_syncs
 from sparsegen.decoding import DecodeStep, forward, prefill
@@ -274,19 +275,29 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
     if free is not None and need > 0.9 * free:
         return {**row, "skipped": f"needs about {need / 2**30:.1f} GiB beyond the weights, {free / 2**30:.1f} GiB free"}
     ids = _context_ids(setup, batch, context)
+    bandwidth = _row_bandwidth(setup)
+    if bandwidth is not None:
+        row["bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
     with PeakMemory(setup.device) as peak:
         if isinstance(policy, Speculation):
             row.update(_measure_speculative(setup, policy, ids))
         elif name == "recompute":
             row.update(_measure_recompute(setup, ids, int(policy)))
         else:
-            row.update(_measure_cached(setup, name, policy, ids, checks))
+            row.update(_measure_cached(setup, name, policy, ids, checks, bandwidth))
     row["peak_memory_bytes"] = peak.bytes
     row["peak_memory_method"] = peak.method
     if setup.memory_limit is not None:
         per_sequence = row["peak_kv_bytes"] / batch
         row["max_batch_at_limit"] = max(0, int((setup.memory_limit - setup.weight_bytes) // per_sequence))
     return row
+
+
+def _row_bandwidth(setup: Setup) -> float | None:
+    """The copy bandwidth just before a row, where the run has a roofline: a shared machine's bandwidth drifts
+    (43-74 GB/s within one session on the 2-core EPYC), and a bandwidth-bound step's time follows it, so each row's
+    roofline is taken against its own probe (smaller than the run's first: a 128 MiB copy, best of 3)."""
+    return measure_bandwidth(setup.device, megabytes=128, repeats=3) if setup.bandwidth else None
 
 
 def _context_ids(setup: Setup, batch: int, context: int) -> torch.Tensor:
@@ -338,7 +349,8 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
     }
 
 
-def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.Tensor, checks: bool = True) -> dict:
+def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.Tensor, checks: bool = True,
+                    bandwidth: float | None = None) -> dict:
     model, device = setup.model, setup.device
     batch, context = ids.shape
     cache = _cache_for(setup, name, policy, batch, context)
@@ -392,7 +404,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         "graph_breaks": decode.graph_breaks(cache, token, position) if checks else None,
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": batch * context / prefill_seconds if prefill_seconds else None,
-        **_decode_stats(setup, name, timer.seconds(), batch, kv_tokens),
+        **_decode_stats(setup, name, timer.seconds(), batch, kv_tokens, bandwidth),
         "mlp_ms_per_token": mlp_ms,
         "peak_kv_bytes": _peak_kv_bytes(cache, setup, batch),
     }
@@ -417,8 +429,11 @@ def _measure_recompute(setup: Setup, ids: torch.Tensor, window: int) -> dict:
             "peak_kv_bytes": window * setup.kv_per_token * batch}
 
 
-def _decode_stats(setup: Setup, name: str, seconds: list[float], batch: int, kv_tokens: float) -> dict:
-    """Step times, and the roofline of row ``name`` (the KV bytes it reads as its cache stores them)."""
+def _decode_stats(setup: Setup, name: str, seconds: list[float], batch: int, kv_tokens: float,
+                  bandwidth: float | None = None) -> dict:
+    """Step times, and the roofline of row ``name`` (the KV bytes it reads as its cache stores them) at
+    ``bandwidth`` (the row's own probe; else the run's)."""
+    bandwidth = bandwidth or setup.bandwidth
     median = statistics.median(seconds)
     stats = {
         "step_seconds": seconds,
@@ -430,8 +445,8 @@ def _decode_stats(setup: Setup, name: str, seconds: list[float], batch: int, kv_
         "bytes_per_step": decode_bytes(setup.step_weight_bytes, kv_tokens,
                                        setup.kv_bytes_per_token(name), batch),
     }
-    if setup.bandwidth and setup.contextual is None:
-        bound = roofline_tokens_per_s(setup.bandwidth, stats["bytes_per_step"], batch)
+    if bandwidth and setup.contextual is None:
+        bound = roofline_tokens_per_s(bandwidth, stats["bytes_per_step"], batch)
         stats["roofline_tokens_per_s"] = bound
         stats["roofline_fraction"] = stats["tokens_per_s"] / bound
     return stats
@@ -477,8 +492,12 @@ def _merge(setup: Setup, repeats: list[dict]) -> dict:
     if len(repeats) == 1 or "skipped" in first:
         return first
     seconds = [s for r in repeats for s in r["step_seconds"]]
-    merged = {**first, **_decode_stats(setup, first["policy"], seconds, first["batch"], first["kv_tokens"]),
-              "repeats": len(repeats)}
+    probes = [r["bandwidth_gb_s"] for r in repeats if r.get("bandwidth_gb_s")]
+    bandwidth = statistics.median(probes) if probes else None  # (the turns' probes)
+    merged = {**first, **_decode_stats(setup, first["policy"], seconds, first["batch"], first["kv_tokens"],
+                                       bandwidth * 1e9 if bandwidth else None), "repeats": len(repeats)}
+    if bandwidth:
+        merged["bandwidth_gb_s"] = round(bandwidth, 2)
     mlp = [r["mlp_ms_per_token"] for r in repeats if r.get("mlp_ms_per_token") is not None]
     merged["mlp_ms_per_token"] = statistics.median(mlp) if mlp else None
     if "roofline_fraction" in first and first["roofline_fraction"] is None:

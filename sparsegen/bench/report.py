@@ -16,6 +16,7 @@ COLUMNS = (  # header, width, row -> text
     ("KV MiB", 9, lambda r: _num(_mib(r.get("peak_kv_bytes")), ",.1f")),
     ("peak MiB", 9, lambda r: _num(_mib(r.get("peak_memory_bytes")), ",.0f")),
     ("roofline", 9, lambda r: _num(r.get("roofline_fraction"), ".1%")),
+    ("GB/s", 7, lambda r: _num(r.get("bandwidth_gb_s") if "roofline_fraction" in r else None, ",.1f")),
     ("syncs/tok", 10, lambda r: _num(r.get("host_syncs_per_token"), ",.0f")),
     ("accepted", 9, lambda r: _num(r.get("acceptance_rate"), ".0%")),
     ("max batch", 10, lambda r: _num(r.get("max_batch_at_limit"), ",d")),

@@ -231,3 +231,19 @@ def test_bench_times_the_compiled_step(tiny_checkpoint, tmp_path):
     [row] = json.loads(out.read_text())["rows"]
     assert row["compiled_share"] == 1.0 and row["host_syncs_per_token"] == 0 and row["graph_breaks"] == 0
     assert row["compile_seconds"] > row["ms_per_token"] / 1000  # the first compiled call compiled
+
+
+def test_each_row_takes_its_roofline_against_its_own_bandwidth_probe(tiny_model, monkeypatch):
+    """A shared machine's bandwidth drifts between rows: each row is probed just before it is measured, and repeats
+    pool their turns' probes (the median)."""
+    probes = iter([10e9, 30e9, 20e9, 40e9])
+    monkeypatch.setattr(decode, "measure_bandwidth", lambda *args, **kwargs: next(probes))
+    monkeypatch.setattr(DecodeStep, "graph_breaks", lambda self, *args: 0)
+    setup = decode.Setup(model=tiny_model, model_name="tiny", random_weights=False, new_tokens=3, warmup=1,
+                         chunk_size=8, repeats=2, bandwidth=99e9, prefill="synthetic")
+    rows = decode.run(setup, [("window", lambda: make_policy("window", 8)), ("full", lambda: make_policy("full", None))],
+                    [16], [1])
+    assert [r["bandwidth_gb_s"] for r in rows] == [15.0, 35.0]  # (window: 10 and 20; full: 30 and 40)
+    for row in rows:
+        bound = row["bandwidth_gb_s"] * 1e9 / row["bytes_per_step"]
+        assert row["roofline_fraction"] == pytest.approx(row["tokens_per_s"] / bound)
