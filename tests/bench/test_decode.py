@@ -241,8 +241,8 @@ def test_each_row_takes_its_roofline_against_its_own_bandwidth_probe(tiny_model,
     monkeypatch.setattr(DecodeStep, "graph_breaks", lambda self, *args: 0)
     setup = decode.Setup(model=tiny_model, model_name="tiny", random_weights=False, new_tokens=3, warmup=1,
                          chunk_size=8, repeats=2, bandwidth=99e9, prefill="synthetic")
-    rows = decode.run(setup, [("window", lambda: make_policy("window", 8)), ("full", lambda: make_policy("full", None))],
-                    [16], [1])
+    policies = [("window", lambda: make_policy("window", 8)), ("full", lambda: make_policy("full", None))]
+    rows = decode.run(setup, policies, [16], [1])
     assert [r["bandwidth_gb_s"] for r in rows] == [15.0, 35.0]  # (window: 10 and 20; full: 30 and 40)
     for row in rows:
         bound = row["bandwidth_gb_s"] * 1e9 / row["bytes_per_step"]
