@@ -295,7 +295,7 @@ def measure(setup: Setup, name: str, policy: Policy | int | None, context: int, 
 
 def _row_bandwidth(setup: Setup) -> float | None:
     """The copy bandwidth just before a row, where the run has a roofline: a shared machine's bandwidth drifts
-    (43-74 GB/s within one session on the 2-core EPYC), and a bandwidth-bound step's time follows it, so each row's
+    (35-74 GB/s within one session on the 2-core EPYC), and a bandwidth-bound step's time follows it, so each row's
     roofline is taken against its own probe (smaller than the run's first: a 128 MiB copy, best of 3)."""
     return measure_bandwidth(setup.device, megabytes=128, repeats=3) if setup.bandwidth else None
 

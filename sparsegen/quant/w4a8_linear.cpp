@@ -36,7 +36,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // inputs a block holds
 // How far ahead of its dot products a thread asks memory for weight rows. The hardware's prefetcher alone kept too few
 // reads in flight: Gemma-3-270M's tied head (178 MB of Q8_0) streamed at 42-53 GB/s where a plain sum of a tensor
-// reads 73 on the same machine, and a compiled Gemma step at 8K took 7.5-8.0% longer (one process, interleaved).
+// reads 73 on the same machine, and a compiled Gemma step at 8K took 7.7-8.0% longer (one process, interleaved).
 constexpr int64_t kPrefetchBytes = 8192;
 
 constexpr int64_t row_bytes(int bits, int64_t blocks) {  // 2 + 2 + 16 a block, and the fifth bits' planes
