@@ -344,12 +344,12 @@ struct BlocksKernel {
 #ifdef SPARSEGEN_X86
   template <int ROWS>
   void dot(int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
-    dot_avx2<ROWS, kBits>(weights + n * stride, rows, count, out, out_stride);
+    dot_avx2<ROWS, kBits>(row(n), rows, count, out, out_stride);
   }
 #endif
-  const void* row(int64_t n) const { return weights + n * stride; }
+  const uint8_t* row(int64_t n) const { return weights + n * stride; }
   int64_t row_bytes() const { return stride; }
-  float scalar(int64_t n, QuantizedRow& row) const { return dot_scalar<kBits>(weights + n * stride, row, count); }
+  float scalar(int64_t n, QuantizedRow& input) const { return dot_scalar<kBits>(row(n), input, count); }
 };
 
 // The Q8_0 weights' dot products, by output channel.
@@ -360,13 +360,13 @@ struct Q8_0Kernel {
 #ifdef SPARSEGEN_X86
   template <int ROWS>
   void dot(int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
-    dot_q8_0_avx2<ROWS>(codes + n * count * kBlock, scales + n * count * 2, rows, count, out, out_stride);
+    dot_q8_0_avx2<ROWS>(row(n), scales + n * count * 2, rows, count, out, out_stride);
   }
 #endif
-  const void* row(int64_t n) const { return codes + n * count * kBlock; }
+  const int8_t* row(int64_t n) const { return codes + n * row_bytes(); }  // (its codes; its scales lie apart)
   int64_t row_bytes() const { return count * kBlock; }
-  float scalar(int64_t n, QuantizedRow& row) const {
-    return dot_q8_0_scalar(codes + n * count * kBlock, scales + n * count * 2, row, count);
+  float scalar(int64_t n, QuantizedRow& input) const {
+    return dot_q8_0_scalar(row(n), scales + n * count * 2, input, count);
   }
 };
 
@@ -385,7 +385,7 @@ at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<Quanti
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) {
       if (n + ahead < last) {
-        const char* next = static_cast<const char*>(kernel.row(n + ahead));
+        const char* next = reinterpret_cast<const char*>(kernel.row(n + ahead));
         for (int64_t at = 0; at < kernel.row_bytes(); at += 64) __builtin_prefetch(next + at);
       }
       int64_t r = 0;
