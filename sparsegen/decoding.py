@@ -269,8 +269,8 @@ class _GraphCall:
     first call runs that code and records the inputs, where the token and position went, the output returned and
     the assignments; later calls of the same state (the same buffers and settings, ``DecodeStep._state``) pass the
     recorded inputs with this step's token and position, and make the same assignments. Code that does anything
-    else (a store or a call beside dynamo's own assignment helper, an assigned value other than a number, string or
-    None) keeps running as it is."""
+    else (a store or a call beside dynamo's own helpers for assignments and for an input's sizes and strides, an
+    assigned value other than a number, string or None) keeps running as it is."""
 
     _STORES = frozenset({"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_SUBSCR"})
 
@@ -316,6 +316,11 @@ class _GraphCall:
         class Helpers:  # (dynamo's utils module as the code sees it, its assignments recorded)
             record_pregraph_bytecode_enter = staticmethod(utils.record_pregraph_bytecode_enter)
             record_pregraph_bytecode_exit = staticmethod(utils.record_pregraph_bytecode_exit)
+            # (a graph compiled for dynamic sizes, as a second batch size makes it, reads them from its inputs: fixed
+            # for a state, whose inputs' layouts are; recorded with the inputs)
+            call_size = staticmethod(utils.call_size)
+            call_stride = staticmethod(utils.call_stride)
+            call_storage_offset = staticmethod(utils.call_storage_offset)
 
             def __getattr__(self, name: str):  # (any other helper: the code does more than replay can)
                 return getattr(utils, name)
@@ -326,8 +331,9 @@ class _GraphCall:
                 utils.object_setattr_ignore_descriptor(owner, name, value)
 
         allowed = {recorded_graph.__code__, Helpers.object_setattr_ignore_descriptor.__code__,
-                   *(getattr(function, "__code__", None) for function in (Helpers.record_pregraph_bytecode_enter,
-                                                                           Helpers.record_pregraph_bytecode_exit))}
+                   *(getattr(function, "__code__", None) for function in (
+                       Helpers.record_pregraph_bytecode_enter, Helpers.record_pregraph_bytecode_exit,
+                       Helpers.call_size, Helpers.call_stride, Helpers.call_storage_offset))}
 
         def watch(frame, event, argument):  # (every call the code itself makes)
             if event == "call" and frame.f_back is not None and frame.f_back.f_code is self.code \

@@ -386,6 +386,27 @@ def test_a_step_under_a_profiler_runs_dynamos_code_and_leaves_the_profiler_its_h
     assert call.recorded is not None
 
 
+def test_a_graph_for_dynamic_sizes_is_called_on_recorded_inputs_too():
+    """A second batch size (past 1, which dynamo specializes) makes dynamo compile a graph for dynamic sizes, whose
+    code reads them from its inputs (``call_size``): fixed for a state, so that graph is recorded and called directly
+    too, with the eager logits."""
+    torch._dynamo.reset()
+    model, cache, token, position = _prefilled("h2o")
+    step = _through_dynamo(model)
+    _decode(step, model, cache, token, position, steps=3)
+    ids = torch.randint(3, VOCAB, (3, PROMPT), generator=torch.Generator().manual_seed(1))
+    caches = [EvictionCache(model, make_policy("h2o", BUDGET), chunk_size=8) for _ in range(2)]
+    with torch.inference_mode():
+        for single in caches:
+            token = prefill(model, single, ids, torch.ones_like(ids), 8).argmax(-1)
+        position = torch.full((3,), PROMPT)
+    expected = _decode(DecodeStep(model), model, caches[0], token, position)
+    torch.testing.assert_close(_decode(step, model, caches[1], token, position), expected, rtol=1e-5, atol=1e-5)
+    (call,) = step._graphs[caches[1]].values()
+    assert "call_size" in call.code.co_names and call.recorded is not None
+    assert step.unguarded_steps == 1 + STEPS - 2
+
+
 def test_a_recorded_step_lets_go_of_another_states_inputs():
     """A cache whose buffers were replaced (a prompt chunk grew them) takes a new state: the old state's recorded
     inputs, which hold the old buffers, are let go."""

@@ -55,11 +55,16 @@ def test_the_kernel_is_the_grouped_matmuls(group, dim, slots):
     row_mask[..., -1] = True
     head_mask = torch.rand(2, 2, 1, total, generator=generator) > 0.5
     head_mask[..., 0] = True
+    span_mask = torch.zeros(2, 1, 1, total, dtype=torch.bool)  # (chunks hidden whole, at their start, at their end)
+    span_mask[..., 300:520] = True
+    span_mask[1, ..., 130:140] = True
+    span_mask[..., -1] = True
     sink_query = torch.randn(query.shape, generator=generator)
     sink_slot = torch.zeros(2, 1, 1, total, dtype=torch.bool)
     sink_slot[..., :4] = True
     for step_token, mask, sinks in [(incoming, None, False), (incoming, row_mask, False),
-                                    (incoming, row_mask, True), (incoming, head_mask, True), (None, None, False),
+                                    (incoming, row_mask, True), (incoming, head_mask, True),
+                                    (incoming, span_mask, True), (incoming, span_mask, False), (None, None, False),
                                     (None, head_mask[..., 1:], False)]:
         args = (query, key, value, step_token, mask, sink_query if sinks else None, sink_slot if sinks else None)
         if step_token is None and sinks:
