@@ -27,6 +27,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../avx2.h"
@@ -106,6 +107,7 @@ struct Problem {
   float scaling;
   float* scores;  // [B, H, G, T]: scores, then exp(score - the chunk's maximum), then (if asked) probabilities
   std::vector<float> maxima, sums, outputs;  // per task (b, h, chunk): [G], [G], [G, Dv]
+  std::vector<std::pair<int64_t, int64_t>> spans;  // per task: its slots from the first visible block to the last
 
   const float* query_of(int64_t b, int64_t h, int64_t t) const {
     const float* q = sink_query != nullptr && sink.at(b, h, 0, t) ? sink_query : query;
@@ -129,7 +131,41 @@ struct Problem {
       if (visible.any(b, h, t + i)) return true;
     return false;
   }
+  // Task (b, h, chunk)'s slots from its first visible block of eight to its last (empty where it sees none): only
+  // they are scored, exponentiated and weighed, since a fixed-shape step's unused budget lies at the end (at 512 of
+  // 920 slots, a batch-8 SmolLM2 call 1.06-1.08x); the weights outside are 0.
+  std::pair<int64_t, int64_t> span(int64_t task) const {
+    const int64_t chunk_first = task % chunks * kChunk, b = task / chunks / heads, h = task / chunks % heads;
+    int64_t first = chunk_first, last = std::min(chunk_first + kChunk, total);
+    while (first < last && !any_visible(b, h, first, std::min<int64_t>(8, last - first)))
+      first = std::min(first + 8, last);
+    for (int64_t block = chunk_first + (last - chunk_first - 1) / 8 * 8; last > first; block -= 8) {
+      if (any_visible(b, h, block, last - block)) break;
+      last = block;
+    }
+    return {first, last};
+  }
 };
+
+// The first task of each of ``parts`` contiguous runs of tasks holding about equal numbers of visible slots (and
+// ``tasks`` after the last). A head's visible chunks come first and its unused ones last, so equal numbers of tasks,
+// as parallel_for deals them, can hold unequal work: batch 1 at 512 of 920 slots on 2 threads gave one thread four
+// chunks of 256 and the other two (balanced: SmolLM2 1.12x a call, Gemma's one KV head at 512 of 1,100 1.56x).
+// Contiguous runs keep each thread's reads one stream (threads taking the next task as they finish: 0.76x at batch 8).
+std::vector<int64_t> balanced_runs(const std::vector<std::pair<int64_t, int64_t>>& spans, int64_t parts) {
+  const int64_t tasks = static_cast<int64_t>(spans.size());
+  int64_t total = 0;
+  for (const auto& [first, last] : spans) total += last - first + 1;  // (+1: an empty task costs a little too)
+  std::vector<int64_t> starts(parts + 1, tasks);
+  int64_t done = 0;
+  for (int64_t task = 0, part = 0; task < tasks; ++task) {
+    const int64_t cost = spans[task].second - spans[task].first + 1;
+    const int64_t owner = std::min(parts - 1, (2 * done + cost) * parts / (2 * total));  // (by its middle)
+    while (part <= owner) starts[part++] = task;
+    done += cost;
+  }
+  return starts;
+}
 
 // ---- the portable path (any head width; a CPU without AVX2) ----
 
@@ -361,16 +397,7 @@ template <typename T>
 AVX2 void chunk_avx2(Problem<T>& p, int64_t task) {
   const int64_t c = task % p.chunks, bh = task / p.chunks, b = bh / p.heads, h = bh % p.heads;
   const int64_t chunk_first = c * kChunk, chunk_last = std::min(chunk_first + kChunk, p.total);
-  // Only the span from the chunk's first visible block of eight slots to its last is scored, exponentiated and
-  // weighed (a fixed-shape step's unused budget lies at the end: at 512 of 920 slots, a batch-8 SmolLM2 call
-  // 1.06-1.08x); the weights outside it are 0.
-  int64_t first = chunk_first, last = chunk_last;
-  while (first < last && !p.any_visible(b, h, first, std::min<int64_t>(8, last - first)))
-    first = std::min(first + 8, last);
-  for (int64_t block = chunk_first + (last - chunk_first - 1) / 8 * 8; last > first; block -= 8) {
-    if (p.any_visible(b, h, block, last - block)) break;
-    last = block;
-  }
+  const auto [first, last] = p.spans[task];
   float* maxima = p.maxima.data() + task * p.group;
   float* sums = p.sums.data() + task * p.group;
   for (int64_t g = 0; g < p.group; ++g) {
@@ -472,8 +499,12 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
 #ifdef SPARSEGEN_X86
   const bool vector = has_avx2() && dim % 8 == 0 && value_dim % 64 == 0;
 #endif
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
+  p.spans.resize(tasks);
+  for (int64_t task = 0; task < tasks; ++task) p.spans[task] = p.span(task);
+  const int64_t parts = std::min<int64_t>(tasks, at::get_num_threads());
+  const std::vector<int64_t> starts = balanced_runs(p.spans, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {  // (a thread: parts [begin, end), one run)
+    for (int64_t task = starts[begin]; task < starts[end]; ++task) {
 #ifdef SPARSEGEN_X86
       if (vector) {
         chunk_avx2(p, task);
