@@ -330,10 +330,8 @@ class _GraphCall:
                 assignments.append((owner, name, value))
                 utils.object_setattr_ignore_descriptor(owner, name, value)
 
-        allowed = {recorded_graph.__code__, Helpers.object_setattr_ignore_descriptor.__code__,
-                   *(getattr(function, "__code__", None) for function in (
-                       Helpers.record_pregraph_bytecode_enter, Helpers.record_pregraph_bytecode_exit,
-                       Helpers.call_size, Helpers.call_stride, Helpers.call_storage_offset))}
+        allowed = {recorded_graph.__code__, *(getattr(helper.__func__, "__code__", None)
+                                              for helper in vars(Helpers).values() if isinstance(helper, staticmethod))}
 
         def watch(frame, event, argument):  # (every call the code itself makes)
             if event == "call" and frame.f_back is not None and frame.f_back.f_code is self.code \

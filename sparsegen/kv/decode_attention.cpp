@@ -260,6 +260,13 @@ AVX2 inline __m256 dots8(const float* q, const T* const* k, int64_t dim) {
   return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
 }
 
+// The lane sums of four accumulators, in order.
+AVX2 inline __m128 lane_sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  // (two horizontal adds leave [a0, a1, a2, a3]'s lane sums, split over the two 128-bit halves)
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
 // Four keys' dot products with one query (D a multiple of 8), one chain each.
 template <typename T>
 AVX2 inline __m128 dots4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t dim) {
@@ -271,9 +278,7 @@ AVX2 inline __m128 dots4(const float* q, const T* k0, const T* k1, const T* k2, 
     a2 = _mm256_fmadd_ps(qd, load8(k2 + d), a2);
     a3 = _mm256_fmadd_ps(qd, load8(k3 + d), a3);
   }
-  // (two horizontal adds leave [a0, a1, a2, a3]'s lane sums, split over the two 128-bit halves)
-  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+  return lane_sums4(a0, a1, a2, a3);
 }
 
 // Four keys' dot products with each of GQ queries (rows ``dim`` apart; D a multiple of 8), times ``scaling``, into
@@ -290,11 +295,8 @@ AVX2 inline void dots4_queries(const float* q, int64_t dim, const T* const* k, f
       const __m256 key = load8(k[i] + d);
       for (int g = 0; g < GQ; ++g) a[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), key, a[g][i]);
     }
-  for (int g = 0; g < GQ; ++g) {
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
-    _mm_storeu_ps(out[g], _mm_mul_ps(sums, _mm_set1_ps(scaling)));
-  }
+  for (int g = 0; g < GQ; ++g)
+    _mm_storeu_ps(out[g], _mm_mul_ps(lane_sums4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(scaling)));
 }
 
 // Eight keys' scores for query heads [g0, g0 + GQ), four keys at a time.
