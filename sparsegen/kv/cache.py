@@ -416,11 +416,12 @@ class EvictionLayer(CacheLayerMixin):
         attention = self.attention[:, :, :end]
         return attention.sum(-1) if attention.dim() == 4 else attention
 
-    def evict(self, seen: torch.Tensor) -> None:
+    def evict(self, seen: torch.Tensor, now: bool = False) -> None:
         """Keep the ``budget`` highest-priority real tokens of each (sequence, head); compact them to the front.
 
         Ties go to the more recent token. A decode step drops at most one token per row, found with two
-        reductions; a longer step sorts by (priority, index).
+        reductions; a longer step sorts by (priority, index). A policy that chooses ``across_layers`` has a
+        multi-token call's evictions wait for the end of the call (unless ``now``).
         """
         self.pending = 0
         if self.cache.fixed_step:
@@ -428,6 +429,9 @@ class EvictionLayer(CacheLayerMixin):
             return
         budget = self.slot_budget
         if budget is None:
+            return
+        if self.policy.across_layers and not now and self.cache.step.new_valid.shape[1] > 1:
+            self.cache.deferred.append(self)
             return
         decode = self.cache.step.new_valid.shape[1] == 1 and self.fan == 1  # at most one token over per row
         if decode and not self.cache.padded and self.used <= budget + 1:
@@ -632,6 +636,7 @@ class EvictionCache(Cache):
         self.max_length = max_length
         super().__init__(layers=self._layers(model))
         self.step: Step | None = None
+        self.deferred: list[EvictionLayer] = []  # layers whose eviction waits for the end of the call
         self.length = 0  # tokens fed per row, padding included (what generate and the model count as past)
         self.seen: torch.Tensor | None = None  # real tokens per sequence
         self.padded = False  # whether any padding was fed: until then every held slot of every row is real
@@ -693,6 +698,7 @@ class EvictionCache(Cache):
                 raise ValueError("attention_mask is shorter than the input")
             new_valid = attention_mask[:, -q:].to(device=device, dtype=torch.bool)
             self.padded = self.padded or not bool(new_valid.all())
+        self.deferred.clear()  # (left by a call that failed before its end; in place: the step's state keeps its ids)
         new_index = self.seen[:, None] + new_valid.long().cumsum(-1) - 1
         if position_ids is None:
             position_ids = torch.arange(self.length, self.length + q, device=device)[None].expand(batch, q)
@@ -700,10 +706,22 @@ class EvictionCache(Cache):
 
     def end_step(self) -> None:
         if self.step is not None:
+            if self.deferred:
+                self._evict_across_layers()
             self.seen.copy_(self.step.seen)  # in place: a decode step's state stays at fixed addresses (CUDA graphs)
             if not self.fixed_step:
                 self.length += self.step.new_valid.shape[1]
         self.step = None
+
+    def _evict_across_layers(self) -> None:
+        """The evictions the call deferred (``Policy.across_layers``): the policy sees every layer's view, then each
+        layer evicts by its priority."""
+        layers = list(self.deferred)
+        self.deferred.clear()
+        seen = self.step.seen
+        self.policy.share([layer.view(seen) for layer in layers])
+        for layer in layers:
+            layer.evict(seen, now=True)
 
     def fits_fixed_step(self) -> bool:
         """Whether the next decode step can be fixed-shape (``fixed_shape_step``), giving a bounded layer its spare slot

@@ -57,6 +57,8 @@ class Policy:
     memo_width: ClassVar[int] = 0  # numbers per token the policy keeps in ``TokenView.memo`` (0: none)
     # its decode step reads device values on the host to choose (so it cannot be compiled as one graph)
     reads_host: ClassVar[bool] = False
+    # a multi-token call's evictions wait until every layer has attended, and ``share`` sees them all first
+    across_layers: ClassVar[bool] = False
 
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:
@@ -70,6 +72,12 @@ class Policy:
         """Write ``view.memo`` in place, after a call stored new tokens or the newest were forgotten: a score that
         costs a pass over the keys is computed once per token here, not at every eviction. ``view`` carries the held
         keys and values (as ``TokenView.keys`` says) whatever ``needs_keys`` says."""
+
+    def share(self, views: list[TokenView]) -> None:
+        """Policies that set ``across_layers`` (and a ``memo_width``): write each layer's ``views[i].memo`` in place
+        from every layer's view, once a multi-token call has been attended in all layers and before any of them
+        evicts, so that one layer can keep what another layer's attention found. Views come in layer order, one per
+        layer under this policy (not Gemma 3's sliding-window layers, which keep their window)."""
 
     def query_view(self) -> tuple[int, int] | None:
         """``(sinks, recent)`` if each token sees exactly the first ``sinks`` tokens and the ``recent`` before

@@ -30,8 +30,10 @@ def _layer_wise(policy: dict) -> bool:
     return policy["policy"] == "tova" and policy.get("heads", "layer") == "layer"
 
 
-def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], seen: int) -> set[int]:
-    """The tokens a policy keeps out of ``candidates`` (ordinals) after ``seen`` tokens."""
+def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], seen: int,
+              voted: dict[int, float] | None = None) -> set[int]:
+    """The tokens a policy keeps out of ``candidates`` (ordinals) after ``seen`` tokens (snapkv-layers: with the
+    share of the votes each token last got from the voting layers, ``voted``)."""
     budget = policy["budget"]
     if budget is None or len(candidates) <= budget:
         return set(candidates)
@@ -50,6 +52,8 @@ def keep_rule(policy: dict, candidates: list[int], scores: dict[int, float], see
         protected = {t for t in candidates if t not in scores}
     if name == "snapkv":
         scores = pooled(candidates, scores)
+    if name == "snapkv-layers":
+        scores = {t: share + (voted or {}).get(t, 0.0) for t, share in shares(candidates, scores).items()}
     others = sorted((t for t in candidates if t not in protected), key=lambda t: (scores[t], t))
     return protected | set(others[len(others) - (budget - len(protected)):])
 
@@ -59,6 +63,43 @@ def pooled(candidates, scores: dict[int, float]) -> dict[int, float]:
     ordered = sorted(candidates)
     votes = [scores.get(t, 0.0) for t in ordered]
     return {t: sum(votes[max(0, j - 2):j + 3]) / 5 for j, t in enumerate(ordered)}
+
+
+def shares(candidates, scores: dict[int, float]) -> dict[int, float]:
+    """Each token's share of its head's pooled SnapKV votes."""
+    votes = pooled(candidates, scores)
+    total = sum(votes.values())
+    return {t: v / total if total > 0 else 0.0 for t, v in votes.items()}
+
+
+def voting_layers(policy: dict, layers: int) -> range:
+    """snapkv-layers' voting layers: its span of the depth, rounded to layers, at least one."""
+    low, high = policy["voters"]
+    first = min(round(low * (layers - 1)), layers - 1)
+    return range(first, max(first, round(high * (layers - 1))) + 1)
+
+
+def vote_across_layers(state: dict, seen: int) -> None:
+    """snapkv-layers at the end of a multi-token call: every layer held the call's tokens whole; the voting layers'
+    largest head-averaged share per token is remembered, and each layer keeps by its own share plus that."""
+    layers = [i for i, policy in enumerate(state["policy"]) if policy["policy"] == "snapkv-layers"]
+    policy = state["policy"][layers[0]]
+    for b in range(len(state["voted"])):
+        best: dict[int, float] = {}
+        for i in voting_layers(policy, len(layers)):
+            heads = state["kept"][layers[i]][b]
+            mean: dict[int, float] = {}
+            for kept, scores in zip(heads, state["scores"][layers[i]][b]):
+                for t, share in shares(kept, scores).items():
+                    mean[t] = mean.get(t, 0.0) + share / len(heads)
+            best = {t: max(best.get(t, 0.0), mean.get(t, 0.0)) for t in set(best) | set(mean)}
+        voted = state["voted"][b]
+        for layer in layers:
+            for h, kept in enumerate(state["kept"][layer][b]):
+                voted.update({t: best.get(t, 0.0) for t in kept})
+        for layer in layers:
+            state["kept"][layer][b] = [keep_rule(policy, kept, scores, seen, voted) for kept, scores in
+                                       zip(state["kept"][layer][b], state["scores"][layer][b])]
 
 
 def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -127,11 +168,15 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
             if policy["policy"] in ADAPTIVE or _layer_wise(policy):  # chosen with the layer's other heads, below
                 state["kept"][layer][b][h] = set(candidates)
+            elif policy["policy"] == "snapkv-layers" and q > 1:  # chosen with every layer, after the call
+                state["kept"][layer][b][h] = set(candidates)
+                state["deferred"] = total
             else:
                 if policy.get("history"):
                     scores = {tok: sum(p for query, p in state["votes"].get((layer, b, h, tok), [])
                                        if query >= total - policy["history"]) for tok in candidates}
-                state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total)
+                state["kept"][layer][b][h] = keep_rule(policy, candidates, scores, seen=total,
+                                                       voted=state["voted"][b])
         if policy["policy"] in ADAPTIVE:
             state["kept"][layer][b] = adaptive_keep_rule(policy, state["kept"][layer][b], state["scores"][layer][b],
                                                          seen=total)
@@ -223,6 +268,8 @@ class ReferenceRun:
             "kept": [[[set() for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "scores": [[[{} for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "votes": {},
+            "voted": [{} for _ in range(batch)],  # snapkv-layers: the voting layers' share each token last got
+            "deferred": None,  # snapkv-layers: the tokens seen by a call whose evictions wait for its end
         }
         self.cache = DynamicCache()  # every layer holds everything: eviction is simulated by the kept sets
 
@@ -232,7 +279,11 @@ class ReferenceRun:
         self.model.set_attn_implementation("reference_masked")
         _STATE["current"] = self.state
         try:
-            return self.model(input_ids=input_ids, **cache_kwargs(self.cache)).logits
+            logits = self.model(input_ids=input_ids, **cache_kwargs(self.cache)).logits
+            if self.state["deferred"] is not None:
+                vote_across_layers(self.state, self.state["deferred"])
+                self.state["deferred"] = None
+            return logits
         finally:
             self.model.set_attn_implementation(previous)
 

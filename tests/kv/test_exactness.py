@@ -86,7 +86,7 @@ SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streami
          "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
          "adakv": {"recent": 4}, "ada-snapkv": {"window": 2},
          "scissorhands-history": {"recent": 4, "history": 3}, "tova-each": {"heads": "each"},
-         "pyramid-snapkv": {"window": 1}}  # (2 layers at a mean of 10: 19 and 1, which holds a window of 1)
+         "pyramid-snapkv": {"window": 1}, "snapkv-layers": {}}  # (2 layers at a mean of 10: 19 and 1, which holds a window of 1)
 
 
 def _rules(cache):

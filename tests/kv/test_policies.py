@@ -8,6 +8,7 @@ import torch
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policy import TokenView
 from sparsegen.kv.policies.pyramid import pyramid_budgets
+from sparsegen.kv.policies.snapkv_layers import SnapKVLayers
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 
@@ -136,3 +137,32 @@ def test_ada_kv_on_a_single_kv_head_is_its_scores_rule_with_a_floor(adaptive, ru
     assert caches[adaptive].layers[0].fan == 1 and caches[adaptive].held_tokens() == [12, 12]
     torch.testing.assert_close(logits[adaptive], logits[rule])
     torch.testing.assert_close(step[adaptive], step[rule])  # the floor keeps what the rule keeps anyway
+
+
+def test_snapkv_layers_chooses_once_every_layer_has_attended_and_remembers_the_voting_layers_votes():
+    """A prompt call's evictions wait for its end: ``share`` sees every layer holding the whole call; then each
+    layer holds its budget, and every held token carries the voting layer's (the last's) head-averaged share of the
+    pooled votes, the same in every layer. A decode step evicts at once and its new token has no vote yet."""
+    model = tiny_model("llama")  # 2 layers
+    calls = []
+
+    class Watched(SnapKVLayers):
+        def share(self, views):
+            calls.append([int(view.valid[0, 0].sum()) for view in views])
+            super().share(views)
+
+    cache = EvictionCache(model, Watched(10, voters=(1.0, 1.0)))
+    ids = torch.randint(3, VOCAB, (1, 29), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids[:, :28], **cache_kwargs(cache))
+        assert calls == [[28, 28]] and cache.held_tokens() == [10, 10]
+        memo = [layer.memo[0, :, :10, 0] for layer in cache.layers]
+        by_token = [dict(zip(layer.index[0, h, :10].tolist(), memo[i][h].tolist()))
+                    for i, layer in enumerate(cache.layers) for h in range(layer.index.shape[1])]
+        common = set.intersection(*(set(d) for d in by_token))
+        assert common and all(len({round(d[t], 12) for d in by_token}) == 1 for t in common)
+        assert (memo[1] > 0).all()  # the voting layer kept tokens it voted for
+        model(input_ids=ids[:, 28:], **cache_kwargs(cache))
+        assert calls == [[28, 28]] and cache.held_tokens() == [10, 10]
+        newest = cache.layers[0].index[0, 0, :10] == 28
+        assert newest.any() and cache.layers[0].memo[0, 0, :10, 0][newest].isnan().all()

@@ -7,7 +7,7 @@ from sparsegen.plugins import from_entry_points
 # imported for their registration, in the order the CLI lists them
 from sparsegen.kv.policies import full, window, streaming, h2o, streaming_h2o, tova, scissorhands  # noqa: F401
 from sparsegen.kv.policies import snapkv, knorm, keydiff, lagkv, random, pyramid, adakv, ada_snapkv  # noqa: F401
-from sparsegen.kv.policies import pyramid_snapkv  # noqa: F401
+from sparsegen.kv.policies import pyramid_snapkv, snapkv_layers  # noqa: F401
 
 ENTRY_POINTS = "sparsegen.policies"
 
