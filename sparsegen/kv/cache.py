@@ -698,7 +698,8 @@ class EvictionCache(Cache):
                 raise ValueError("attention_mask is shorter than the input")
             new_valid = attention_mask[:, -q:].to(device=device, dtype=torch.bool)
             self.padded = self.padded or not bool(new_valid.all())
-        self.deferred.clear()  # (left by a call that failed before its end; in place: the step's state keeps its ids)
+        if self.deferred:  # (left by a call that failed before its end; a compiled step finds it empty and never
+            self.deferred.clear()  # mutates it, which its graph's replay could not repeat)
         new_index = self.seen[:, None] + new_valid.long().cumsum(-1) - 1
         if position_ids is None:
             position_ids = torch.arange(self.length, self.length + q, device=device)[None].expand(batch, q)
