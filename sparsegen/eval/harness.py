@@ -1,9 +1,9 @@
 """sparsegen as an lm-evaluation-harness model, ``sparsegen``: any task lm-eval runs, scored through a KV policy.
 
-    sparsegen lm-eval --model sparsegen --model_args pretrained=smollm2,policy=h2o,budget=0.2,kv_bits=4 --tasks ...
+    lm_eval --model sparsegen --model_args pretrained=smollm2,policy=h2o,budget=0.2,kv_bits=4 --tasks ...
 
-(``sparsegen lm-eval`` is lm-eval's own command line with this model registered; in Python, importing this module
-registers it.) Every request streams its text through an ``EvictionCache`` in ``chunk_size`` chunks, evicting
+(lm-eval finds it by itself through the start-up hook the install ships, ``lm_eval_hook.py``; ``sparsegen lm-eval``
+is the same command line.) Every request streams its text through an ``EvictionCache`` in ``chunk_size`` chunks, evicting
 between them, as ``ppl --stream`` does: log-likelihoods (``loglikelihood``, ``loglikelihood_rolling``: a document
 of any length, each token predicted once from what the cache holds) and greedy generations (``generate_until``).
 Under the full cache the log-likelihoods are the model's own. A fractional ``budget`` is a share of each request's
@@ -11,6 +11,8 @@ tokens. One request at a time.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from lm_eval.api.model import LM
@@ -22,6 +24,8 @@ from sparsegen.decoding import forward
 from sparsegen.generation import generate
 from sparsegen.kv import EvictionCache, KVQuantization, make_policy
 from sparsegen.models import load
+
+log = logging.getLogger(__name__)
 
 
 @register_model("sparsegen")
@@ -36,6 +40,11 @@ class SparsegenLM(LM):
         self.policy, self.budget, self.chunk_size, self.max_gen_toks = policy, budget, int(chunk_size), max_gen_toks
         self.kv_bits = None if kv_bits in (None, "") else KVQuantization(int(kv_bits))
         self._policy(1000)  # a bad policy or budget fails here, not after the model loads
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval passes cuda:0 when --device is not given; its own hf model then runs on the CPU, and so do we
+            log.warning("lm-eval asked for %s (its default without --device) but torch sees no CUDA GPU: running on "
+                        "the CPU; pass --device cpu to choose it", device)
+            device = "cpu"
         self.model, self.tokenizer = load(str(pretrained), device=device, dtype=dtype)
         if self.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer: lm-eval needs one")

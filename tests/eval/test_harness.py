@@ -2,6 +2,8 @@
 no more than the budget and a chunk; lm-eval runs a local task through it (no hub)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ from sparsegen.cli import main  # noqa: E402
 from sparsegen.eval import harness  # noqa: E402
 from sparsegen.eval.harness import SparsegenLM  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "lm_eval"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "lm_eval"
+REINSTALL = "the install lacks sparsegen-lm-eval.pth or its module is stale: reinstall (pip install -e .)"
 TEXT = "it was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness"
 
 
@@ -95,3 +99,32 @@ def test_lm_eval_runs_the_local_task_through_sparsegen(tiny_checkpoint, tmp_path
     results = json.loads(next(out.rglob("results*.json")).read_text())
     accuracy = results["results"]["dracula_endings"]["acc,none"]
     assert 0 <= accuracy <= 1 and results["n-samples"]["dracula_endings"]["effective"] == 6
+
+
+def _fresh_python(code: str) -> str:
+    """Runs ``code`` in a new interpreter of this venv, away from the project folder (so only the install counts)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_a_bare_lm_eval_finds_sparsegen_with_nothing_imported_first():
+    found = _fresh_python("from lm_eval.api.registry import get_model, model_registry; "
+                          "print(get_model('sparsegen').__module__, 'hf' in model_registry)")
+    assert found.split() == ["sparsegen.eval.harness", "True"]  # and lm-eval's own models are still there
+
+
+def test_the_start_up_hook_imports_nothing_heavy_and_is_current():
+    loaded = _fresh_python("import sys, json; hook = sys.modules.get('_sparsegen_lm_eval_hook'); "
+                           "print(json.dumps([hook and hook.__file__, "
+                           "[m for m in sys.modules if m.split('.')[0] in ('torch', 'lm_eval', 'sparsegen')]]))")
+    hook_file, heavy = json.loads(loaded)
+    assert hook_file and heavy == [], REINSTALL
+    assert Path(hook_file).read_text() == (ROOT / "sparsegen" / "eval" / "lm_eval_hook.py").read_text(), REINSTALL
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+def test_lm_evals_default_cuda_device_runs_on_the_cpu_with_a_warning(tiny_checkpoint, caplog):
+    lm = SparsegenLM(pretrained=str(tiny_checkpoint), device="cuda:0")  # what lm-eval passes without --device
+    assert next(lm.model.parameters()).device.type == "cpu"
+    assert "pass --device cpu" in caplog.text
