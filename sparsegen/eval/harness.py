@@ -7,7 +7,13 @@ is the same command line.) Every request streams its text through an ``EvictionC
 between them, as ``ppl --stream`` does: log-likelihoods (``loglikelihood``, ``loglikelihood_rolling``: a document
 of any length, each token predicted once from what the cache holds) and greedy generations (``generate_until``).
 Under the full cache the log-likelihoods are the model's own. A fractional ``budget`` is a share of each request's
-tokens. One request at a time.
+tokens.
+
+``batch_size`` requests run together, longest first. Log-likelihoods are the same at any batch size: a batch's rows
+are padded on the right, so every row's chunks (and evictions) fall where they fall alone, and a row's padding
+comes after every token it scores; under a fractional budget only requests of one length share a batch. A batch of
+generations is padded on the left, as ``generate`` pads: under eviction a shorter prompt's chunks then end where
+the longest one's do, so its answer can differ from the one it gets alone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from sparsegen.data import leading_bos
 from sparsegen.decoding import forward
 from sparsegen.generation import generate
 from sparsegen.kv import EvictionCache, KVQuantization, make_policy
+from sparsegen.kv.policies import parse_budget
 from sparsegen.models import load
 
 log = logging.getLogger(__name__)
@@ -32,12 +39,13 @@ log = logging.getLogger(__name__)
 class SparsegenLM(LM):
     def __init__(self, pretrained: str = "smollm2", policy: str = "full", budget: int | float | None = None,
                  kv_bits: int | None = None, chunk_size: int = 512, device: str = "cpu", dtype: str | None = None,
-                 max_gen_toks: int = 256, **unused):
+                 max_gen_toks: int = 256, batch_size: int | str = 1, **unused):
         super().__init__()
-        if unused.keys() - {"batch_size", "max_batch_size"}:  # lm-eval passes these to every model
+        if unused.keys() - {"max_batch_size"}:  # lm-eval passes it to every model
             raise ValueError(f"unknown model_args for sparsegen: {', '.join(sorted(unused))}; it takes pretrained, "
-                             "policy, budget, kv_bits, chunk_size, device, dtype, max_gen_toks")
+                             "policy, budget, kv_bits, chunk_size, device, dtype, max_gen_toks, batch_size")
         self.policy, self.budget, self.chunk_size, self.max_gen_toks = policy, budget, int(chunk_size), max_gen_toks
+        self.batch_size = _batch_size(batch_size)
         self.kv_bits = None if kv_bits in (None, "") else KVQuantization(int(kv_bits))
         self._policy(1000)  # a bad policy or budget fails here, not after the model loads
         if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -57,57 +65,111 @@ class SparsegenLM(LM):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def _batches(self, lengths: list[int]) -> list[list[int]]:
+        """Request indices in batches of ``batch_size``, longest first; under a fractional budget (its size depends
+        on the length) a batch holds requests of one length."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        one_length = self.policy != "full" and isinstance(parse_budget(self.budget), float)
+        batches: list[list[int]] = []
+        for index in order:
+            if batches and len(batches[-1]) < self.batch_size and (
+                    not one_length or lengths[batches[-1][0]] == lengths[index]):
+                batches[-1].append(index)
+            else:
+                batches.append([index])
+        return batches
+
     @torch.inference_mode()
-    def score(self, ids: list[int], start: int) -> tuple[float, bool]:
-        """Sum of log p(ids[i] | what the cache holds of ids[:i]) over i >= ``start``, and whether every one of
-        those tokens is the greedy choice."""
+    def score(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        """For each ``(ids, start)``: the sum of log p(ids[i] | what the cache holds of ids[:i]) over i >= ``start``,
+        and whether every one of those tokens is the greedy choice. The rows run as one batch, padded on the right."""
         device = next(self.model.parameters()).device
-        tokens = torch.tensor([ids], device=device)
-        cache = EvictionCache(self.model, self._policy(len(ids)), chunk_size=self.chunk_size, kv_bits=self.kv_bits,
-                              expected_length=len(ids))
-        total, greedy = 0.0, True
-        for begin in range(0, len(ids) - 1, self.chunk_size):
-            end = min(begin + self.chunk_size, len(ids) - 1)
-            logits = forward(self.model, cache, tokens[:, begin:end], torch.arange(begin, end, device=device)[None])
-            first = max(begin, start - 1)
-            if first >= end:
+        lengths = torch.tensor([len(ids) for ids, _ in rows], device=device)
+        starts = torch.tensor([start for _, start in rows], device=device)
+        length = int(lengths.max())
+        tokens = torch.tensor([ids + [self.prefix] * (length - len(ids)) for ids, _ in rows], device=device)
+        cache = EvictionCache(self.model, self._policy(length), chunk_size=self.chunk_size, kv_bits=self.kv_bits,
+                              expected_length=length)
+        totals = torch.zeros(len(rows), dtype=torch.float64, device=device)
+        greedy = torch.ones(len(rows), dtype=torch.bool, device=device)
+        for begin in range(0, length - 1, self.chunk_size):
+            end = min(begin + self.chunk_size, length - 1)
+            index = torch.arange(begin, end, device=device)
+            scored = (index >= starts[:, None] - 1) & (index < lengths[:, None] - 1)  # [B, T]: predicts a token
+            wanted = scored.any(0).nonzero()[:, 0]
+            positions = index[None].expand(len(rows), -1)
+            if not len(wanted):
+                forward(self.model, cache, tokens[:, begin:end], positions, last=True)
                 continue
-            logprobs = logits[0, first - begin:].float().log_softmax(-1)
-            target = tokens[0, first + 1:end + 1]
-            total += float(logprobs.gather(-1, target[:, None]).sum())
-            greedy = greedy and bool((logprobs.argmax(-1) == target).all())
-        return total, greedy
+            logprobs = forward(self.model, cache, tokens[:, begin:end], positions, keep=wanted).float().log_softmax(-1)
+            target, scored = tokens[:, begin + 1:end + 1][:, wanted], scored[:, wanted]
+            picked = logprobs.gather(-1, target[..., None])[..., 0]
+            totals += torch.where(scored, picked, 0).sum(-1, dtype=torch.float64)
+            greedy &= ((logprobs.argmax(-1) == target) | ~scored).all(-1)
+        return list(zip(totals.tolist(), greedy.tolist()))
+
+    def _scores(self, rows: list[tuple[list[int], int]], desc: str, disable: bool) -> list[tuple[float, bool]]:
+        results: list[tuple[float, bool] | None] = [None] * len(rows)
+        with tqdm(total=len(rows), desc=desc, disable=disable) as bar:
+            for batch in self._batches([len(ids) for ids, _ in rows]):
+                for index, result in zip(batch, self.score([rows[i] for i in batch])):
+                    results[index] = result
+                bar.update(len(batch))
+        return results
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        results = []
-        for request in tqdm(requests, desc="loglikelihood", disable=disable_tqdm):
+        rows = []
+        for request in requests:
             context, continuation = request.args
             spaces = len(context) - len(context.rstrip())  # a context's trailing spaces go with the continuation
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
             context_ids = self._encode(context) if context else [self.prefix]
             whole = self._encode(context + continuation) if context else [self.prefix] + self._encode(continuation)
-            results.append(self.score(whole, len(context_ids)))
-        return results
+            rows.append((whole, len(context_ids)))
+        return self._scores(rows, "loglikelihood", disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        return [self.score([self.prefix] + self._encode(request.args[0]), 1)[0]
-                for request in tqdm(requests, desc="loglikelihood_rolling", disable=disable_tqdm)]
+        rows = [([self.prefix] + self._encode(request.args[0]), 1) for request in requests]
+        return [total for total, _ in self._scores(rows, "loglikelihood_rolling", disable_tqdm)]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        results = []
-        for request in tqdm(requests, desc="generate_until", disable=disable_tqdm):
-            context, options = request.args
-            until = options.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            text = generate(self.model, self.tokenizer, context, self.policy,
-                            None if self.policy == "full" else self.budget,
-                            max_new_tokens=int(options.get("max_gen_toks", self.max_gen_toks)),
-                            temperature=float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0,
-                            chunk_size=self.chunk_size, kv_bits=self.kv_bits, progress=False).texts[0]
-            cut = min([text.find(stop) for stop in until if stop and stop in text], default=len(text))
-            results.append(text[:cut])
+        """Greedy (or sampled, with ``do_sample``) answers cut at the first stop string; requests with the same
+        options run as one batch."""
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(index)
+        results: list[str | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm) as bar:
+            for indices in groups.values():
+                options = requests[indices[0]].args[1]
+                until = options.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                contexts = [requests[i].args[0] for i in indices]
+                lengths = [len(self._encode(context)) for context in contexts]
+                for batch in self._batches(lengths):
+                    texts = generate(self.model, self.tokenizer, [contexts[i] for i in batch], self.policy,
+                                     None if self.policy == "full" else self.budget,
+                                     max_new_tokens=int(options.get("max_gen_toks", self.max_gen_toks)),
+                                     temperature=float(options.get("temperature", 0.0)) if options.get("do_sample")
+                                     else 0.0, chunk_size=self.chunk_size, kv_bits=self.kv_bits,
+                                     progress=False).texts
+                    for i, text in zip(batch, texts):
+                        cut = min([text.find(stop) for stop in until if stop and stop in text], default=len(text))
+                        results[indices[i]] = text[:cut]
+                    bar.update(len(batch))
         return results
+
+
+def _batch_size(value: int | str) -> int:
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_size={value!r}: sparsegen takes a number of requests a batch (not 'auto'), "
+                         "e.g. --batch_size 8") from None
+    if size < 1:
+        raise ValueError(f"batch_size={size}: give at least 1")
+    return size
 
 
 def main(argv: list[str]) -> None:

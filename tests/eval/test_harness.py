@@ -81,12 +81,45 @@ def test_a_budget_bounds_the_cache_and_bad_arguments_are_refused(tiny_checkpoint
 
     monkeypatch.setattr(harness, "EvictionCache", Recorded)
     ids = [lm.prefix] + lm._encode(TEXT * 3)
-    assert lm.score(ids, 1)[0] < 0 and len(ids) > 64
+    (total, _), = lm.score([(ids, 1)])
+    assert total < 0 and len(ids) > 64
     assert max(layer.peak_tokens for layer in caches[0].layers) <= 16 + 8
     with pytest.raises(ValueError, match="unknown model_args"):
         SparsegenLM(pretrained=str(tiny_checkpoint), polcy="h2o")
     with pytest.raises(ValueError, match="unknown policy"):
         SparsegenLM(pretrained=str(tiny_checkpoint), policy="h3o", budget=16)
+    with pytest.raises(ValueError, match="not 'auto'"):
+        SparsegenLM(pretrained=str(tiny_checkpoint), batch_size="auto")
+
+
+TEXTS = [TEXT, TEXT[:40], TEXT * 2, TEXT[10:], TEXT[:70] + TEXT, TEXT[:40]]
+
+
+@pytest.mark.parametrize("budget", [16, 0.5])
+def test_batches_score_what_each_request_scores_alone(tiny_checkpoint, budget):
+    lm = SparsegenLM(pretrained=str(tiny_checkpoint), policy="h2o", budget=budget, chunk_size=8)
+    requests = [_request("loglikelihood", (text[:len(text) // 2], text[len(text) // 2:])) for text in TEXTS]
+    rolling = [_request("loglikelihood_rolling", (text,)) for text in TEXTS]
+    alone = lm.loglikelihood(requests), lm.loglikelihood_rolling(rolling)
+    lm.batch_size = 4
+    lengths = [len(lm._encode(text)) + 1 for text in TEXTS]
+    batches = lm._batches(lengths)
+    assert [len(b) for b in batches] == ([4, 2] if budget == 16 else [1, 1, 1, 1, 2])  # a fraction: one length
+    together = lm.loglikelihood(requests), lm.loglikelihood_rolling(rolling)
+    assert [greedy for _, greedy in together[0]] == [greedy for _, greedy in alone[0]]
+    assert torch.allclose(torch.tensor([total for total, _ in together[0]]),
+                          torch.tensor([total for total, _ in alone[0]]), rtol=0, atol=1e-4)
+    assert torch.allclose(torch.tensor(together[1]), torch.tensor(alone[1]), rtol=0, atol=1e-4)
+
+
+def test_a_batch_of_generations_under_the_full_cache_gives_each_prompts_own_answer(full):
+    requests = [_request("generate_until", (text, {"until": ["\n\n"], "max_gen_toks": 6})) for text in TEXTS[:4]]
+    alone = full.generate_until(requests)
+    full.batch_size = 4
+    try:
+        assert full.generate_until(requests) == alone
+    finally:
+        full.batch_size = 1
 
 
 def test_lm_eval_runs_the_local_task_through_sparsegen(tiny_checkpoint, tmp_path, monkeypatch):
@@ -95,7 +128,7 @@ def test_lm_eval_runs_the_local_task_through_sparsegen(tiny_checkpoint, tmp_path
     out = tmp_path / "results"
     assert main(["lm-eval", "run", "--model", "sparsegen", "--device", "cpu", "--model_args",
           f"pretrained={tiny_checkpoint},policy=streaming,budget=16,chunk_size=8", "--include_path", str(EXAMPLES),
-          "--tasks", "dracula_endings", "--limit", "6", "--output_path", str(out)]) == 0
+          "--tasks", "dracula_endings", "--limit", "6", "--batch_size", "4", "--output_path", str(out)]) == 0
     results = json.loads(next(out.rglob("results*.json")).read_text())
     accuracy = results["results"]["dracula_endings"]["acc,none"]
     assert 0 <= accuracy <= 1 and results["n-samples"]["dracula_endings"]["effective"] == 6
