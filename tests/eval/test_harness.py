@@ -137,7 +137,7 @@ def test_lm_eval_runs_the_local_task_through_sparsegen(tiny_checkpoint, tmp_path
 def _fresh_python(code: str) -> str:
     """Runs ``code`` in a new interpreter of this venv, away from the project folder (so only the install counts)."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"{done.stderr[-3000:]}\n(if sparsegen is not found: {REINSTALL})"
     return done.stdout
 
 
