@@ -3,8 +3,10 @@
 lm-eval 0.4.13 has no plugin list for models: it knows its own table, ``lm_eval.models.MODEL_MAPPING``, and what
 was imported before it is asked. So the install ships this module beside a ``sparsegen-lm-eval.pth`` file (see
 ``setup.py``), which Python runs at start-up: it waits for ``lm_eval.models`` to load and then adds ``sparsegen`` to
-lm-eval's registry as a lazy entry, exactly as lm-eval lists its own. Start-up stays cheap: nothing is imported
-until lm-eval itself loads, and sparsegen and torch only when the model is asked for.
+lm-eval's registry as a lazy entry, exactly as lm-eval lists its own. (It waits for the table, not the registry:
+lm-eval loads its table only while the registry is empty, so an entry added first would hide lm-eval's own models.)
+Start-up stays cheap: nothing is imported until lm-eval itself loads, and sparsegen and torch only when the model is
+asked for.
 """
 
 from __future__ import annotations
