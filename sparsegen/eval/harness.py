@@ -4,8 +4,8 @@
 
 (lm-eval finds it by itself through the start-up hook the install ships, ``lm_eval_hook.py``; ``sparsegen lm-eval``
 is the same command line.) Every request streams its text through an ``EvictionCache`` in ``chunk_size`` chunks,
-evicting between them, as ``ppl --stream`` does: log-likelihoods (``loglikelihood``, ``loglikelihood_rolling``: a document
-of any length, each token predicted once from what the cache holds) and greedy generations (``generate_until``).
+evicting between them, as ``ppl --stream`` does: log-likelihoods (``loglikelihood``, ``loglikelihood_rolling``: a
+document of any length, each token predicted once from what the cache holds) and greedy generations (``generate_until``).
 Under the full cache the log-likelihoods are the model's own. A fractional ``budget`` is a share of each request's
 tokens.
 
