@@ -220,7 +220,7 @@ def _index_frame_queries(cache, layer, query, total: int, query_slot: torch.Tens
     An order policy's held count, so each query's rank, follows from its sinks and budget alone: one turn a step."""
     step, rotary = cache.step, layer.rotary
     at_index = rotary.turn(query, step.positions, step.new_index[:, None, :], step.memo)
-    if not layer.sinks:
+    if not layer.sinks or not layer.may_evict:  # (nothing evicted: each rank is the ordinal)
         return at_index, None, None
     rank = layer.valid[:, :1, :total].sum(-1, keepdim=True) - 1 if query_slot is None else query_slot  # [B, 1, q]
     at_rank = rotary.turn(query, step.positions, rank, step.memo, (layer.sinks, layer.policy.budget))

@@ -10,7 +10,7 @@ With ``positions="rolling"`` attention sees every key at its rank in the cache (
 exceed the budget: keys are stored without their rotary embedding and rotated to their rank at attention time or,
 under an order policy (sinks + one recent run), stored turned to their token ordinal, which puts every recent key at
 its rolling distance from the query already (only the query turns, twice: once for the recent run, once for the
-sinks).
+sinks, which needs a turn of its own only once a token has been evicted).
 
 Two storage variants keep the same slot mechanics: a quantized cache (``kv_bits``) stores each token's key and
 value as codes with their own scale and zero point (``sparsegen.kv.quantized``), and a policy whose heads share
@@ -98,6 +98,12 @@ class EvictionLayer(CacheLayerMixin):
         self.keys_at_index = (cache.rolling and rotary is not None and view is not None
                               and self.quantization is None and not policy.shares_slots and rotary.exact)
         self.sinks = view[0] if self.keys_at_index else 0  # (kept when ``stop_evicting`` lifts the budget)
+        # whether a row may have held more tokens than the budget (or will, by the length the caller announced): until
+        # one has, nothing was evicted and every token's rank is its ordinal, so the rolling positions' sinks need no
+        # frame of their own (``_index_frame_queries``); set by ``EvictionCache.mark_evicting``, and it stays set. Only
+        # those layers are marked: the mark is part of a compiled step's state, and another graph for other layers
+        # when a budget is passed would be a compile for nothing
+        self.may_evict = False
         # whether a decode step (over a full budget, or fixed-shape) may leave its new K/V out of the slots until
         # eviction (``incoming``): not where the policy reads held K/V (they must be in the slots) or they are
         # shared between heads
@@ -567,6 +573,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.used = self.pending = self.peak_tokens = 0
+        self.may_evict = False
         self.parked = 0
         self.fan = 1
         self.storage = None
@@ -648,6 +655,7 @@ class EvictionCache(Cache):
         self._workspace: torch.Tensor | None = None
         # decode steps attend through ``sparsegen::decode_attention`` (built here, outside any compiled step)
         self.native_decode = next(model.parameters()).device.type == "cpu" and native_attention.ready()
+        self.mark_evicting(self.expected_length)  # (an announced length past the budget: one compiled graph)
 
     def _layers(self, model: torch.nn.Module) -> list[EvictionLayer]:
         """One layer each; sliding-window layers of a model that mixes them with global ones keep their window
@@ -698,6 +706,8 @@ class EvictionCache(Cache):
                 raise ValueError("attention_mask is shorter than the input")
             new_valid = attention_mask[:, -q:].to(device=device, dtype=torch.bool)
             self.padded = self.padded or not bool(new_valid.all())
+        if not self.fixed_step:  # (a fixed step's were marked by ``fits_fixed_step``, outside its graph)
+            self.mark_evicting(self.length + q)
         if self.deferred:  # (left by a call that failed before its end; a compiled step finds it empty and never
             self.deferred.clear()  # mutates it, which its graph's replay could not repeat)
         new_index = self.seen[:, None] + new_valid.long().cumsum(-1) - 1
@@ -734,6 +744,7 @@ class EvictionCache(Cache):
         draft's two-token call after a round whose drafts were all accepted fits without growing.)"""
         if self.seen is None:
             return False
+        self.mark_evicting(self.length + 1)
         for layer in self.layers:
             slots = layer.fixed_slots
             if slots is None or layer.used + (slots != layer.slot_budget) > slots:  # a free slot, if it cannot evict
@@ -746,6 +757,15 @@ class EvictionCache(Cache):
             elif layer.keys.shape[2] <= layer.fixed_slots or layer.keys.shape[2] > room:
                 layer._reallocate(room)  # (one shape for every step after: one compile)
         return True
+
+    def mark_evicting(self, length: int) -> None:
+        """Before ``length`` tokens a row have been fed: mark the layers with rolling sinks where a row may then hold
+        more than its budget (``EvictionLayer.may_evict``; a row's real tokens are at most ``length``, padding
+        counted)."""
+        for layer in self.layers:
+            budget = layer.policy.budget
+            if layer.sinks and not layer.may_evict and budget is not None and length > budget:
+                layer.may_evict = True
 
     @contextmanager
     def fixed_shape_step(self):
@@ -802,6 +822,7 @@ class EvictionCache(Cache):
         """Empty the cache and give its memory back (every buffer is let go, not zeroed)."""
         super().reset()
         self.length, self.seen, self.step, self.padded, self._workspace = 0, None, None, False, None
+        self.mark_evicting(self.expected_length)
 
     def fill_random(self, batch: int, context: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device, generator: torch.Generator | None = None) -> None:
@@ -907,6 +928,7 @@ class EvictionCache(Cache):
                 setattr(layer, name, storage[name][:rows + 1] if name in storage else None)
             layer.used = max(layer.used, row.used)
             layer.peak_tokens = max(layer.peak_tokens, layer.used)
+            layer.may_evict = layer.may_evict or row.may_evict  # (a row that evicted and then forgot tokens)
         self.seen = source.seen.clone() if self.seen is None else torch.cat([self.seen, source.seen])
         self.length = max(self.length, source.length)
 
@@ -969,6 +991,7 @@ class EvictionCache(Cache):
                 dst[0, :, :held] = src[index, :, :layer.used].gather(1, take)
             row.valid[0, :, held:] = False
             row.used, row.peak_tokens = held, max(row.peak_tokens, held)
+            row.may_evict = row.may_evict or layer.may_evict  # (some row evicted: perhaps this one)
             for (_, src), (_, dst) in zip(layer.row_state(), row.row_state()):
                 dst[0] = src[index]
             for name, buf in layer.buffers() + layer.row_state():

@@ -226,6 +226,85 @@ def test_rolling_keys_held_at_their_ordinal_equal_keys_turned_every_step(family,
     assert (runs[0] - runs[1]).abs().max() <= TOL
 
 
+def _feed(model, cache, ids, mask, chunks) -> tuple[torch.Tensor, list[bool]]:
+    """``_run_chunks``, also giving the first layer's ``may_evict`` after each call."""
+    logits, marks, start = [], [], 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        for n in chunks:
+            end = start + n
+            logits.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                                position_ids=positions[:, start:end], **cache_kwargs(cache)).logits)
+            marks.append(cache.layers[0].may_evict)
+            start = end
+    return torch.cat(logits, dim=1), marks
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_rolling_sinks_take_their_own_frame_once_a_row_may_evict(padded):
+    """Until a row may hold more than the budget every rank is its ordinal, and the query is turned once, not once
+    more for the sinks (``may_evict``, set before the call that may evict, then kept). The logits equal those of a
+    cache that turns it twice from the first token, through chunks and decode steps past the budget; a cache that
+    never turned it twice gives others once a token is evicted."""
+    model = tiny_model("llama")
+    ids, mask = _padded_batch([30, 22, 9] if padded else [30] * 3, 30)
+    chunks = [8, 4] + [1] * 18
+    runs = {}
+    for frames in ("marked", "always", "never"):
+        cache = EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=8)
+        if frames == "always":
+            for layer in cache.layers:
+                layer.may_evict = True
+        if frames == "never":
+            cache.mark_evicting = lambda length: None
+        runs[frames] = _feed(model, cache, ids, mask, chunks)
+    logits, marks = runs["marked"]
+    assert marks == [False, False] + [True] * 18  # 12 tokens fit the budget; the 13th may evict
+    assert (logits - runs["always"][0]).abs().max() <= TOL
+    assert (logits[:, :13] - runs["never"][0][:, :13]).abs().max() <= TOL
+    assert (logits[:, 13:] - runs["never"][0][:, 13:]).abs().max() > 10 * TOL
+
+
+def test_an_announced_length_past_the_budget_takes_the_sinks_frame_from_the_start():
+    """A caller that announces more tokens than the budget gets the two frames at once: a compiled step then has
+    one graph, not a second at the step the budget is passed. Caches without rolling sinks are never marked (a mark
+    would change their compiled step's state for nothing)."""
+    model = tiny_model("llama")
+
+    def marked(name, length):
+        return [layer.may_evict for layer in EvictionCache(model, _policy(name, 12), expected_length=length).layers]
+
+    assert all(marked("streaming", 13)) and not any(marked("streaming", 12))
+    assert not any(marked("full", 100) + marked("h2o", 100) + marked("window", 100))
+
+
+def test_a_stacked_row_that_evicted_keeps_the_sinks_frame():
+    """A row that evicted and then forgot tokens (a speculative rollback) holds no more than its budget, but its
+    ranks are no longer its ordinals: the stacked batch it joins keeps both frames, and so does every cache a row of that
+    batch goes back to."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        caches = [EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=16) for _ in range(2)]
+        model(input_ids=ids[:1, :16], **cache_kwargs(caches[0]))
+        caches[0].forget_last(5)  # 11 tokens fed, after an eviction
+        model(input_ids=ids[1:, :4], **cache_kwargs(caches[1]))
+        assert caches[0].layers[0].may_evict and caches[0].length == 11 and not caches[1].layers[0].may_evict
+        alone = EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=16)
+        model(input_ids=ids[:1, :16], **cache_kwargs(alone))
+        alone.forget_last(5)
+        batch = EvictionCache.stacked(model, caches)
+        assert all(layer.may_evict for layer in batch.layers)
+        token = ids[:, 11:12].clone()
+        token[1] = ids[1, 4]
+        position = torch.tensor([[11], [4]])
+        got = model(input_ids=token, position_ids=position, **cache_kwargs(batch)).logits[0]
+        expected = model(input_ids=token[:1], position_ids=position[:1], **cache_kwargs(alone)).logits[0]
+        assert (got - expected).abs().max() <= TOL
+        batch.remove_row(1, caches[1], 1)  # (the batch cannot tell which of its rows evicted)
+        assert all(layer.may_evict for layer in caches[1].layers)
+
+
 def test_rolling_keys_turned_every_step_where_held_otherwise():
     """Quantized K/V (keys quantized unrotated) and attention policies (no single recent run) keep the older way."""
     model = tiny_model("llama")
