@@ -216,11 +216,12 @@ def _banded_attention(query, key, value, band: tuple[int, int], scaling: float) 
 def _index_frame_queries(cache, layer, query, total: int, query_slot: torch.Tensor | None):
     """Keys held turned to their token ordinal (``EvictionLayer.keys_at_index``): a query turned to its own ordinal
     sees every recent key at its rolling distance already; the sinks (rank = ordinal) need the query at its rolling
-    rank instead. The query in both frames (the second None without sinks) and which slots are sinks ``[B, 1, 1, T]``.
+    rank instead. The query in both frames (the second None without sinks, or while no row may have evicted: each rank
+    is then the ordinal) and which slots are sinks ``[B, 1, 1, T]``.
     An order policy's held count, so each query's rank, follows from its sinks and budget alone: one turn a step."""
     step, rotary = cache.step, layer.rotary
     at_index = rotary.turn(query, step.positions, step.new_index[:, None, :], step.memo)
-    if not layer.sinks or not layer.may_evict:  # (nothing evicted: each rank is the ordinal)
+    if not layer.sinks or not layer.may_evict:
         return at_index, None, None
     rank = layer.valid[:, :1, :total].sum(-1, keepdim=True) - 1 if query_slot is None else query_slot  # [B, 1, q]
     at_rank = rotary.turn(query, step.positions, rank, step.memo, (layer.sinks, layer.policy.budget))
