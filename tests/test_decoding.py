@@ -41,6 +41,12 @@ def _sizes(name: str) -> tuple[int | None, dict]:
     return (None, {"expected_length": PROMPT + STEPS + 1}) if name == "full" else (BUDGET, {})
 
 
+def _graph_states(cache) -> int:
+    """The states a compiled step goes through over the test's steps: rolling sinks pass their budget (and take the
+    sinks' frame from then on: ``EvictionLayer.may_evict``)."""
+    return 2 if cache.layers[0].sinks else 1
+
+
 def _fixed_as_compiled(model) -> DecodeStep:
     """A DecodeStep that takes the fixed-shape path as ``compile=True`` does, with the eager step as its "graph"."""
     step = DecodeStep(model)
@@ -325,7 +331,7 @@ def test_a_steady_step_runs_its_graph_without_dynamo_and_gives_the_eager_logits(
     step._run = lambda *args: through_dynamo.append(1) or run(*args)
     expected = _decode(DecodeStep(model), model, reference, token, position)
     torch.testing.assert_close(_decode(step, model, cache, token, position), expected, rtol=1e-5, atol=1e-5)
-    states = 2 if cache.layers[0].sinks else 1
+    states = _graph_states(cache)
     assert step.compiled_steps == STEPS and step.unguarded_steps == STEPS - 2 * states
     assert len(through_dynamo) == states
     with torch.compiler.set_stance("force_eager"):  # a stance the caller chose is kept: through dynamo
@@ -358,7 +364,7 @@ def test_a_steady_step_calls_its_graph_on_recorded_inputs_and_makes_the_recorded
         step = _through_dynamo(model)
         logits = _decode(step, model, cache, token, position)
         calls = list(step._graphs[cache].values())  # (rolling sinks: the state before the budget passed, then after)
-        assert len(calls) == (2 if cache.layers[0].sinks else 1) and (calls[-1].recorded is not None) == replay
+        assert len(calls) == _graph_states(cache) and (calls[-1].recorded is not None) == replay
         results.append((logits, _python_state(cache)))
     (logits, state), (expected, expected_state) = results
     assert torch.equal(logits, expected)

@@ -34,8 +34,9 @@ def _padded_batch(lengths, total, seed=0):
     return ids, mask
 
 
-def _run_chunks(model, cache, ids, mask, chunks):
-    """Feed ``ids`` in the given chunk lengths, with the growing mask and cumsum positions, as generate does."""
+def _run_chunks(model, cache, ids, mask, chunks, after_call=None):
+    """Feed ``ids`` in the given chunk lengths, with the growing mask and cumsum positions, as generate does
+    (``after_call()`` after each call, if given)."""
     logits, start = [], 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -44,6 +45,8 @@ def _run_chunks(model, cache, ids, mask, chunks):
             out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
                         position_ids=positions[:, start:end], **cache_kwargs(cache))
             logits.append(out.logits)
+            if after_call is not None:
+                after_call()
             start = end
     return torch.cat(logits, dim=1)
 
@@ -226,20 +229,6 @@ def test_rolling_keys_held_at_their_ordinal_equal_keys_turned_every_step(family,
     assert (runs[0] - runs[1]).abs().max() <= TOL
 
 
-def _feed(model, cache, ids, mask, chunks) -> tuple[torch.Tensor, list[bool]]:
-    """``_run_chunks``, also giving the first layer's ``may_evict`` after each call."""
-    logits, marks, start = [], [], 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        for n in chunks:
-            end = start + n
-            logits.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                                position_ids=positions[:, start:end], **cache_kwargs(cache)).logits)
-            marks.append(cache.layers[0].may_evict)
-            start = end
-    return torch.cat(logits, dim=1), marks
-
-
 @pytest.mark.parametrize("padded", [False, True])
 def test_rolling_sinks_take_their_own_frame_once_a_row_may_evict(padded):
     """Until a row may hold more than the budget every rank is its ordinal, and the query is turned once, not once
@@ -257,7 +246,9 @@ def test_rolling_sinks_take_their_own_frame_once_a_row_may_evict(padded):
                 layer.may_evict = True
         if frames == "never":
             cache.mark_evicting = lambda length: None
-        runs[frames] = _feed(model, cache, ids, mask, chunks)
+        marks = []
+        logits = _run_chunks(model, cache, ids, mask, chunks, lambda: marks.append(cache.layers[0].may_evict))
+        runs[frames] = logits, marks
     logits, marks = runs["marked"]
     assert marks == [False, False] + [True] * 18  # 12 tokens fit the budget; the 13th may evict
     assert (logits - runs["always"][0]).abs().max() <= TOL
