@@ -84,6 +84,10 @@ class Prepared:
     several_messages: bool
 
 
+class SessionsBusy(RuntimeError):
+    """Every one of ``max_sessions`` sessions is answering a request: a new one must wait for one to finish."""
+
+
 class Session:
     """One conversation: its cache, and the text that cache holds (plus ``pending``, the last reply token, fed with
     the next turn)."""
@@ -335,7 +339,7 @@ class Engine:
             while len(self.sessions) >= self.max_sessions:
                 idle = next((k for k, s in self.sessions.items() if not s.busy), None)
                 if idle is None:
-                    raise RuntimeError(f"all {self.max_sessions} sessions are busy")
+                    raise SessionsBusy(f"all {self.max_sessions} sessions are busy")
                 dropped = self.sessions.pop(idle)
                 dropped.release()
                 if self.memory is not None:
@@ -447,6 +451,16 @@ class Engine:
         return Job(session, sampling, len(ids), reencoded=history, strip_leading=strip, generator=generator,
                    on_text=on_text, text=Detokenizer(self.tokenizer), feed=ids, served=self._ticks,
                    stops=tuple(sampling.stop) + tuple(self.template.stop if strip else ()))
+
+    def unbegun(self, session: Session, in_doubt: bool) -> None:
+        """After ``begin`` failed in ``session``: a session-less request gives back the K/V memory it reserved; a
+        failure other than bad input (``in_doubt``: the session may be half set up) starts the session over, its
+        memory given back too."""
+        if in_doubt:
+            self.reset(session)
+            session.busy = False
+        if self.memory is not None and (session.id is None or in_doubt):
+            self.memory.leave(session)
 
     @torch.inference_mode()
     def step(self, jobs: list[Job]) -> None:

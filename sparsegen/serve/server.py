@@ -21,7 +21,6 @@ import hmac
 import itertools
 import json
 import logging
-import queue
 import re
 import sys
 import threading
@@ -41,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException
 
 from sparsegen.bench.memory import current_rss
-from sparsegen.serve.engine import MOST_LOGPROBS, Engine, Job, Prepared, Sampling, TokenLogprob
+from sparsegen.serve.engine import MOST_LOGPROBS, Engine, Job, Prepared, Sampling, SessionsBusy, TokenLogprob
 
 log = logging.getLogger("sparsegen.serve")
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
@@ -72,19 +71,27 @@ class Limits:
             raise ValueError("API keys must be non-empty printable strings")
 
 
-def _no_surrogates(value):
-    """Text the tokenizer can take: JSON may carry lone UTF-16 surrogates ("\\ud800") that no UTF-8 text has."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise ValueError(f"a string holds a lone surrogate at character {err.start}; send valid Unicode") from None
-    elif isinstance(value, dict):
-        for item in value.values():
-            _no_surrogates(item)
-    elif isinstance(value, list):
-        for item in value:
-            _no_surrogates(item)
+MOST_NESTING = 32  # levels of JSON arrays and objects a request body may nest (a real request nests five at most)
+
+
+def _readable_json(value):
+    """A body the server can read, checked without recursion (a body nested 960 deep would otherwise raise a
+    ``RecursionError`` here): at most ``MOST_NESTING`` levels, and text the tokenizer can take (JSON may carry lone
+    UTF-16 surrogates, "\\ud800", that no UTF-8 text has)."""
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"a string holds a lone surrogate at character {err.start}; send valid "
+                                 "Unicode") from None
+        elif isinstance(item, (dict, list)):
+            if depth >= MOST_NESTING:
+                raise ValueError(f"the body nests arrays and objects more than {MOST_NESTING} levels deep; send "
+                                 "the request's fields as the API documents them")
+            pending += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
     return value
 
 
@@ -118,7 +125,7 @@ class Message(BaseModel):
     """A chat message as OpenAI clients send it: ``content`` a string, a list of text parts (joined), or null on an
     assistant turn; the ``developer`` role is the system role of newer models."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # read as one string (``_content_text``)
     name: str | None = None
@@ -145,14 +152,14 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Request(BaseModel):
     """Fields both endpoints take; unset sampling fields take the server's defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -178,7 +185,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data):
-        return _no_surrogates(data)
+        return _readable_json(data)
 
     @field_validator("stop")
     @classmethod
@@ -207,7 +214,7 @@ class ChatRequest(_Request):
 class InspectRequest(BaseModel):
     """``POST /v1/inspect``: what each policy keeps of a text (``sparsegen.inspect``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: str = Field(min_length=1)
     policies: str | list[str] = "window,streaming,h2o,snapkv"
     budget: int | float | str = 256
@@ -220,7 +227,7 @@ class InspectRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data):
-        return _no_surrogates(data)
+        return _readable_json(data)
 
 
 class CompletionRequest(_Request):
@@ -380,6 +387,9 @@ class Pending:
     job: Job | None = None
     cancelled: bool = False
     sent_logprobs: int = 0  # the reply's token log-probabilities already sent with its text
+    request_id: str = ""  # what the server's log lines and the X-Request-Id header call the request
+    waits_for: str | None = None  # held in the line for "memory" or a "session"
+    shutdown: bool = False  # ended by a server shutting down (a 503), not by a failure of its own
 
     def send(self, kind: str, payload=None) -> None:
         try:
@@ -394,19 +404,82 @@ class Pending:
         return new
 
 
+class WaitingLine:
+    """Requests not started yet, oldest first: ``new`` ones, and ``held`` ones that wait for a place (K/V memory
+    under ``--kv-memory``, or a session when every one is busy). Bounded by ``limit`` together (a full line answers
+    429); a request whose client left is withdrawn at once, so it holds no place while it waits."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.new: collections.deque[Pending] = collections.deque()
+        self.held: collections.deque[Pending] = collections.deque()
+        self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+
+    def put(self, pending: Pending) -> None:
+        with self.lock:
+            if len(self.new) + len(self.held) >= self.limit:
+                raise ApiError(429, f"{self.limit} requests are already waiting; retry later", "rate_limit_error",
+                               "overloaded")
+            self.new.append(pending)
+            self.arrived.notify()
+
+    def take(self, timeout: float) -> Pending | None:
+        """The oldest new request, waiting up to ``timeout`` seconds for one; None if none came."""
+        with self.lock:
+            if not self.new and timeout > 0:
+                self.arrived.wait(timeout)
+            return self.new.popleft() if self.new else None
+
+    def hold(self, pending: Pending, reason: str) -> None:
+        """``pending`` (taken, or held already) waits for a place: kept in order, behind those held before it."""
+        pending.waits_for = reason
+        with self.lock:
+            if not any(p is pending for p in self.held):
+                self.held.append(pending)
+
+    def holding(self) -> list[Pending]:
+        with self.lock:
+            return list(self.held)
+
+    def withdraw(self, pending: Pending) -> None:
+        """``pending`` leaves the line, wherever it is in it (nowhere: nothing to do)."""
+        with self.lock:
+            for line in (self.new, self.held):
+                for i, queued in enumerate(line):
+                    if queued is pending:
+                        del line[i]
+                        return
+
+    def drain(self) -> list[Pending]:
+        """Every request still waiting, taken out."""
+        with self.lock:
+            waiting = list(self.held) + list(self.new)
+            self.held.clear()
+            self.new.clear()
+            return waiting
+
+    def counts(self) -> dict:
+        with self.lock:
+            held = [p.waits_for for p in self.held]
+        return {"queued_requests": len(self.new) + len(held), "waiting_for_memory": held.count("memory"),
+                "waiting_for_session": held.count("session")}
+
+
 class Worker(threading.Thread):
     """Owns the engine: admits queued requests between steps, cancels those whose clients left, steps. It never dies
     of an error: one in a reply fails that reply (the engine's own guard), one anywhere else fails the replies in
     flight, whose sessions start over (``rebuilds``, logged once each). If it dies anyway (a ``BaseException``), it
-    fails everything waiting and calls ``on_death``: the server then reports it and exits."""
+    fails everything waiting and calls ``on_death``: the server then reports it and exits. ``drain``: a graceful
+    stop (SIGTERM) — nothing new starts, the replies in flight finish within a grace, then fail with a 503."""
 
     def __init__(self, engine: Engine, limits: Limits):
         super().__init__(name="sparsegen-engine", daemon=True)
         self.engine, self.limits = engine, limits
-        self.inbox: queue.Queue[Pending] = queue.Queue(maxsize=limits.max_queue)
+        self.line = WaitingLine(limits.max_queue)
         self.active: list[Pending] = []
-        self.waiting: collections.deque[Pending] = collections.deque()  # taken from the inbox, waiting for memory
         self.stopping = threading.Event()
+        self.deadline: float | None = None  # draining: when the replies still in flight are ended (monotonic)
         self.lock = threading.Lock()
         self.errors = 0
         self.cancelled = 0
@@ -417,16 +490,25 @@ class Worker(threading.Thread):
         self.snapshot: dict = {}
         self._publish()
 
+    @property
+    def draining(self) -> bool:
+        return self.deadline is not None
+
     def submit(self, pending: Pending) -> None:
-        if self.stopping.is_set() or self.died is not None:
-            raise ApiError(503, "the server is shutting down", "server_error")
-        try:
-            if self.inbox.qsize() + len(self.waiting) >= self.limits.max_queue:
-                raise queue.Full
-            self.inbox.put_nowait(pending)
-        except queue.Full:
-            raise ApiError(429, f"{self.limits.max_queue} requests are already waiting; retry later",
-                           "rate_limit_error", "overloaded") from None
+        if self.stopping.is_set() or self.draining or self.died is not None:
+            raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
+        self.line.put(pending)
+
+    def withdraw(self, pending: Pending) -> None:
+        """The client of a request left: it stops holding a place in the line (if it is still in it)."""
+        pending.cancelled = True
+        self.line.withdraw(pending)
+
+    def drain(self, grace: float) -> None:
+        """Stop starting requests (those waiting get a 503 now) and end the replies in flight that have not finished
+        ``grace`` seconds from now. Safe from any thread (a signal handler's)."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + grace
 
     def run(self) -> None:
         try:
@@ -446,7 +528,12 @@ class Worker(threading.Thread):
                 self.on_death()
 
     def _tick(self) -> None:
-        self._admit()
+        if self.draining:
+            self._refuse_waiting()
+            if time.monotonic() >= self.deadline:
+                self._end_in_flight()
+        else:
+            self._admit()
         for pending in self.active:
             if pending.cancelled and not pending.job.done:
                 self.engine.cancel(pending.job)
@@ -455,6 +542,22 @@ class Worker(threading.Thread):
         if self.active:
             self.engine.step([p.job for p in self.active])
             self._retire()
+        elif self.draining:
+            time.sleep(0.02)  # nothing left to do but answer what arrives until the server stops
+
+    def _refuse_waiting(self) -> None:
+        for pending in self.line.drain():
+            pending.send("error", ApiError(503, "the server is shutting down; retry on another server or later",
+                                           "server_error", "shutting_down"))
+
+    def _end_in_flight(self) -> None:
+        """The grace is over: every reply still in flight ends now with a 503 (a stream: an error event)."""
+        for pending in self.active:
+            if not pending.job.done:
+                self.engine.cancel(pending.job)
+                pending.job.error = "the server shut down before the reply finished"
+                pending.job.finish_reason = "error"
+                pending.shutdown = True
 
     def _rebuild(self, err: Exception) -> None:
         """Fail the replies in flight, start their sessions over and forget the stacked batch: the engine is as if
@@ -468,15 +571,8 @@ class Worker(threading.Thread):
 
     def _fail_all(self) -> None:
         """The worker stops: every reply in flight or queued gets a 503."""
-        gone = ApiError(503, "the server shut down before the reply finished", "server_error")
-        waiting = list(self.active) + list(self.waiting)
-        self.waiting.clear()
-        while True:
-            try:
-                waiting.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
-        for pending in waiting:
+        gone = ApiError(503, "the server shut down before the reply finished", "server_error", "shutting_down")
+        for pending in list(self.active) + self.line.drain():
             pending.send("error", gone)
         self.active = []
 
@@ -486,54 +582,71 @@ class Worker(threading.Thread):
             if job.done:
                 self.engine.settle(job)
             if job.done and not pending.cancelled:
-                if job.finish_reason == "error":
+                if pending.shutdown:
+                    pending.send("error", ApiError(503, f"{job.error}; retry on another server or later",
+                                                   "server_error", "shutting_down"))
+                elif job.finish_reason == "error":
                     self.errors += 1
-                    pending.send("error", ApiError(500, f"the reply failed: {job.error}", "server_error"))
+                    self._failed(pending, ApiError(500, f"the reply failed: {job.error}", "server_error"))
                 else:
                     pending.send("done", job)
         self.active = [p for p in self.active if not p.job.done]
 
+    def _failed(self, pending: Pending, err: ApiError) -> None:
+        """A 5xx raised on the engine thread: one log line naming the request, then the error to its handler."""
+        log.error("request %s: %d %s", pending.request_id, err.status, err.message)
+        pending.send("error", err)
+
     def _admit(self) -> None:
-        """Start queued requests while the batch has room: first those waiting for K/V memory (oldest first), then
-        new ones; a request whose session cannot be made live yet (``--kv-memory``) waits, in order."""
-        held, self.waiting = self.waiting, collections.deque()
+        """Start waiting requests while the batch has room: first those held for a place (oldest first), then new
+        ones; a request that cannot start yet (no K/V memory, or every session busy) is held, in order."""
+        held = self.line.holding()
         while len(self.active) < self.limits.max_batch:
             if held:
-                pending = held.popleft()
+                pending = held.pop(0)
             else:
-                try:
-                    # nothing decoding: wait a little for a request (those waiting for memory wait meanwhile too)
-                    pending = self.inbox.get(timeout=0.05) if not self.active else self.inbox.get_nowait()
-                except queue.Empty:
+                # nothing decoding: wait a little for a request (those held wait meanwhile too)
+                pending = self.line.take(timeout=0.05 if not self.active else 0)
+                if pending is None:
                     break
             if pending.cancelled:
+                self.line.withdraw(pending)
                 self.cancelled += 1
                 continue
             try:
-                started = self._begin(pending)
-                if started is None:
-                    self.waiting.append(pending)
-                    continue
-                self.active.append(started)
+                reason = self._begin(pending)
             except ApiError as err:
-                pending.send("error", err)
+                self.line.withdraw(pending)
+                if err.status >= 500:
+                    self._failed(pending, err)
+                else:
+                    pending.send("error", err)
+                continue
             except Exception as err:  # noqa: BLE001
+                self.line.withdraw(pending)
                 self.errors += 1
-                pending.send("error", ApiError(500, f"the request failed: {err}", "server_error"))
-        self.waiting.extend(held)
+                self._failed(pending, ApiError(500, f"the request failed: {type(err).__name__}: {err}",
+                                               "server_error"))
+                continue
+            if reason is not None:
+                self.line.hold(pending, reason)
+            else:
+                self.line.withdraw(pending)
+                self.active.append(pending)
 
-    def _begin(self, pending: Pending) -> Pending | None:
-        """The request started (``pending`` with its job), or None if its session cannot be made live yet."""
+    def _begin(self, pending: Pending) -> str | None:
+        """Start the request (``pending.job``); or what it waits for ("memory" or "session") if it cannot start yet.
+        A request that fails to start gives back any K/V memory it reserved."""
         engine, request = self.engine, pending.request
         session = engine.sessions.get(pending.session_id) if pending.session_id else None
         if session is not None and session.busy:
             raise ApiError(409, "this session is already answering another request", code="busy")
         try:
             session = engine.session(pending.session_id)
-        except RuntimeError as err:
-            raise ApiError(503, str(err), "server_error", "overloaded") from None
+        except SessionsBusy:
+            return "session"
         if not engine.admit(session):
-            return None
+            return "memory"
         # a streamed reply's text goes out as it comes (with its tokens' log-probabilities, when asked); an
         # unstreamed one's handler waits quietly for the end (and notices a disconnected client meanwhile)
         on_text = (lambda job, text: pending.send("text", (text, pending.new_logprobs()))) \
@@ -542,18 +655,19 @@ class Worker(threading.Thread):
             pending.job = engine.begin(session, pending.sampling, on_text=on_text, prepared=pending.prepared,
                                        **pending.text)
         except ValueError as err:
-            if session.id is None and engine.memory is not None:
-                engine.memory.leave(session)
+            engine.unbegun(session, in_doubt=False)
             raise ApiError(400, str(err)) from None
-        return pending
+        except BaseException:
+            engine.unbegun(session, in_doubt=True)
+            raise
+        return None
 
     def _publish(self) -> None:
         engine = self.engine
         snapshot = {**{f"{k}_total": v for k, v in engine.counters.items()}, "errors_total": self.errors,
                     "cancelled_total": self.cancelled, "engine_rebuilds_total": self.rebuilds,
                     "sessions": len(engine.sessions), "active_replies": len(self.active),
-                    "queued_requests": self.inbox.qsize() + len(self.waiting),
-                    "waiting_for_memory": len(self.waiting), "kv_bytes": engine.kv_bytes(),
+                    **self.line.counts(), "kv_bytes": engine.kv_bytes(),
                     **(engine.memory.metrics() if engine.memory is not None else {})}
         with self.lock:
             self.snapshot = snapshot
@@ -811,7 +925,7 @@ class Api:
             jobs = await _wait(request, events, len(pendings))
         except BaseException:
             for pending in pendings:
-                pending.cancelled = True  # stop decoding what nobody will read
+                self.worker.withdraw(pending)  # stop decoding what nobody will read, and free its place in line
             raise
         return JSONResponse(reply.whole(jobs), headers=_history(pendings))
 

@@ -24,7 +24,8 @@ class LagKV(Policy):
     def __init__(self, budget: int, sinks: int = 4, lag: int | None = None):
         super().__init__(budget)
         if not 0 <= sinks < budget:
-            raise ValueError(f"lagkv: sinks ({sinks}) must be in [0, budget={budget})")
+            raise ValueError(f"lagkv: sinks ({sinks}) must be in [0, budget={budget}): raise the budget or lower the "
+                             "sinks")
         self.sinks = sinks
         self.lag = lag or max(2, (budget - sinks) // 8)
         if 2 * self.lag + sinks >= budget:

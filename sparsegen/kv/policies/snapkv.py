@@ -26,7 +26,9 @@ class SnapKV(H2O):
     kernel = 5
 
     def __init__(self, budget: int, window: int | None = None, sinks: int = 0):
-        window = min(32, budget // 4) if window is None else window
+        window = max(1, min(32, budget // 4)) if window is None else window  # at least the last query votes
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{self.name}: the observation window is at least 1 query, got {window!r}")
         super().__init__(budget, recent=window, sinks=sinks)
         self.window = window
 
