@@ -395,11 +395,12 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,
-            progress: bool | None = None, first_chunk: int | None = None, start: int = 0) -> torch.Tensor:
+            progress: bool | None = None, first_chunk: int | None = None, start: int = 0,
+            after_chunk: Callable[[], None] | None = None) -> torch.Tensor:
     """Feed left-padded ``ids`` into ``cache`` a chunk at a time (evicting between chunks); the last position's
     logits ``[B, vocab]``. ``first_chunk``: the first chunk's length instead (kvpress's protocol: a whole context in
     one pass, compressed once, then the question in chunks). ``start``: the first token's position (a cache that
-    already holds a context)."""
+    already holds a context). ``after_chunk``: called after each chunk (it may raise to stop a long prefill)."""
     length = ids.shape[1]
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0) + start
     padded = not bool(mask.all())
@@ -409,4 +410,6 @@ def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor
     for start, end in tqdm(list(zip(starts, ends)), desc="prefill", unit="chunk", disable=not show, leave=False):
         logits = forward(model, cache, ids[:, start:end], position_ids[:, start:end],
                          mask[:, :end] if padded else None, last=True)
+        if after_chunk is not None:
+            after_chunk()
     return logits

@@ -103,7 +103,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = Limits(max_sessions=args.max_sessions, max_batch=args.max_batch, max_queue=args.max_queue,
                     max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_messages=args.max_messages, max_stop_chars=args.max_stop_chars,
-                    max_request_bytes=args.max_request_bytes, api_keys=tuple(keys))
+                    max_request_bytes=args.max_request_bytes, max_inspections=args.max_inspections,
+                    header_timeout=args.header_timeout, body_timeout=args.body_timeout, api_keys=tuple(keys))
+    if args.shutdown_grace < 0:
+        raise ValueError(f"--shutdown-grace is a number of seconds >= 0, got {args.shutdown_grace}")
     if args.kv_memory is None and args.idle_grace != 2.0:
         raise ValueError("--idle-grace is how long an idle session is safe under --kv-memory: give --kv-memory too")
     defaults = _sampling(args)  # before loading: a bad flag fails at once
@@ -124,7 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
           + (f" ({len(keys)} API keys)" if keys else " (no API key)"), flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
-    status = run_server(app, args.host, args.port, args.log_level)
+    status = run_server(app, args.host, args.port, args.log_level, args.shutdown_grace)
     if status:
         sys.exit(status)
 
@@ -202,6 +205,18 @@ def add_parsers(sub) -> None:
                    help="longest stop string (default 256; at most 4 of them)")
     p.add_argument("--max-request-bytes", type=positive_int, default=1 << 20,
                    help="largest request body (default 1 MiB)")
+    p.add_argument("--max-inspections", type=positive_int, default=2,
+                   help="/v1/inspect calls running or waiting at once; more get 429 (default 2: each runs the model "
+                        "over its whole text once per policy)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a client must send a request's headers within this many seconds of starting them (default "
+                        "10); slower connections get 408 and are closed")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a client must send a request's whole body within this many seconds (default 30; 408 past it)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, replies in flight get this long to finish before each ends with a 503 "
+                        "(streams: an error event, then [DONE]); queued requests get 503 at once; then exit 0 "
+                        "(default 30)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     p.set_defaults(func=cmd_serve)
 

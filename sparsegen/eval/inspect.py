@@ -11,6 +11,7 @@ With a question, each policy also answers it, and an ``answer`` string marks the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -51,13 +52,14 @@ def _scores(cache: EvictionCache, layer, length: int) -> tuple[list[float | None
 
 
 @torch.inference_mode()
-def sink_mass(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK, sinks: int = SINKS) -> list:
+def sink_mass(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK, sinks: int = SINKS,
+              after_chunk: Callable[[], None] | None = None) -> list:
     """Per layer, the share of all attention (every query, every head) that went to the first ``sinks`` tokens,
     from an attention-scoring cache that keeps every token (None for a sliding-window layer, which keeps its window
     whatever the policy and scores nothing)."""
     length = ids.shape[1]
     cache = EvictionCache(model, make_policy("h2o", length + 1), chunk_size=chunk_size)
-    prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False)
+    prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False, after_chunk=after_chunk)
     shares = []
     for layer in cache.layers:
         if layer.attention is None:
@@ -103,11 +105,12 @@ def _offsets(tokenizer, text: str, ids: list[int]) -> tuple[list[str], list[tupl
 def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | str = ("window", "streaming", "h2o"),
             budget: int | float | str = 256, question: str | None = None, answer: str | None = None,
             protocol: str = "stream", kv_bits: int | None = None, chunk_size: int = DEFAULT_CHUNK,
-            max_new_tokens: int = 16, model_name: str = "") -> dict:
+            max_new_tokens: int = 16, model_name: str = "", after_chunk: Callable[[], None] | None = None) -> dict:
     """What each of ``policies`` keeps of ``text`` (+ ``question``) at ``budget`` (tokens, or a share of the prompt):
     ``{"tokens": [...], "offsets": [...], "answer_tokens": [...], "sink_mass": [per layer], "policies": {name:
     {"kept": [layer][head] -> token ordinals, "count": per token, "layers": per token, "score": per token,
-    "protected": per token, "kv_tokens", "reply", "answer_kept"}}}``. The page draws exactly this."""
+    "protected": per token, "kv_tokens", "reply", "answer_kept"}}}``. The page draws exactly this. ``after_chunk``:
+    called after every chunk and reply token the model runs (a server's raises there when its client has left)."""
     if not isinstance(text, str) or not text:
         raise ValueError("text must be a non-empty string")
     names = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
@@ -134,13 +137,14 @@ def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | 
     result = {"model": model_name, "budget": budget, "protocol": protocol, "kv_bits": kv_bits, "question": question,
               "answer": answer, "tokens": pieces, "offsets": offsets, "prompt_tokens": length,
               "question_start": len(text_ids), "answer_tokens": needed, "layers": config.num_hidden_layers,
-              "heads": heads, "sinks": SINKS, "sink_mass": sink_mass(model, ids, chunk_size), "policies": {}}
+              "heads": heads, "sinks": SINKS, "sink_mass": sink_mass(model, ids, chunk_size, after_chunk=after_chunk), "policies": {}}
     for name in names:
         policy = make_policy(name, None if name == "full" else budget,
                              input_length=len(text_ids) if protocol == "context" else length)
         cache = EvictionCache(model, policy, chunk_size=chunk_size, kv_bits=kv_bits)
         first = len(text_ids) if protocol == "context" else None
-        logits = prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False, first_chunk=first)
+        logits = prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False, first_chunk=first,
+                         after_chunk=after_chunk)
         kept = [kept_tokens(layer, heads) for layer in cache.layers]
         count = [0] * length
         layers_of = [[] for _ in range(length)]
@@ -156,7 +160,7 @@ def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | 
         held = max(cache.held_tokens())
         reply = ""
         if question and max_new_tokens:
-            reply = _answer(model, tokenizer, cache, logits, length, max_new_tokens)
+            reply = _answer(model, tokenizer, cache, logits, length, max_new_tokens, after_chunk)
         result["policies"][name] = {
             **policy.describe(), "kept": kept, "count": count, "layers_kept": layers_of, "score": score,
             "protected": protected, "kv_tokens": held, "reply": reply,
@@ -174,7 +178,8 @@ def _share(counts: list[int], pairs: int) -> float | None:
     return round(sum(counts) / (len(counts) * pairs), 4) if counts else None
 
 
-def _answer(model, tokenizer, cache: EvictionCache, logits: torch.Tensor, length: int, max_new_tokens: int) -> str:
+def _answer(model, tokenizer, cache: EvictionCache, logits: torch.Tensor, length: int, max_new_tokens: int,
+            after_token: Callable[[], None] | None = None) -> str:
     """Greedy reply from the cache as the prompt left it (the kept sets are read before, so the reply's own
     evictions do not show)."""
     step, tokens = DecodeStep(model), []
@@ -186,6 +191,8 @@ def _answer(model, tokenizer, cache: EvictionCache, logits: torch.Tensor, length
         tokens.append(token.item())
         logits = step(cache, token, position)
         position = position + 1
+        if after_token is not None:
+            after_token()
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 

@@ -21,6 +21,7 @@ from sparsegen.kv.cache import BUFFERS, ROW_STATE, EvictionCache
 from sparsegen.kv.policies import policy_class
 from sparsegen.kv.policy import Policy, policy_options
 from sparsegen.kv.quantized import KVQuantization
+from sparsegen.models.anatomy import pinned_tokens
 
 FORMAT = "sparsegen.compressed_context/2"  # 2: rolling order-policy keys held turned to their token ordinal
 SAMPLE = 4096  # elements of each weight read into the fingerprint (evenly spaced): enough to tell pruned or
@@ -41,6 +42,58 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def _damaged(path: Path, problem: str) -> ValueError:
+    return ValueError(f"{str(path)!r} is a damaged compressed context: {problem}; write it again with `sparsegen "
+                      "compress`")
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of every tensor's name, dtype, shape and bytes (what ``save`` wrote; ``load`` refuses any other)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# each metadata key a saved context needs, and the types its value may take
+META_TYPES = {"model": (str,), "fingerprint": (str,), "policy": (dict,), "positions": (str, type(None)),
+              "chunk_size": (int,), "kv_quantization": (dict, type(None)), "length": (int,), "padded": (bool, int),
+              "layers": (list,), "text": (str,)}
+
+
+def _check_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The metadata's keys and types, and what can be checked of the tensors without the model."""
+    for key, types in META_TYPES.items():
+        if key not in meta:
+            raise _damaged(path, f"its metadata has no {key!r}")
+        if not isinstance(meta[key], types) or (isinstance(meta[key], bool) and bool not in types):
+            raise _damaged(path, f"its metadata's {key!r} is {type(meta[key]).__name__}, not "
+                                 f"{' or '.join(t.__name__ for t in types)}")
+    quant = meta["kv_quantization"]
+    if quant is not None and not all(isinstance(quant.get(k), int) for k in ("kv_bits", "kv_residual")):
+        raise _damaged(path, "its metadata's 'kv_quantization' lacks integer kv_bits and kv_residual")
+    counts = ("used", "fan", "peak_tokens")
+    if not meta["layers"] or not all(isinstance(layer, dict) and all(isinstance(layer.get(k), int)
+                                                                     and not isinstance(layer.get(k), bool)
+                                                                     and layer[k] >= (k == "fan") for k in counts)
+                                     for layer in meta["layers"]):
+        raise _damaged(path, "its metadata's 'layers' are not each {used, fan, peak_tokens} counts")
+    if meta["chunk_size"] < 1 or meta["padded"] < 0:
+        raise _damaged(path, "its metadata's chunk_size or padding is out of range")
+    for name in ("seen", "context_ids"):
+        if name not in tensors or tensors[name].dtype != torch.long:
+            raise _damaged(path, f"it has no {name!r} tensor of token counts")
+    tokens = tensors["context_ids"].numel()
+    if meta["length"] < tokens or tensors["seen"].numel() != 1:
+        raise _damaged(path, f"its length {meta['length']} does not fit its {tokens} context tokens")
+    try:
+        policy_from_description(meta["policy"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise _damaged(path, f"its policy {meta['policy']} cannot be rebuilt ({err})") from None
 
 
 def policy_from_description(description: dict) -> Policy:
@@ -144,31 +197,87 @@ class CompressedContext:
             raise ValueError(f"save a compressed context as NAME.safetensors, got {str(path)!r}")
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        save_file({k: v.cpu() for k, v in self.tensors.items()}, str(partial),
-                  metadata={"sparsegen": json.dumps(self.meta)})
+        tensors = {k: v.cpu().contiguous() for k, v in self.tensors.items()}
+        save_file(tensors, str(partial), metadata={"sparsegen": json.dumps({**self.meta, "digest": _digest(tensors)})})
         partial.replace(path)  # a crash mid-write never leaves a truncated context under the name
         return path
 
     @classmethod
     def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> CompressedContext:
-        """Read a saved context; with ``model``, refuse it unless that model compressed it."""
+        """Read a saved context and check it whole: its metadata's keys and types, its tensors' bytes against the
+        digest it was saved with, and, with ``model``, that this model compressed it and that every tensor has the
+        name, shape, dtype and finite values the model and the policy give it. A damaged file raises one
+        ``ValueError`` naming the file and the fix."""
         from safetensors import safe_open
 
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no compressed context at {str(path)!r}: write one with `sparsegen compress`")
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("sparsegen")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                raw = (f.metadata() or {}).get("sparsegen")
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
             meta = json.loads(raw) if raw else {}
-            if meta.get("format") != FORMAT:
-                if str(meta.get("format", "")).startswith(FORMAT.split("/")[0]):
-                    raise ValueError(f"{str(path)!r} was written by another sparsegen version ({meta['format']}; "
-                                     f"this one reads {FORMAT}): compress the context again")
-                raise ValueError(f"{str(path)!r} is not a sparsegen compressed context ({FORMAT})")
-            context = cls({name: f.get_tensor(name) for name in f.keys()}, meta)
+        except Exception as err:  # noqa: BLE001  (safetensors' own error type is not public)
+            raise _damaged(path, f"it cannot be read as safetensors: {' '.join(str(err).split())}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            if isinstance(meta, dict) and str(meta.get("format", "")).startswith(FORMAT.split("/")[0]):
+                raise ValueError(f"{str(path)!r} was written by another sparsegen version ({meta['format']}; "
+                                 f"this one reads {FORMAT}): compress the context again")
+            raise ValueError(f"{str(path)!r} is not a sparsegen compressed context ({FORMAT})")
+        digest = meta.pop("digest", None)  # (files written before the digest have none)
+        _check_meta(path, meta, tensors)
+        if digest is not None and digest != _digest(tensors):
+            raise _damaged(path, "its tensors' bytes differ from those it was saved with")
+        context = cls(tensors, meta)
         if model is not None:
             context.check(model)
+            context._check_tensors(path, model)
         return context
+
+    def _check_tensors(self, path: Path, model: torch.nn.Module) -> None:
+        """Every tensor as a cache of this model under the saved policy holds it: the names, dtypes and shapes of a
+        probe cache fed one token (slot counts as the metadata says), finite values, token ordinals in the context."""
+        from sparsegen.decoding import forward
+
+        meta, tensors = self.meta, self.tensors
+        quant = meta["kv_quantization"]
+        probe = EvictionCache(model, policy_from_description(meta["policy"]), positions=meta["positions"],
+                              chunk_size=meta["chunk_size"],
+                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else None)
+        if len(probe.layers) != len(meta["layers"]):
+            raise _damaged(path, f"it has {len(meta['layers'])} layers, the model {len(probe.layers)}")
+        device = next(model.parameters()).device
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            forward(model, probe, token, token, last=True)
+        expected = {"seen": ((1,), torch.long), "context_ids": ((self.tokens,), torch.long)}
+        for i, (layer, counts) in enumerate(zip(probe.layers, meta["layers"])):
+            if counts["fan"] != layer.fan or counts["used"] > layer.most_slots(meta["chunk_size"]):
+                raise _damaged(path, f"layer {i}'s counts {counts} do not fit the model under its policy")
+            for name, buf in layer.buffers() + layer.row_state():
+                shape = list(buf.shape)
+                if name in BUFFERS:
+                    shape[2] = counts["used"]
+                expected[f"layers.{i}.{name}"] = (tuple(shape), buf.dtype)
+        if set(tensors) != set(expected):
+            odd = sorted(set(tensors) ^ set(expected))
+            raise _damaged(path, f"its tensors are not those of this model's cache under its policy ({', '.join(odd[:4])}"
+                                 f"{', ...' if len(odd) > 4 else ''} missing or unexpected)")
+        for name, (shape, dtype) in expected.items():
+            tensor = tensors[name]
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise _damaged(path, f"{name} is {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}, the "
+                                     f"model's cache holds {str(dtype).removeprefix('torch.')} {list(shape)}")
+            if tensor.is_floating_point() and not name.endswith(".memo") and not bool(torch.isfinite(tensor).all()):
+                raise _damaged(path, f"{name} holds NaN or infinite values")
+        seen = self.tokens + pinned_tokens(model)  # (a prompt prefix the model puts before every sequence)
+        if int(tensors["seen"][0]) != seen or meta["length"] != seen:
+            raise _damaged(path, f"its length {meta['length']} is not the {seen} tokens it saw")
+        for i in range(len(meta["layers"])):
+            index, valid = tensors[f"layers.{i}.index"], tensors[f"layers.{i}.valid"]
+            if bool(((index < 0) | (index >= meta["length"]))[valid].any()):
+                raise _damaged(path, f"layer {i} holds tokens outside the context's {meta['length']}")
 
     def describe(self) -> dict:
         return {"model": self.meta["model"], **self.meta["policy"], **(self.meta["kv_quantization"] or {}),

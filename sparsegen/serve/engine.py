@@ -398,20 +398,26 @@ class Engine:
         text = prefix + text
         held = session.text if session is not None and session.context == context and session.text else prefix
         base = held if held and text.startswith(held) else ""
-        limit, longest = self.max_prompt_tokens, self._longest_token
-        if limit is not None and longest and len(text) - len(base) > limit * longest:  # no need to tokenize it
-            raise ValueError(f"the prompt has at least {(len(text) - len(base)) // longest:,} new tokens, over this "
-                             f"server's limit of {limit}")
         special = not base and (self.template.adds_special_tokens if messages is not None else True)
+        ids = self.tokenize(text[len(base):], special, elsewhere)
+        return Prepared(text, base, ids, messages is not None and len(messages) > 1)
+
+    def tokenize(self, text: str, special: bool = True, elsewhere: bool = False) -> list[int]:
+        """``text``'s tokens, refused (``ValueError``) past ``max_prompt_tokens``: by its length alone where that
+        settles it (no token is longer than the vocabulary's longest), so a huge text costs no tokenizing.
+        ``elsewhere``: see ``prepare``."""
+        limit, longest = self.max_prompt_tokens, self._longest_token
+        if limit is not None and longest and len(text) > limit * longest:
+            raise ValueError(f"the prompt has at least {len(text) // longest:,} new tokens, over this server's limit "
+                             f"of {limit}")
         if elsewhere:
             with self._spare_lock:  # a fast tokenizer refuses concurrent calls ("Already borrowed")
-                ids = self._spare_tokenizer(text[len(base):], add_special_tokens=special)["input_ids"]
+                ids = self._spare_tokenizer(text, add_special_tokens=special)["input_ids"]
         else:
-            ids = self.tokenizer(text[len(base):], add_special_tokens=special)["input_ids"]
-        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            raise ValueError(f"the prompt has {len(ids)} new tokens, over this server's limit of "
-                             f"{self.max_prompt_tokens}")
-        return Prepared(text, base, ids, messages is not None and len(messages) > 1)
+            ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        if limit is not None and len(ids) > limit:
+            raise ValueError(f"the prompt has {len(ids)} new tokens, over this server's limit of {limit}")
+        return ids
 
     def begin(self, session: Session, sampling: Sampling, messages: list[dict] | None = None,
               prompt: str | None = None, on_text: Callable[[Job, str], None] | None = None,

@@ -49,7 +49,7 @@ SESSION_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ -"
 
 @dataclass(frozen=True)
 class Limits:
-    """What one server accepts. Every count must be at least 1."""
+    """What one server accepts. Every count must be at least 1, every timeout above 0."""
 
     max_sessions: int = 64
     max_batch: int = 16  # replies decoded together
@@ -60,12 +60,18 @@ class Limits:
     max_stops: int = 4
     max_stop_chars: int = 256
     max_request_bytes: int = 1 << 20
+    max_inspections: int = 2  # /v1/inspect calls running or waiting beyond which: 429
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers, once it starts them
+    body_timeout: float = 30.0  # seconds a client has to send a request's whole body, once its headers are in
     api_keys: tuple[str, ...] = ()  # none: no authentication
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "api_keys" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if f.name.endswith("_timeout"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                    raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
+            elif f.name != "api_keys" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
         if any(not isinstance(key, str) or not key.strip() or not key.isprintable() for key in self.api_keys):
             raise ValueError("API keys must be non-empty printable strings")
@@ -415,6 +421,7 @@ class WaitingLine:
         self.held: collections.deque[Pending] = collections.deque()
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
+        self.left = 0  # requests withdrawn because their clients left
 
     def put(self, pending: Pending) -> None:
         with self.lock:
@@ -442,13 +449,14 @@ class WaitingLine:
         with self.lock:
             return list(self.held)
 
-    def withdraw(self, pending: Pending) -> None:
+    def withdraw(self, pending: Pending, client_left: bool = False) -> None:
         """``pending`` leaves the line, wherever it is in it (nowhere: nothing to do)."""
         with self.lock:
             for line in (self.new, self.held):
                 for i, queued in enumerate(line):
                     if queued is pending:
                         del line[i]
+                        self.left += client_left
                         return
 
     def drain(self) -> list[Pending]:
@@ -502,7 +510,7 @@ class Worker(threading.Thread):
     def withdraw(self, pending: Pending) -> None:
         """The client of a request left: it stops holding a place in the line (if it is still in it)."""
         pending.cancelled = True
-        self.line.withdraw(pending)
+        self.line.withdraw(pending, client_left=True)
 
     def drain(self, grace: float) -> None:
         """Stop starting requests (those waiting get a 503 now) and end the replies in flight that have not finished
@@ -604,15 +612,16 @@ class Worker(threading.Thread):
         while len(self.active) < self.limits.max_batch:
             if held:
                 pending = held.pop(0)
+                if pending.cancelled:  # (its handler withdrew it, and counted it)
+                    continue
             else:
                 # nothing decoding: wait a little for a request (those held wait meanwhile too)
                 pending = self.line.take(timeout=0.05 if not self.active else 0)
                 if pending is None:
                     break
-            if pending.cancelled:
-                self.line.withdraw(pending)
-                self.cancelled += 1
-                continue
+                if pending.cancelled:  # its client left as it was taken from the line
+                    self.cancelled += 1
+                    continue
             try:
                 reason = self._begin(pending)
             except ApiError as err:
@@ -665,7 +674,8 @@ class Worker(threading.Thread):
     def _publish(self) -> None:
         engine = self.engine
         snapshot = {**{f"{k}_total": v for k, v in engine.counters.items()}, "errors_total": self.errors,
-                    "cancelled_total": self.cancelled, "engine_rebuilds_total": self.rebuilds,
+                    "cancelled_total": self.cancelled + self.line.left,
+                    "engine_rebuilds_total": self.rebuilds,
                     "sessions": len(engine.sessions), "active_replies": len(self.active),
                     **self.line.counts(), "kv_bytes": engine.kv_bytes(),
                     **(engine.memory.metrics() if engine.memory is not None else {})}
@@ -701,46 +711,74 @@ OPEN_PATHS = ("/health", "/inspect")  # answered without an API key: a health ch
 class Guard:
     """ASGI middleware that checks a request before the app reads it: the API key (which also names the request's
     session namespace, in ``scope["state"]``), a JSON content type on POST, and the body size — counted as the body
-    arrives, so a chunked upload is cut off at the limit instead of being read whole first."""
+    arrives, so a chunked upload is cut off at the limit instead of being read whole first — and its time: the
+    whole body within ``body_timeout`` seconds (408 past it). Every request gets an id (``X-Request-Id``, and in
+    the server's log lines); an exception that escapes the app answers 500 in OpenAI's shape, logged in one line."""
 
-    def __init__(self, app, limits: Limits):
-        self.app, self.limit = app, limits.max_request_bytes
+    def __init__(self, app, limits: Limits, worker: Worker):
+        self.app, self.limit, self.body_timeout, self.worker = app, limits.max_request_bytes, limits.body_timeout, worker
         # a session belongs to the key that made it: its namespace is a digest of the key, never the key itself
         self.keys = {key: hashlib.sha256(key.encode()).hexdigest()[:16] for key in limits.api_keys}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        started = False
+
+        async def tagged(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
+            await send(message)
+
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         namespace = ""
         if self.keys and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             match = [ns for key, ns in self.keys.items() if hmac.compare_digest(given.encode(), f"Bearer {key}".encode())]
             if not match:
-                return await _reply(send, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                                   "authentication_error", "invalid_api_key"))
+                return await _reply(tagged, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                                     "authentication_error", "invalid_api_key"))
             namespace = match[0]
-        scope.setdefault("state", {})["namespace"] = namespace
+        scope.setdefault("state", {}).update(namespace=namespace, request_id=request_id)
         if scope["method"] == "POST":
             content_type = headers.get("content-type", "").split(";")[0].strip().lower()
             if content_type != "application/json":
-                return await _reply(send, ApiError(415, f"the body must be JSON sent as Content-Type: application/json, "
-                                                        f"not {content_type or 'none'!r}", code="unsupported_media_type"))
+                return await _reply(tagged, ApiError(415, f"the body must be JSON sent as Content-Type: "
+                                                          f"application/json, not {content_type or 'none'!r}",
+                                                     code="unsupported_media_type"))
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await _reply(send, self._too_large())
-        received = 0
+            return await _reply(tagged, self._too_large())
+        received, whole = 0, False
+        deadline = time.monotonic() + self.body_timeout
 
         async def counted():
-            nonlocal received
-            message = await receive()
+            nonlocal received, whole
+            if whole:  # the body is in: what comes now (a disconnect) may take any time
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request's body did not arrive within {self.body_timeout:g} s") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                whole = not message.get("more_body", False)
                 if received > self.limit:
                     raise HTTPException(413, self._too_large().message)
             return message
 
-        await self.app(scope, counted, send)
+        try:
+            await self.app(scope, counted, tagged)
+        except Exception as err:  # noqa: BLE001  a bug: this request fails, in one log line; the server goes on
+            self.worker.errors += 1
+            log.error("request %s: 500 internal error (%s: %s)", request_id, type(err).__name__, err)
+            log.debug("request %s failed", request_id, exc_info=True)
+            if not started:
+                await _reply(tagged, ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"the request is larger than {self.limit} bytes", code="too_large")
@@ -753,7 +791,7 @@ async def _reply(send, err: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "too_large"}
 
 
 def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Sampling | None = None) -> FastAPI:
@@ -775,13 +813,19 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
         yield
         worker.stopping.set()
         api.preparer.shutdown(cancel_futures=True)
-        inspector.pool.shutdown(cancel_futures=True)
+        inspector.close()
         await asyncio.to_thread(worker.join, 30)
 
+    def drain(grace: float) -> None:
+        """A graceful stop (``run_server`` on SIGTERM): nothing new starts, replies in flight get ``grace`` s."""
+        worker.drain(grace)
+        inspector.stop_all()
+
     app = FastAPI(title="sparsegen", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.add_middleware(Guard, limits=limits)
-    app.state.worker, app.state.kv_bound = worker, kv_bound(engine, limits)
-    _answer_errors(app, worker)
+    app.add_middleware(Guard, limits=limits, worker=worker)
+    app.state.worker, app.state.kv_bound, app.state.drain = worker, kv_bound(engine, limits), drain
+    app.state.limits = limits
+    _answer_errors(app)
     _route_generation(app, api)
     _route_inspection(app, inspector)
     _route_operations(app, worker, app.state.kv_bound)
@@ -792,11 +836,14 @@ def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def _answer_errors(app: FastAPI, worker: Worker) -> None:
+def _answer_errors(app: FastAPI) -> None:
     """Every failure answers OpenAI's error shape (never a bare 500 page); a client that left, one log line."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, err: ApiError):
+        if err.status >= 500:
+            log.warning("request %s: %d %s", request.scope.get("state", {}).get("request_id"), err.status,
+                        err.message)
         return _error(err)
 
     @app.exception_handler(HTTPException)
@@ -816,11 +863,6 @@ def _answer_errors(app: FastAPI, worker: Worker) -> None:
         else:
             message = f"{where}: {first['msg']}"
         return _error(ApiError(400, message, param=None if where == "body" else where))
-
-    @app.exception_handler(Exception)
-    async def _internal(request, err: Exception):
-        worker.errors += 1
-        return _error(ApiError(500, f"internal error: {type(err).__name__}", "server_error"))
 
     @app.exception_handler(ClientGone)
     async def _gone(request, err: ClientGone):  # a normal event: one info line, no traceback
@@ -909,7 +951,8 @@ class Api:
                         self.preparer, partial(self.engine.prepare, session, elsewhere=True, **text))
                 except ValueError as err:
                     raise ApiError(400, str(err)) from None
-                pending = Pending(kind, parsed, text, session_id, sampling, prepared, loop, events, index)
+                pending = Pending(kind, parsed, text, session_id, sampling, prepared, loop, events, index,
+                                  request_id=request.scope.get("state", {}).get("request_id", ""))
                 self.worker.submit(pending)
                 pendings.append(pending)
             ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -1041,8 +1084,9 @@ async def _stream(request: Request, reply: Reply, event: tuple, usage: bool):
                         yield reply.chunk(0, None, None, usage=_usage_of(list(finished.values())))
                     yield "data: [DONE]\n\n"
                     return
-            else:
+            else:  # an error: its event, then the end of the stream, as for any other
                 yield f"data: {json.dumps(payload.body())}\n\n"
+                yield "data: [DONE]\n\n"
                 return
             event = await _next_event(request, reply.pendings[0].events)
     except ClientGone:
@@ -1074,36 +1118,84 @@ def _route_generation(app: FastAPI, api: Api) -> None:
         return ModelCard(id=api.model_name, created=api.started)
 
 
+class InspectionCancelled(Exception):
+    """Raised inside an inspection between two chunks: its client left, or the server is stopping."""
+
+
 class Inspector:
     """The cache inspector's work: one inspection at a time, beside the engine (it runs the model over a whole text
-    once per policy), with its own tokenizer (a fast tokenizer refuses concurrent calls)."""
+    once per policy), with its own tokenizer (a fast tokenizer refuses concurrent calls). At most
+    ``max_inspections`` are running or waiting (429 beyond); each is sized before it waits (by its text's length,
+    then its tokens, counted off the event loop), and stops at its next chunk when its client leaves or the server
+    stops."""
 
     def __init__(self, engine: Engine, limits: Limits, model_name: str):
         self.engine, self.limits, self.model_name = engine, limits, model_name
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-inspect")
-        self.tokenizer = None
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.taken = 0  # inspections running or waiting (changed on the event loop only)
+        self.stops: set[threading.Event] = set()  # one per inspection taken
+        self.closed = False
 
-    async def inspect(self, body: InspectRequest) -> JSONResponse:
+    async def inspect(self, body: InspectRequest, request: Request) -> JSONResponse:
         from sparsegen.eval.inspect import inspect
 
         limits = self.limits
+        if self.closed:
+            raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
         if body.max_new_tokens > limits.max_tokens:
             raise ApiError(400, f"max_new_tokens is over this server's limit of {limits.max_tokens}",
                            param="max_new_tokens")
-        if self.tokenizer is None:
-            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-        tokens = len(self.tokenizer(body.text + (body.question or ""))["input_ids"])
-        if tokens > limits.max_prompt_tokens:
-            raise ApiError(400, f"the text has {tokens:,} tokens, over this server's limit of "
-                                f"{limits.max_prompt_tokens:,} (--max-prompt-tokens)", param="text")
-        run = partial(inspect, self.engine.model, self.tokenizer, body.text, body.policies, body.budget,
-                      question=body.question, answer=body.answer, protocol=body.protocol, kv_bits=body.kv_bits,
-                      chunk_size=self.engine.chunk_size, max_new_tokens=body.max_new_tokens,
-                      model_name=self.model_name)
+        if self.taken >= limits.max_inspections:
+            raise ApiError(429, f"{limits.max_inspections} inspections are already running or waiting "
+                                "(--max-inspections); retry later", "rate_limit_error", "overloaded")
+        stop = threading.Event()
+        self.taken += 1
+        self.stops.add(stop)
         try:
-            return JSONResponse(await asyncio.get_running_loop().run_in_executor(self.pool, run))
-        except ValueError as err:
-            raise ApiError(400, str(err)) from None
+            try:
+                await asyncio.to_thread(self.engine.tokenize, body.text + (body.question or ""), True, True)
+            except ValueError as err:
+                raise ApiError(400, f"{err} (--max-prompt-tokens)", param="text") from None
+
+            def interrupt() -> None:
+                if stop.is_set():
+                    raise InspectionCancelled
+
+            run = partial(inspect, self.engine.model, self.tokenizer, body.text, body.policies, body.budget,
+                          question=body.question, answer=body.answer, protocol=body.protocol,
+                          kv_bits=body.kv_bits, chunk_size=self.engine.chunk_size,
+                          max_new_tokens=body.max_new_tokens, model_name=self.model_name, after_chunk=interrupt)
+            work = asyncio.get_running_loop().run_in_executor(self.pool, run)
+            while True:
+                done, _ = await asyncio.wait([work], timeout=0.25)
+                if done:
+                    break
+                if self.closed or await request.is_disconnected():
+                    stop.set()  # a running inspection stops at its next chunk; a waiting one never starts
+                    work.cancel()
+                    if self.closed:
+                        raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
+                    raise ClientGone
+            try:
+                return JSONResponse(work.result())
+            except ValueError as err:
+                raise ApiError(400, str(err)) from None
+            except InspectionCancelled:
+                raise ApiError(503, "the server is shutting down", "server_error", "shutting_down") from None
+        finally:
+            self.taken -= 1
+            self.stops.discard(stop)
+
+    def stop_all(self) -> None:
+        """Stop every inspection (each at its next chunk) and take no more. Safe in a signal handler."""
+        self.closed = True
+        for stop in list(self.stops):
+            stop.set()
+
+    def close(self) -> None:
+        self.stop_all()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _route_inspection(app: FastAPI, inspector: Inspector) -> None:
@@ -1115,17 +1207,20 @@ def _route_inspection(app: FastAPI, inspector: Inspector) -> None:
         return HTMLResponse(page(api=True))
 
     @app.post("/v1/inspect")
-    async def inspect_kept(body: InspectRequest):
-        return await inspector.inspect(body)
+    async def inspect_kept(body: InspectRequest, request: Request):
+        return await inspector.inspect(body, request)
 
 
 def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health():
         """ok, or 503 once the engine thread is gone (the process then exits); after an engine rebuild, how many
         and the last error."""
         if not worker.is_alive():
             return JSONResponse({"status": "down", "error": worker.died}, status_code=503)
+        if worker.draining:  # a load balancer sends no more here
+            return JSONResponse({"status": "draining"}, status_code=503)
         body = {"status": "ok"}
         if worker.rebuilds:
             body.update(engine_rebuilds=worker.rebuilds, last_rebuild=worker.last_rebuild)
@@ -1135,7 +1230,8 @@ def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
     async def metrics():
         with worker.lock:
             snapshot = dict(worker.snapshot)
-        snapshot.update(kv_bytes_bound=bound, resident_bytes=current_rss() or 0)
+        # the line as it is now (a request whose client left is gone from it at once, between two engine steps)
+        snapshot.update(worker.line.counts(), kv_bytes_bound=bound, resident_bytes=current_rss() or 0)
         lines = []
         for name, value in snapshot.items():
             metric = f"sparsegen_{name}"
@@ -1144,15 +1240,42 @@ def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "warning") -> int:
-    """Serve ``app`` until stopped; the exit status: 0, or 3 when the engine thread died (so that a supervisor,
-    systemd or Kubernetes, restarts the server instead of leaving it hanging)."""
+def make_server(app: FastAPI, host: str, port: int, log_level: str = "warning", shutdown_grace: float = 30.0):
+    """A uvicorn server of ``app`` on this server's HTTP protocol (``sparsegen.serve.protocol``) that drains on
+    SIGTERM or Ctrl-C: no new connection or request is taken (queued ones get 503), the replies in flight have
+    ``shutdown_grace`` seconds to finish, then each ends with a 503 (a stream: an error event and ``[DONE]``), and
+    ``run`` returns (no re-raised signal: the process exits 0). A second Ctrl-C stops at once."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    from sparsegen.serve.protocol import protocol
+
+    if isinstance(shutdown_grace, bool) or not isinstance(shutdown_grace, (int, float)) or not 0 <= shutdown_grace \
+            < float("inf"):
+        raise ValueError(f"the shutdown grace is a number of seconds >= 0, got {shutdown_grace!r}")
+    drain = app.state.drain
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                drain(shutdown_grace)
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):  # uvicorn re-raises the signal after a shutdown; a drained one exits 0
+                captured.clear()
+
+    # uvicorn's own wait for open connections outlasts the drain, which answers every request by its end
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol(
+        app.state.limits.header_timeout), timeout_graceful_shutdown=shutdown_grace + 5)
+    server = Server(config)
+    app.state.worker.on_death = lambda: setattr(server, "should_exit", True)
+    return server
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "warning", shutdown_grace: float = 30.0) -> int:
+    """Serve ``app`` until stopped (``make_server``); the exit status: 0, or 3 when the engine thread died (so that
+    a supervisor, systemd or Kubernetes, restarts the server instead of leaving it hanging)."""
+    server = make_server(app, host, port, log_level, shutdown_grace)
     worker: Worker = app.state.worker
-    worker.on_death = lambda: setattr(server, "should_exit", True)
     if not log.handlers:  # the server's own lines (disconnects, rebuilds) beside uvicorn's, at its level
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))

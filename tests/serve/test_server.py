@@ -8,14 +8,13 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 import sparsegen
 from sparsegen.generation import generate
 from sparsegen.bench.spawn import free_port as _free_port
 from sparsegen.kv import make_policy
 from sparsegen.serve import Engine
-from sparsegen.serve.server import Limits, build_app
+from sparsegen.serve.server import Limits, build_app, make_server
 
 BUDGET = 48
 
@@ -35,13 +34,14 @@ def wait_healthy(url: str, alive=lambda: True, seconds: float = 60) -> None:
 class Running:
     """A server in a thread: ``url``, ``app`` and ``stop()``."""
 
-    def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None, kv_bits=None, **engine):
+    def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None, kv_bits=None,
+                 shutdown_grace: float = 30.0, **engine):
         self.engine = Engine(model, tokenizer, lambda: make_policy(policy, BUDGET), chunk_size=32,
                              max_sessions=limits.max_sessions, max_batch=limits.max_batch, kv_bits=kv_bits, **engine)
         self.app = build_app(self.engine, limits, "reference", defaults)
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="error"))
+        self.server = make_server(self.app, "127.0.0.1", port, log_level="error", shutdown_grace=shutdown_grace)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
