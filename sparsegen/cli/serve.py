@@ -46,7 +46,8 @@ def _engine(args: argparse.Namespace, model, tokenizer):
 
 
 def _contexts(args: argparse.Namespace, model) -> dict:
-    """``--context NAME=FILE`` (repeated): compressed contexts by the name requests give."""
+    """``--context NAME=FILE`` (repeated): compressed contexts by the name requests give, checked whole against
+    ``model`` (None: the files alone, before a model is loaded)."""
     from sparsegen.kv import CompressedContext
 
     contexts = {}
@@ -110,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.kv_memory is None and args.idle_grace != 2.0:
         raise ValueError("--idle-grace is how long an idle session is safe under --kv-memory: give --kv-memory too")
     defaults = _sampling(args)  # before loading: a bad flag fails at once
+    _contexts(args, None)  # (and a damaged --context file: checked again against the model once it is loaded)
     if defaults.max_tokens > limits.max_tokens:
         raise ValueError(f"--max-new-tokens {defaults.max_tokens} is over --max-tokens-limit {limits.max_tokens}")
     model, tokenizer = load_model(args)

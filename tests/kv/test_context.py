@@ -135,3 +135,66 @@ def test_nothing_evicted_after_the_context_when_asked(model_and_tokenizer):
     assert held.cache["kv_tokens"] == 16
     with pytest.raises(ValueError, match="share one pool"):
         sparsegen.generate(model, tokenizer, context=CONTEXT, policy="adakv", budget=16, **common)
+
+
+def _damaged_copies(path, folder) -> dict:
+    """Damaged variants of the saved context at ``path``: what a crash, a disk or a hand edit leaves."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    raw = path.read_bytes()
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["sparsegen"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    files = {"truncated": raw[:len(raw) // 2], "empty": b"", "random": bytes(range(256)) * 16,
+             "header": raw[:8] + b"}" * 16 + raw[24:]}
+    for name, content in files.items():
+        (folder / f"{name}.safetensors").write_bytes(content)
+
+    def write(name, tensors=tensors, **changes):
+        edited = {k: v for k, v in {**meta, **changes}.items() if v is not None}
+        save_file(tensors, str(folder / f"{name}.safetensors"), metadata={"sparsegen": json.dumps(edited)})
+
+    for key in ("fingerprint", "policy", "kv_quantization", "positions", "layers", "length", "chunk_size", "text"):
+        write(f"no-{key}", **{key: None}, digest=None)
+    save_file(tensors, str(folder / "list.safetensors"), metadata={"sparsegen": json.dumps([meta])})
+    write("length-1e12", length=10**12, digest=None)
+    write("layers-not-counts", layers=[{"used": "x"}] * len(meta["layers"]), digest=None)
+    write("policy-unknown", policy={"policy": "nope", "budget": 3}, digest=None)
+    keys = "layers.0.keys"
+    write("shape", {**tensors, keys: tensors[keys][:, :, :3].contiguous()}, digest=None)
+    write("dtype", {**tensors, keys: tensors[keys].double()}, digest=None)
+    write("missing-layer", {k: v for k, v in tensors.items() if not k.startswith("layers.1.")}, digest=None)
+    write("extra-tensor", {**tensors, "layers.9.keys": tensors[keys].clone()}, digest=None)
+    nan = tensors[keys].clone()
+    nan[0, 0, 0, 0] = float("nan")
+    write("nan", {**tensors, keys: nan}, digest=None)
+    flipped = tensors[keys].clone()
+    flipped.view(torch.uint8)[0, 0, 0, 0] ^= 0x10
+    write("flipped", {**tensors, keys: flipped})  # the digest it was saved with
+    return {p.stem: p for p in folder.glob("*.safetensors")}
+
+
+def test_a_damaged_file_is_refused_whole_at_load_in_one_line(model_and_tokenizer, tmp_path, capsys):
+    """Truncated, random or edited files stopped ``serve`` with a traceback, or started and answered made-up text."""
+    model, tokenizer = model_and_tokenizer
+    good = sparsegen.compress(model, tokenizer, CONTEXT, policy="h2o", budget=16).save(tmp_path / "good.safetensors")
+    assert CompressedContext.load(good, model).tokens > 16
+    (tmp_path / "bad").mkdir()
+    damaged = _damaged_copies(good, tmp_path / "bad")
+    assert len(damaged) == 22
+    for name, path in damaged.items():
+        with pytest.raises(ValueError) as err:
+            CompressedContext.load(path, model)
+        message = str(err.value)
+        assert str(path) in message and "\n" not in message, name
+        if name != "list":
+            assert "sparsegen compress" in message, name
+    from sparsegen.cli import main
+
+    capsys.readouterr()
+    assert main(["serve", "--model", model.config._name_or_path, "--policy", "h2o", "--budget", "16",
+                 "--context", f"doc={damaged['truncated']}"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("sparsegen serve: error: ") and "truncated.safetensors" in errors[0]
+

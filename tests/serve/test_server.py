@@ -262,6 +262,8 @@ def test_bench_serve_reports_latency_and_memory(server, tmp_path, capsys):
 
 
 def test_the_serve_command_prints_its_memory_bound_answers_and_stops_cleanly(tmp_path):
+    """And SIGTERM with streams running drains: each stream ends with an error event and [DONE] after the grace,
+    the process exits 0 with no traceback (before: streams cut mid-body, exit by the re-raised signal, 143)."""
     import os
     import signal
     import subprocess
@@ -269,19 +271,43 @@ def test_the_serve_command_prints_its_memory_bound_answers_and_stops_cleanly(tmp
 
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "sparsegen", "serve", "--model", "reference", "--budget", "64",
-                                "--port", str(port), "--max-sessions", "4", "--max-batch", "2", "--api-key", "k"],
+                                "--port", str(port), "--max-sessions", "4", "--max-batch", "2", "--api-key", "k",
+                                "--shutdown-grace", "1", "--log-level", "info"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url, headers = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
     try:
         banner = next(line for line in process.stdout if "sparsegen serve:" in line)
         assert "worst-case KV memory" in banner and "4 sessions + 2 in flight" in banner
-        wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: process.poll() is None)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The sea", "max_tokens": 3},
-                           headers={"Authorization": "Bearer k"}, timeout=60)
+        wait_healthy(url, alive=lambda: process.poll() is None)
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "The sea", "max_tokens": 3}, headers=headers,
+                           timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+        async def streams():
+            async with httpx.AsyncClient(timeout=60, headers=headers) as client:
+                async def one():
+                    async with client.stream("POST", f"{url}/v1/completions", json={
+                            "prompt": "Once", "max_tokens": 1000, "stream": True, "ignore_eos": True}) as response:
+                        events = []
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line[6:])
+                                if len(events) == 3:
+                                    process.send_signal(signal.SIGTERM)
+                        return events
+
+                return await asyncio.gather(one(), one())
+
+        started = time.monotonic()
+        for events in asyncio.run(streams()):
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+        assert process.wait(timeout=30) == 0 and time.monotonic() - started < 1 + 5
     finally:
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert "Traceback" not in output and "CancelledError" not in output
 
 
 def test_the_serve_command_refuses_an_unbounded_policy(capsys):

@@ -19,7 +19,8 @@ class H2O(Policy):
         if heavy is None:
             heavy = budget - sinks - recent
         if not 0 <= sinks < budget:
-            raise ValueError(f"sinks ({sinks}) must be at least 0 and smaller than the budget ({budget})")
+            raise ValueError(f"{self.name}: sinks ({sinks}) must be at least 0 and smaller than the budget ({budget}): "
+                             "raise the budget or lower the sinks")
         if not 0 <= recent <= budget:
             raise ValueError(f"recent ({recent}) must be between 0 and the budget ({budget})")
         if heavy < 0 or sinks + recent + heavy != budget:

@@ -13,7 +13,8 @@ class Streaming(Policy):
     def __init__(self, budget: int, sinks: int = 4):
         super().__init__(budget)
         if not 0 <= sinks < budget:
-            raise ValueError(f"sinks ({sinks}) must be at least 0 and smaller than the budget ({budget})")
+            raise ValueError(f"{self.name}: sinks ({sinks}) must be at least 0 and smaller than the budget ({budget}): "
+                             "raise the budget or lower the sinks")
         self.sinks = sinks
 
     def priority(self, view: TokenView):
