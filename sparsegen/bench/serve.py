@@ -6,7 +6,9 @@ the server's memory (RSS and K/V bytes, from /metrics) is sampled as the turns g
 client meanwhile sends, in a loop, the requests that once stalled, crashed or poisoned the server (a 2.4e-38
 temperature, four 250K-character stop strings, a 1,000,000-character prompt and one just under the prompt limit, a
 200 MiB chunked upload): the well-behaved sessions must not notice beyond the work those requests legitimately cost.
-With ``chaos``, clients meanwhile hang up, time out, send garbage, reuse a session concurrently and send slow bodies.
+With ``chaos``, clients meanwhile hang up, time out, send garbage, reuse a session concurrently, send slow bodies or
+headers, bodies nested to the parser's limit, loose types and malformed HTTP, start several sessions at once, and ask
+the cache inspector at tiny budgets (sometimes giving up on it).
 """
 
 from __future__ import annotations
@@ -86,9 +88,9 @@ async def _hostile(client: httpx.AsyncClient, url: str, done: asyncio.Event, cou
 
 
 async def _chaos(client: httpx.AsyncClient, url: str, done: asyncio.Event, counts: Counter, seed: int) -> None:
-    """One client that misbehaves at random until ``done``: hangs up mid-stream after 1-5 events, gives up on a reply
-    (a client timeout, maybe while queued), sends garbage, sends two requests at once on one session, or sends its
-    body slowly. ``counts``: outcome per fault ("NAME: STATUS")."""
+    """One client that misbehaves at random until ``done``, one fault of ``faults`` (below) after another: hangs up
+    mid-stream after 1-5 events, gives up on a reply (a client timeout, maybe while queued), sends garbage, two
+    requests at once on one session, a slow body, ... ``counts``: outcome per fault ("NAME: STATUS")."""
     rng = random.Random(seed)
     chat = f"{url}/v1/chat/completions"
 
@@ -132,21 +134,72 @@ async def _chaos(client: httpx.AsyncClient, url: str, done: asyncio.Event, count
 
         return (await client.post(chat, content=pieces(), headers={"content-type": "application/json"})).status_code
 
+    async def deep_json():  # nested around the JSON parser's own limit: 400, never a 500
+        depth = rng.randint(900, 1000)
+        content = b'{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+        return (await client.post(chat, content=content, headers={"content-type": "application/json"})).status_code
+
+    async def loose_types():  # strings where numbers or booleans belong: 400, not coerced
+        field, value = rng.choice([("max_tokens", "10"), ("stream", "yes"), ("logprobs", "yes"), ("seed", 1.5)])
+        return (await client.post(chat, json={**body("Hi."), field: value})).status_code
+
+    async def new_sessions():  # first turns of several new sessions at once: they wait for a place, never 503
+        replies = await asyncio.gather(*[client.post(chat, json=body("Hello there.", tokens=8), headers={
+            "X-Session-Id": f"chaos-new-{seed}-{uuid.uuid4().hex[:8]}"}) for _ in range(3)])
+        return "+".join(sorted(str(r.status_code) for r in replies))
+
+    async def inspect():  # the cache inspector at tiny budgets, sometimes given up on
+        request = {"text": "The ship sailed at dawn and the crew sang. " * rng.randint(2, 20), "budget": rng.randint(1, 4),
+                   "policies": ",".join(rng.sample(["snapkv", "h2o", "streaming", "lagkv", "pyramid-snapkv",
+                                                    "snapkv-layers", "tova", "window"], 2))}
+        try:
+            reply = await client.post(f"{url}/v1/inspect", json=request, timeout=rng.choice([0.2, 30]))
+        except httpx.TimeoutException:
+            return "timeout"
+        return reply.status_code
+
+    async def raw(data: bytes, hold: float) -> str:
+        """Send ``data`` on a connection of its own, keep it ``hold`` seconds, then read what came back."""
+        address = httpx.URL(url)
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        try:
+            writer.write(data)
+            await writer.drain()
+            try:
+                reply = await asyncio.wait_for(reader.read(4096), hold)
+            except asyncio.TimeoutError:
+                return "held"
+            return reply.split(b" ", 2)[1].decode() if reply.startswith(b"HTTP/") else "closed"
+        finally:
+            writer.close()
+
+    async def malformed_http():
+        return await raw(rng.choice([b"GARBAGE\r\n\r\n", b"POST / HTTP/9.9\r\n\r\n", b"\x16\x03\x01\x00\xa5\x01\r\n\r\n"]), 5)
+
+    async def slow_headers():  # a request's headers trickled, then abandoned (slowloris)
+        return await raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty", rng.uniform(0.1, 1.0))
+
+    async def head_health():
+        return (await client.head(f"{url}/health")).status_code
+
     faults = {"hang up mid-stream": hang_up, "give up on a reply": give_up, "garbage": garbage,
-              "one session twice at once": shared_session, "slow body": slow_body}
+              "one session twice at once": shared_session, "slow body": slow_body, "deep JSON": deep_json,
+              "loose types": loose_types, "new sessions at once": new_sessions, "inspect": inspect,
+              "malformed HTTP": malformed_http, "slow headers": slow_headers, "HEAD /health": head_health}
     while not done.is_set():
         name = rng.choice(list(faults))
         try:
             outcome = await faults[name]()
-        except httpx.HTTPError as err:
+        except (httpx.HTTPError, OSError) as err:
             outcome = type(err).__name__
         counts[f"{name}: {outcome}"] += 1
 
 
 def server_faults(counts: Counter) -> int:
-    """Outcomes of misbehaving clients that are the server's fault: a 5xx other than 503 (overloaded)."""
+    """Outcomes of misbehaving clients that are the server's fault: any 5xx (a server that is not stopping answers
+    bad input with a 4xx, and waits or says 429 when busy)."""
     return sum(n for outcome, n in counts.items() for status in outcome.split(": ")[-1].split("+")
-               if status.isdigit() and int(status) >= 500 and int(status) != 503)
+               if status.isdigit() and int(status) >= 500)
 
 
 async def run_load(url: str, sessions: int, turns: int, max_tokens: int = 16, headers: dict | None = None,

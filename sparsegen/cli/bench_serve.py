@@ -126,8 +126,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--sample-every", type=positive_int, default=None, metavar="N",
                    help="sample the server's memory after every N conversations")
     p.add_argument("--chaos", type=int, default=0, metavar="N",
-                   help="N more clients that hang up mid-stream, time out, send garbage, reuse a session at once and "
-                        "send slow bodies meanwhile; exit status 1 if any good reply fails or any fault gets a 5xx")
+                   help="N more clients that hang up mid-stream, time out, send garbage, reuse a session at once, "
+                        "send slow bodies or headers, deeply nested bodies, loose types and malformed HTTP, start "
+                        "several sessions at once and ask /v1/inspect at tiny budgets meanwhile; exit status 1 if any "
+                        "good reply fails or any fault gets a 5xx")
     p.add_argument("--turns", type=positive_int, default=10, help="turns per conversation (default 10)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default 16; 128 with --spawn)")
     p.add_argument("--api-key", default=None, help="the server's key (or SPARSEGEN_API_KEY)")

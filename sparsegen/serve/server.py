@@ -850,7 +850,7 @@ def _answer_errors(app: FastAPI) -> None:
     async def _http_error(request, err: HTTPException):
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         reply = _error(ApiError(err.status_code, str(err.detail), kind, HTTP_CODES.get(err.status_code)))
-        if err.status_code in (408, 413):  # the body was cut off unread: the connection cannot carry another request
+        if err.status_code == 408:  # the body stopped halfway: the connection cannot carry another request
             reply.headers["connection"] = "close"
         return reply
 

@@ -538,8 +538,7 @@ def test_bench_serve_chaos_soak_fails_no_good_reply_and_memory_stays_flat(refere
     succeeds, no fault gets a 5xx, and the K/V the server holds stops growing once it keeps max_sessions."""
     from sparsegen.cli import main
 
-    # 8 kept sessions: the 4 good clients and the 3 chaos clients can be busy at once (one more would be refused
-    # with a 503 "all sessions are busy", by design), far fewer than the 48 conversations
+    # 8 kept sessions, far fewer than the 48 conversations (new sessions beyond them wait for one)
     running = Running(*reference, Limits(max_sessions=8, max_batch=8, max_tokens=64))
     try:
         out = tmp_path / "soak.json"
@@ -549,7 +548,7 @@ def test_bench_serve_chaos_soak_fails_no_good_reply_and_memory_stays_flat(refere
         report = json.loads(out.read_text())
         assert report["errors"] == 0 and report["server_faults"] == 0 and report["health"] == {"status": "ok"}
         faults = {outcome.split(":")[0] for outcome in report["chaos"]}
-        assert len(faults) >= 3 and sum(report["chaos"].values()) >= 10
+        assert len(faults) >= 6 and sum(report["chaos"].values()) >= 10
         samples = report["samples"]
         assert [s["conversations"] for s in samples] == [12, 24, 36, 48]
         assert all(s["sessions_kept"] <= 8 for s in samples)
