@@ -149,8 +149,8 @@ async def _chaos(client: httpx.AsyncClient, url: str, done: asyncio.Event, count
         return "+".join(sorted(str(r.status_code) for r in replies))
 
     async def inspect():  # the cache inspector at tiny budgets, sometimes given up on
-        request = {"text": "The ship sailed at dawn and the crew sang. " * rng.randint(2, 20), "budget": rng.randint(1, 4),
-                   "policies": ",".join(rng.sample(["snapkv", "h2o", "streaming", "lagkv", "pyramid-snapkv",
+        request = {"text": "The ship sailed at dawn and the crew sang. " * rng.randint(2, 20),
+                   "budget": rng.randint(1, 4), "policies": ",".join(rng.sample(["snapkv", "h2o", "streaming", "lagkv", "pyramid-snapkv",
                                                     "snapkv-layers", "tova", "window"], 2))}
         try:
             reply = await client.post(f"{url}/v1/inspect", json=request, timeout=rng.choice([0.2, 30]))

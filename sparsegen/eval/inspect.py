@@ -137,7 +137,8 @@ def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | 
     result = {"model": model_name, "budget": budget, "protocol": protocol, "kv_bits": kv_bits, "question": question,
               "answer": answer, "tokens": pieces, "offsets": offsets, "prompt_tokens": length,
               "question_start": len(text_ids), "answer_tokens": needed, "layers": config.num_hidden_layers,
-              "heads": heads, "sinks": SINKS, "sink_mass": sink_mass(model, ids, chunk_size, after_chunk=after_chunk), "policies": {}}
+              "heads": heads, "sinks": SINKS, "policies": {},
+              "sink_mass": sink_mass(model, ids, chunk_size, after_chunk=after_chunk)}
     for name in names:
         policy = make_policy(name, None if name == "full" else budget,
                              input_length=len(text_ids) if protocol == "context" else length)

@@ -262,8 +262,9 @@ class CompressedContext:
                 expected[f"layers.{i}.{name}"] = (tuple(shape), buf.dtype)
         if set(tensors) != set(expected):
             odd = sorted(set(tensors) ^ set(expected))
-            raise _damaged(path, f"its tensors are not those of this model's cache under its policy ({', '.join(odd[:4])}"
-                                 f"{', ...' if len(odd) > 4 else ''} missing or unexpected)")
+            shown = ", ".join(odd[:4]) + (", ..." if len(odd) > 4 else "")
+            raise _damaged(path, f"its tensors are not those of this model's cache under its policy ({shown} missing "
+                                 "or unexpected)")
         for name, (shape, dtype) in expected.items():
             tensor = tensors[name]
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:

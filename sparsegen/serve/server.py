@@ -555,7 +555,7 @@ class Worker(threading.Thread):
 
     def _refuse_waiting(self) -> None:
         for pending in self.line.drain():
-            pending.send("error", ApiError(503, "the server is shutting down; retry on another server or later",
+            self._failed(pending, ApiError(503, "the server is shutting down; retry on another server or later",
                                            "server_error", "shutting_down"))
 
     def _end_in_flight(self) -> None:
@@ -591,7 +591,7 @@ class Worker(threading.Thread):
                 self.engine.settle(job)
             if job.done and not pending.cancelled:
                 if pending.shutdown:
-                    pending.send("error", ApiError(503, f"{job.error}; retry on another server or later",
+                    self._failed(pending, ApiError(503, f"{job.error}; retry on another server or later",
                                                    "server_error", "shutting_down"))
                 elif job.finish_reason == "error":
                     self.errors += 1
@@ -602,7 +602,8 @@ class Worker(threading.Thread):
 
     def _failed(self, pending: Pending, err: ApiError) -> None:
         """A 5xx raised on the engine thread: one log line naming the request, then the error to its handler."""
-        log.error("request %s: %d %s", pending.request_id, err.status, err.message)
+        log.log(logging.ERROR if err.status == 500 else logging.WARNING, "request %s: %d %s", pending.request_id,
+                err.status, err.message)
         pending.send("error", err)
 
     def _admit(self) -> None:
@@ -716,7 +717,8 @@ class Guard:
     the server's log lines); an exception that escapes the app answers 500 in OpenAI's shape, logged in one line."""
 
     def __init__(self, app, limits: Limits, worker: Worker):
-        self.app, self.limit, self.body_timeout, self.worker = app, limits.max_request_bytes, limits.body_timeout, worker
+        self.app, self.worker = app, worker
+        self.limit, self.body_timeout = limits.max_request_bytes, limits.body_timeout
         # a session belongs to the key that made it: its namespace is a digest of the key, never the key itself
         self.keys = {key: hashlib.sha256(key.encode()).hexdigest()[:16] for key in limits.api_keys}
 

@@ -196,5 +196,6 @@ def test_a_damaged_file_is_refused_whole_at_load_in_one_line(model_and_tokenizer
     assert main(["serve", "--model", model.config._name_or_path, "--policy", "h2o", "--budget", "16",
                  "--context", f"doc={damaged['truncated']}"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 1 and errors[0].startswith("sparsegen serve: error: ") and "truncated.safetensors" in errors[0]
+    assert len(errors) == 1 and errors[0].startswith("sparsegen serve: error: ")
+    assert "truncated.safetensors" in errors[0]
 
