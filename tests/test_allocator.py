@@ -26,6 +26,7 @@ print(outside, inside, faults_of_a_second_buffer())
 """
 
 
+@pytest.mark.heavy
 def test_a_freed_large_buffer_is_reused_inside_and_handed_back_after():
     """Page faults while a 256 MiB buffer is filled just after one of the same size was freed: glibc's default maps
     it anew (one fault a page), inside ``reusing_freed_memory`` its pages are reused, after it they are mapped anew

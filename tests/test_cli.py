@@ -3,12 +3,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from sparsegen.cli import main
 
 INFO_KEYS = {"params", "layers", "heads", "kv_heads", "head_dim", "max_positions", "kv_bytes_per_token"}
 
 
+@pytest.mark.heavy
 def test_console_script_lists_subcommands():
     script = Path(sys.executable).parent / "sparsegen"
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True).stdout

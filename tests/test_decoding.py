@@ -244,6 +244,7 @@ def test_another_announced_length_takes_the_same_compiled_step(name):
     assert step.compiled_steps == 2 * STEPS and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["streaming", "h2o"])
 def test_the_compiled_step_writes_the_cache_in_place(name):
     """Inductor's code for a step allocates nothing the size of a layer's K/V: the step's one write per buffer (the
@@ -317,6 +318,7 @@ def test_a_caches_fingerprint_holds_from_step_to_step_and_changes_with_its_state
     assert cache.step_fingerprint() == steady
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["streaming", "h2o", "full"])
 def test_a_steady_step_runs_its_graph_without_dynamo_and_gives_the_eager_logits(name):
     """The first step compiles (through dynamo), the second finds its graph by dynamo's guards, and every later step
@@ -348,6 +350,7 @@ def _python_state(cache) -> list[dict]:
             for obj in (cache, *cache.layers)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["streaming", "h2o", "full"])
 def test_a_steady_step_calls_its_graph_on_recorded_inputs_and_makes_the_recorded_assignments(name, monkeypatch):
     """The step that finds a state's graph by its guards runs dynamo's code for that graph once and records it: the
@@ -379,6 +382,7 @@ def test_a_steady_step_calls_its_graph_on_recorded_inputs_and_makes_the_recorded
                 assert type(value) is type(theirs[attribute]), attribute
 
 
+@pytest.mark.heavy
 def test_a_step_under_a_profiler_runs_dynamos_code_and_leaves_the_profiler_its_hook():
     """Recording a state's graph takes the interpreter's profile hook for a step; under a profiler (``cProfile``) the
     step runs dynamo's code as it is, records nothing, and the profiler keeps profiling."""
@@ -434,6 +438,7 @@ def test_a_recorded_step_lets_go_of_another_states_inputs():
     assert len(step._graphs[cache]) == 2 and first.recorded is None
 
 
+@pytest.mark.heavy
 def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
     """One step alternating between caches of two shapes (two graphs), then a prompt chunk that grows one cache's
     slots (new buffers) and a budget changed between steps: each new state is checked by dynamo's guards, which

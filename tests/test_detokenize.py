@@ -34,6 +34,7 @@ def tokenizer(request):
     return AutoTokenizer.from_pretrained(checkpoint_folder(request.param))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_text_equals_decoding_all_at_once(tokenizer, text):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

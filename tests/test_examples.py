@@ -34,6 +34,7 @@ def test_the_custom_policy_keeps_sinks_recent_and_every_stride(strided, tiny_che
         make_policy("strided", 16, sinks=2)
 
 
+@pytest.mark.heavy
 def test_the_custom_policy_is_exact_at_full_budget_and_in_the_cli(strided, tiny_checkpoint):
     from tests.kv.test_exactness import test_full_budget_equals_dynamic_cache
 
@@ -46,6 +47,7 @@ def test_the_custom_policy_is_exact_at_full_budget_and_in_the_cli(strided, tiny_
     assert '"policy": "strided"' in out.stdout and '"stride": 8' in out.stdout
 
 
+@pytest.mark.heavy
 def test_the_example_runs_as_a_script():
     out = subprocess.run([sys.executable, str(EXAMPLES / "custom_policy.py")], capture_output=True, text=True,
                          timeout=300)
@@ -62,6 +64,7 @@ def test_a_bad_plugin_is_one_line(capsys):
     assert "no such module" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_the_custom_pruning_method_scores_as_ria_and_prunes_2_4(tmp_path, corpus, tiny_checkpoint):
     from sparsegen.models.anatomy import decoder_layers, linears
     from sparsegen.models.calibration import Statistics

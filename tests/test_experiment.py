@@ -148,6 +148,7 @@ def test_bad_experiment_files_name_the_fix(tmp_path):
         needed(Experiment.load(path), ["nothing"])
 
 
+@pytest.mark.heavy
 def test_a_run_against_its_own_server(tmp_path, monkeypatch):
     """`server = [...]` starts `sparsegen serve` on a free port for the run and stops it after; {url} is its
     address."""
@@ -162,6 +163,7 @@ def test_a_run_against_its_own_server(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "serve-models.log").exists()  # the server's log beside the result
 
 
+@pytest.mark.heavy
 def test_on_ray_the_same_outputs_as_locally(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     outputs = {}

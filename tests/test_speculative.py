@@ -213,6 +213,7 @@ def test_compare_cli_has_a_speculative_row(tiny_checkpoint, capsys):
     assert rows["speculative:h2o"]["cache"]["draft_cache"]["budget"] == 8
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("compile", [False, True])
 def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus, compiled_step_batches, compile):
     """``--compile``: the draft's steps run compiled, compiled before the timing by a short run of the same draft

@@ -44,6 +44,7 @@ def test_cells_are_the_grid_with_full_once(grid, monkeypatch):
     assert not {c["key"] for c in cells} & {c["key"] for c in sweep.Sweep.load(grid).cells()}
 
 
+@pytest.mark.heavy
 def test_a_sweep_runs_resumes_and_reports(grid, tmp_path, capsys):
     out = tmp_path / "local"
     assert main(["sweep", str(grid), "--out", str(out)]) in (0, None)
@@ -59,6 +60,7 @@ def test_a_sweep_runs_resumes_and_reports(grid, tmp_path, capsys):
     assert main(["sweep", str(grid), "--out", str(out), "--plot", str(tmp_path / "x.png")]) == 2  # not a run's
 
 
+@pytest.mark.heavy
 def test_on_ray_the_same_results_as_the_local_pool(grid, tmp_path):
     ray = pytest.importorskip("ray")
     local, remote = tmp_path / "local", tmp_path / "ray"
@@ -85,6 +87,7 @@ def test_bad_sweep_files_name_the_fix(tmp_path):
         sweep.Sweep.load(path)
 
 
+@pytest.mark.heavy
 def test_a_policy_with_options_is_its_own_cell_and_row(tmp_path, capsys):
     """A ``policies`` entry may be a table of a policy's name and options (StreamingLLM's sink sweep): its cells give
     what `sparsegen ppl --policy streaming --sinks N` gives, report under their own label, and the plain entries'
@@ -116,6 +119,7 @@ def test_a_policy_with_options_is_its_own_cell_and_row(tmp_path, capsys):
         sweep.Sweep.load(path)
 
 
+@pytest.mark.heavy
 def test_a_failing_cell_is_recorded_not_dropped(tmp_path):
     path = tmp_path / "fail.toml"
     path.write_text('[sweep]\nmodels = ["no-such-model-here"]\npolicies = ["full"]\nlengths = [32]\n')
@@ -125,6 +129,7 @@ def test_a_failing_cell_is_recorded_not_dropped(tmp_path):
     assert row["status"] == "failed" and row["error"]
 
 
+@pytest.mark.heavy
 def test_a_cell_gives_the_number_its_command_gives(tmp_path, monkeypatch):
     """A sweep cell runs its command's measure with the command's defaults: the same PPL as `sparsegen ppl --stream`,
     the same fidelity as `sparsegen fidelity` and the same accuracy as `sparsegen passkey` (so a sweep file can stand
@@ -153,6 +158,7 @@ def test_a_cell_gives_the_number_its_command_gives(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "p.json").read_text())["policies"]["h2o"]["accuracy"] == rows["passkey"]["accuracy"]
 
 
+@pytest.mark.heavy
 def test_a_ruler_cell_gives_what_sparsegen_ruler_gives(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text('[sweep]\nmodels = ["reference"]\npolicies = ["h2o"]\nbudgets = [0.25]\ntasks = ["ruler"]\n'

@@ -20,6 +20,7 @@ def tiny_model(tiny_checkpoint):
     return load(tiny_checkpoint)[0]
 
 
+@pytest.mark.heavy
 def test_bench_cli_writes_rows_json_and_plot(tiny_checkpoint, tmp_path, capsys):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "dense,full,window,streaming,h2o,recompute",
@@ -114,6 +115,7 @@ def test_synthetic_prefill_of_a_policy_reading_keys_keeps_what_it_chooses_from_t
         assert torch.equal(layer.memo[:, :, :12].isfinite().all(-1), scored)
 
 
+@pytest.mark.heavy
 def test_synthetic_and_real_prefill_leave_the_same_state(tiny_model):
     policy = make_policy("streaming", 16, sinks=2)
     rows = {prefill: decode.measure(decode.Setup(model=tiny_model, model_name="tiny", random_weights=False,
@@ -164,6 +166,7 @@ def test_repeats_pool_the_steps_of_interleaved_runs(tiny_model, monkeypatch):
     assert rows[1]["timed_tokens"] == 2 * setup.recompute_tokens and rows[1]["roofline_fraction"] is None
 
 
+@pytest.mark.heavy
 def test_bench_compares_several_models(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "two.json"
     assert main(["bench", "--model", f"{tiny_checkpoint},random:{tiny_checkpoint}", "--policies", "full",
@@ -192,6 +195,7 @@ def test_mlp_timer_times_each_layers_mlp_and_the_contextual_predictors(family, m
     detach(model)
 
 
+@pytest.mark.heavy
 def test_shared_slot_and_quantized_caches_measure_what_they_hold(tiny_model):
     """adakv's synthetic prefill holds its mean per head in one shared row; --kv-bits rows report the codes' bytes."""
     rows = {}
@@ -209,6 +213,7 @@ def test_shared_slot_and_quantized_caches_measure_what_they_hold(tiny_model):
     assert rows["h2o", False]["bytes_per_step"] < rows["h2o", True]["bytes_per_step"]
 
 
+@pytest.mark.heavy
 def test_a_policy_row_with_kv16_holds_its_cache_in_float16_beside_the_plain_row(tiny_checkpoint, tmp_path):
     out = tmp_path / "kv16.json"
     assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "h2o,h2o+kv16", "--budget", "12",
@@ -221,6 +226,7 @@ def test_a_policy_row_with_kv16_holds_its_cache_in_float16_beside_the_plain_row(
     assert half["bytes_per_step"] < plain["bytes_per_step"]
 
 
+@pytest.mark.heavy
 def test_bench_times_the_compiled_step(tiny_checkpoint, tmp_path):
     """--compile times the compiled step (every timed step compiled) and still counts its syncs and graph breaks
     (off CUDA on the eager step's code: dynamo does not run under the counting dispatch mode)."""

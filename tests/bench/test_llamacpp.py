@@ -21,6 +21,7 @@ def test_without_the_binding_the_baseline_says_how_to_get_it(monkeypatch, capsys
     assert "make llamacpp" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_llamacpp_runs_in_each_turn_after_the_policies_and_its_steps_are_pooled(tiny_checkpoint, tmp_path,
                                                                                   monkeypatch, capsys):
     """With --repeats, llama.cpp is measured beside the policies in every turn (a machine's drift hits both), not once

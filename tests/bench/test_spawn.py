@@ -16,6 +16,7 @@ def test_policy_specs_read_budgets_as_tokens_or_fractions_of_the_context():
         policy_flags("h2o:lots", 4096)
 
 
+@pytest.mark.heavy
 def test_spawned_servers_serve_every_policy_under_the_cap(tmp_path, capsys):
     """The reference model under a cap of two full sessions: full admits two, a small h2o budget more, nobody
     fails, the K/V bytes stay under the cap, and a cap that holds no session is a row of its own."""

@@ -34,6 +34,7 @@ def test_device_side_work_is_not_counted():
     assert syncs.count == 0
 
 
+@pytest.mark.heavy
 def test_a_bench_row_counts_the_reads_of_its_decode_step():
     """The row's count is what one decode step of that cache reads: the same number counted here directly."""
     model = tiny_model("llama")

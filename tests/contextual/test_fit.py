@@ -105,6 +105,7 @@ def test_fit_teal_zeroes_the_target_fraction_of_every_linear_input(family):
         fit_teal(model, IDS, 1.0, progress=False)
 
 
+@pytest.mark.heavy
 def test_cli_fit_then_run(tiny_checkpoint, corpus, tmp_path, capsys):
     from sparsegen.cli import main
 
@@ -132,6 +133,7 @@ def test_cli_fit_then_run(tiny_checkpoint, corpus, tmp_path, capsys):
     assert "MLP speed-up" in out
 
 
+@pytest.mark.heavy
 def test_cli_fit_on_a_random_shape(tiny_checkpoint, tmp_path, capsys):
     """random:PATH has no tokenizer: calibration uses random token ids, and bench runs the plan on that shape."""
     from sparsegen.cli import main

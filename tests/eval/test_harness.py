@@ -122,6 +122,7 @@ def test_a_batch_of_generations_under_the_full_cache_gives_each_prompts_own_answ
         full.batch_size = 1
 
 
+@pytest.mark.heavy
 def test_lm_eval_runs_the_local_task_through_sparsegen(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.chdir(EXAMPLES.parents[1])  # the task's data path is relative to the project root
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -141,6 +142,7 @@ def _fresh_python(code: str) -> str:
     return done.stdout
 
 
+@pytest.mark.heavy
 def test_a_bare_lm_eval_finds_sparsegen_with_nothing_imported_first():
     found = _fresh_python("from lm_eval.api.registry import get_model, model_registry; "
                           "print(get_model('sparsegen').__module__, 'hf' in model_registry)")

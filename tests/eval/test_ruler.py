@@ -143,6 +143,7 @@ def test_cli_rows_per_policy_protocol_task_and_length(tiny_checkpoint, book_slic
     assert "unknown RULER task(s) qa_1" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_cli_compile_answers_through_the_compiled_step_as_eager_does(tiny_checkpoint, book_slice, tmp_path,
                                                                       monkeypatch):
     """``--compile``: every answer token through the compiled decode step (one graph with the eviction), the eager

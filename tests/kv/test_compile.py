@@ -15,6 +15,7 @@ from tests.kv.test_host_syncs import READING, SHARED_SLOTS
 STILL_READING = SHARED_SLOTS | READING
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["full", "streaming", "h2o"])
 def test_a_decode_step_is_one_graph_and_compiles_to_the_eager_step(name):
     torch._dynamo.reset()
@@ -54,6 +55,7 @@ def _breaks(name: str, kv_bits=None, family: str = "llama") -> int:
         return step.graph_breaks(cache, token, torch.full((2,), 12))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kv_bits", [None, 4])
 @pytest.mark.parametrize("name", sorted(set(POLICIES) - STILL_READING))
 def test_every_sync_free_policy_compiles_as_one_graph(name, kv_bits):
@@ -72,6 +74,7 @@ def test_sliding_window_layers_compile_as_one_graph():
     assert _breaks("h2o", family="gemma3") == 0
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(STILL_READING))
 def test_steps_that_read_the_host_break_the_graph(name):
     """Not there yet (issue 36): Ada-KV's shared rows and LagKV's partitions are sized on the host

@@ -73,6 +73,7 @@ def test_release_leaves_no_trace_and_the_cache_prepares_again():
     assert max(cache.held_tokens()) == 8
 
 
+@pytest.mark.heavy
 def test_patched_installs_for_the_block_and_leaves_the_model_as_it_came():
     import subprocess
     import sys

@@ -153,6 +153,7 @@ def test_bad_operands_are_refused_with_what_is_expected():
         op(grouped, grouped, key, value, None, None, None, None, 0.1, False)
 
 
+@pytest.mark.heavy
 def test_the_portable_path_is_the_reference_too():
     """The path a CPU without AVX2 takes, forced by ``SPARSEGEN_SCALAR_KERNELS``, in a process of its own."""
     script = """

@@ -220,6 +220,7 @@ def test_codes_are_read_as_their_dequantized_values(bits, ring):
     _check_codes_read(bits, ring, compiled=False)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_compiled_codes_are_read_as_their_dequantized_values(bits):
     """Compiled, the codes are unpacked inside the sums (another form than eager's): the same values."""

@@ -1,5 +1,6 @@
 """A 100k-token stream through the bundled reference model holds exactly the budget from the moment it fills."""
 
+import pytest
 import torch
 
 from sparsegen.models.compat import cache_kwargs
@@ -7,6 +8,7 @@ import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
 
 
+@pytest.mark.heavy
 def test_streaming_40k_tokens_holds_exactly_the_budget():
     model, _ = sparsegen.load("reference")
     budget, chunk, total = 256, 1000, 40_000  # 78x the trained length; the million-token run is a benchmark

@@ -41,6 +41,7 @@ def _two_threads():
     torch.set_num_threads(2)  # real models: the conftest's single thread would double these tests' time
 
 
+@pytest.mark.heavy
 def test_loads_by_name_with_its_shape(real):
     name, model, tokenizer = real
     config = model.config

@@ -115,6 +115,7 @@ def test_w8a8s_c_plus_plus_kernel_call_is_the_python_calls_result_and_lets_go_of
     assert handle not in fast._PACKED
 
 
+@pytest.mark.heavy
 def test_w8a8_without_a_compiler_warns_and_calls_fbgemm_from_python():
     """Where the C++ call cannot be built, the op says why and runs its Python kernel (same results, slower)."""
     import subprocess
@@ -203,6 +204,7 @@ def test_block_kernel_is_its_reference_and_a_gguf_weight_lands_on_its_own_grid(w
         kind(constant)
 
 
+@pytest.mark.heavy
 def test_a_q5_0_tensor_of_gemmas_gguf_comes_back_exactly():
     """Not only the synthetic grid above: Gemma-3-270M's own Q5_0 weights, dequantized as the loader does, are
     stored bit for bit (their codes, their scales)."""
@@ -257,6 +259,7 @@ def test_an_embedding_table_in_q8_0_blocks_is_a_q8_0_tables_own_and_looks_up_wha
         BlockEmbedding(table)
 
 
+@pytest.mark.heavy
 def test_smollm2s_q8_0_table_comes_back_exactly():
     """SmolLM2's own token embedding (Q8_0 in its GGUF, tied to the LM head), dequantized as the loader does."""
     from gguf import GGUFReader
@@ -291,6 +294,7 @@ def _gguf_plan(model) -> dict[str, str]:
     return {**dict.fromkeys(linears, "w4a8"), "lm_head": "w8a8", fast.TABLE: "w8a8"}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", [(300, 96), (64, 640)])  # (3 blocks: fewer than a turn of 8; 20: two and a half)
 def test_q8_0_kernel_is_its_reference_on_either_path(shape):
     """``sparsegen::q8_0_linear`` (AVX2 here, and the scalar path in a process of its own) computes what
@@ -350,6 +354,7 @@ def test_a_gguf_models_tied_head_multiplies_by_its_tables_own_blocks():
     assert weight_bytes_per_step(model) == sum(every.values())  # (the table read whole, once)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("weights", BLOCK_KERNELS)
 def test_block_kernels_scalar_path_is_the_reference_too(weights):
     """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_SCALAR_KERNELS``), in a process of its own."""
@@ -437,6 +442,7 @@ def test_only_linears_stored_alike_share_a_matmul():
     assert fast._input_sharers(kinds) == [["b.self_attn.q_proj", "b.self_attn.k_proj"]]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("weights", ["int4", "w8a8", "w4a8", "w5a8", "gguf"])
 def test_a_decode_step_over_shared_matmuls_is_one_graph(weights):
     from sparsegen.decoding import DecodeStep, prefill
@@ -530,6 +536,7 @@ def test_bad_weights_are_refused(capsys):
     assert "fp32, int8, int4" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_generate_and_bench_take_weights(capsys, tmp_path):
     assert main(["generate", "--model", "reference", "--prompt", "Once upon a time", "--max-new-tokens", "4",
                  "--weights", "int8"]) == 0
@@ -540,6 +547,7 @@ def test_generate_and_bench_take_weights(capsys, tmp_path):
     assert "reference [w8a8]" in out
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not all(_installed(m) for m in ("smollm2", "gemma3-270m")), reason="the GGUF packages are absent")
 def test_gguf_weights_follow_each_tensors_stored_type():
     from sparsegen.models.gguf import gguf_file

@@ -268,6 +268,7 @@ def test_bfloat16_int4_forward_uses_the_packed_kernel_and_matches_the_dequantize
     torch.testing.assert_close(quantized(x).float(), 2 * reference - linear.bias.detach(), rtol=2e-2, atol=4e-2)
 
 
+@pytest.mark.heavy
 def test_cli_quantizes_a_random_shape_for_speed_measurements(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["quantize", "--model", f"random:{tiny_checkpoint}", "--method", "rtn", "--group-size", "16",

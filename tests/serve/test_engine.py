@@ -43,6 +43,7 @@ def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits, 
     _assert_batched_sessions_equal_each_alone(policy, kv_bits, packed)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("policy,kv_bits", [("full", None), ("streaming", None), ("h2o", 4), ("snapkv", None)])
 def test_compiled_batched_decode_takes_the_fixed_step_and_equals_each_alone(policy, kv_bits, compiled_step_batches):
     """``serve --compile``: the stacked rows (different lengths, joining and leaving) decode through the compiled

@@ -56,6 +56,7 @@ def _check(response: httpx.Response, reply=None) -> None:
 
 @pytest.mark.parametrize("path, name, reply", [("/v1/chat/completions", "ChatRequest", ChatCompletion),
                                                ("/v1/completions", "CompletionRequest", Completion)])
+@pytest.mark.heavy
 def test_no_body_gets_a_5xx_and_every_4xx_is_openai_shaped(fuzzed, path, name, reply):
     schema = _schema(fuzzed.url, name)
     drawn = hypothesis_jsonschema.from_schema(schema)

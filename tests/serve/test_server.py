@@ -217,6 +217,7 @@ def test_overload_gets_429_and_a_failing_step_only_fails_its_replies(reference, 
         running.stop()
 
 
+@pytest.mark.heavy
 def test_bounded_load_32_sessions_by_5_turns(reference):
     """Every request succeeds, sessions are batched, KV memory stays under the bound printed at start-up."""
     running = Running(*reference, Limits(max_sessions=32, max_batch=16, max_queue=64, max_tokens=16))
@@ -261,6 +262,7 @@ def test_bench_serve_reports_latency_and_memory(server, tmp_path, capsys):
     assert (tmp_path / "load.png").stat().st_size > 0
 
 
+@pytest.mark.heavy
 def test_the_serve_command_prints_its_memory_bound_answers_and_stops_cleanly(tmp_path):
     """And SIGTERM with streams running drains: each stream ends with an error event and [DONE] after the grace,
     the process exits 0 with no traceback (before: streams cut mid-body, exit by the re-raised signal, 143)."""
@@ -533,6 +535,7 @@ def test_bench_serve_hostile_client_does_not_fail_the_others(server, capsys):
     assert "tiny temperature: 200" in hostile and "upload: 413" in hostile and ": 5" not in hostile
 
 
+@pytest.mark.heavy
 def test_bench_serve_chaos_soak_fails_no_good_reply_and_memory_stays_flat(reference, tmp_path, capsys):
     """Far more distinct conversations than the server keeps, with clients misbehaving meanwhile: every good reply
     succeeds, no fault gets a 5xx, and the K/V the server holds stops growing once it keeps max_sessions."""

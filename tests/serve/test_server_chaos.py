@@ -57,6 +57,7 @@ def _settle(running: Running) -> dict:
 
 @pytest.mark.parametrize("policy,kv_bits,compile", [("streaming", None, False), ("h2o", None, False),
                                                     ("adakv", None, False), ("h2o", 4, False), ("h2o", None, True)])
+@pytest.mark.heavy
 def test_clients_hanging_up_mid_stream_leave_the_others_exact(reference, server_log, compiled_step_batches, policy,
                                                               kv_bits, compile):
     """``compile``: ``serve --compile``'s stacked batches through the compiled step, rows leaving it mid-stream."""
@@ -88,6 +89,7 @@ def test_clients_hanging_up_mid_stream_leave_the_others_exact(reference, server_
         running.stop()
 
 
+@pytest.mark.heavy
 def test_a_client_that_leaves_while_queued_costs_nothing(reference):
     running = Running(*reference, Limits(max_sessions=4, max_batch=2, max_tokens=2000))
     try:

@@ -89,6 +89,7 @@ def test_loose_types_are_refused_not_coerced(server, body):
     assert _openai_error(reply, 400)["param"] == next(iter(body))
 
 
+@pytest.mark.heavy
 def test_every_policy_at_budgets_1_to_4_inspects_and_generates_or_names_the_fix(reference):
     """snapkv, pyramid-snapkv and snapkv-layers at budgets under 4 had an observation window of 0 queries, which
     observed every query: a size mismatch (500 on /v1/inspect)."""
@@ -151,6 +152,7 @@ def test_a_begin_that_fails_under_kv_memory_gives_its_memory_back(reference, mon
         running.stop()
 
 
+@pytest.mark.heavy
 def test_queued_clients_that_time_out_free_their_places_at_once(reference):
     running = Running(*reference, Limits(max_sessions=8, max_batch=2, max_queue=4, max_tokens=2000))
     try:
