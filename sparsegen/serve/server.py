@@ -5,10 +5,12 @@ admits them between steps, and each step encodes one chunk of one new prompt and
 every reply in progress, pushing text to the waiting handlers — so a long prompt delays the others by at most a
 chunk per token. A request with a session id (``session_id`` in the body or an ``X-Session-Id`` header) keeps its
 cache for the next turn, which then encodes only the new message; without one a request is stateless. Sessions
-belong to the API key that made them. A client that disconnects cancels its reply at the next step.
+belong to the API key that made them. A client that disconnects cancels its reply at the next step (a queued one
+leaves the queue at once). SIGTERM drains: queued requests get 503, replies in flight get a grace (``make_server``).
 
-Every request is checked before it costs anything: API key, JSON content type, body size (counted as it arrives,
-chunked uploads included), then the typed schema, the server's limits, and text the tokenizer could not take.
+Every request is checked before it costs anything: API key, JSON content type, body size and time (counted as the body
+arrives, chunked uploads included), then the strict typed schema (nesting bounded), the server's limits, and text the
+tokenizer could not take. Every 5xx logs one line naming the request's id (``X-Request-Id``).
 """
 
 from __future__ import annotations
