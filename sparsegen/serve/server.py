@@ -374,6 +374,18 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def shutting_down(what: str = "the server is shutting down") -> ApiError:
+    """The 503 every request gets that a stopping server will not answer."""
+    return ApiError(503, f"{what}; retry on another server or later", "server_error", "shutting_down")
+
+
+def log_5xx(request_id: str, err: ApiError) -> None:
+    """The one log line a 5xx answer gets, wherever it was raised (``X-Request-Id`` names the same request)."""
+    if err.status >= 500:
+        log.log(logging.ERROR if err.status == 500 else logging.WARNING, "request %s: %d %s", request_id,
+                err.status, err.message)
+
+
 class ClientGone(Exception):
     """The client closed its connection: its reply was cancelled, and nobody is left to answer."""
 
@@ -397,7 +409,6 @@ class Pending:
     sent_logprobs: int = 0  # the reply's token log-probabilities already sent with its text
     request_id: str = ""  # what the server's log lines and the X-Request-Id header call the request
     waits_for: str | None = None  # held in the line for "memory" or a "session"
-    shutdown: bool = False  # ended by a server shutting down (a 503), not by a failure of its own
 
     def send(self, kind: str, payload=None) -> None:
         try:
@@ -442,8 +453,8 @@ class WaitingLine:
 
     def hold(self, pending: Pending, reason: str) -> None:
         """``pending`` (taken, or held already) waits for a place: kept in order, behind those held before it."""
-        pending.waits_for = reason
         with self.lock:
+            pending.waits_for = reason
             if not any(p is pending for p in self.held):
                 self.held.append(pending)
 
@@ -506,7 +517,7 @@ class Worker(threading.Thread):
 
     def submit(self, pending: Pending) -> None:
         if self.stopping.is_set() or self.draining or self.died is not None:
-            raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
+            raise shutting_down()
         self.line.put(pending)
 
     def withdraw(self, pending: Pending) -> None:
@@ -557,17 +568,15 @@ class Worker(threading.Thread):
 
     def _refuse_waiting(self) -> None:
         for pending in self.line.drain():
-            self._failed(pending, ApiError(503, "the server is shutting down; retry on another server or later",
-                                           "server_error", "shutting_down"))
+            pending.send("error", shutting_down())
 
     def _end_in_flight(self) -> None:
         """The grace is over: every reply still in flight ends now with a 503 (a stream: an error event)."""
         for pending in self.active:
             if not pending.job.done:
+                pending.cancelled = True  # (answered here: ``_retire`` sends nothing more)
                 self.engine.cancel(pending.job)
-                pending.job.error = "the server shut down before the reply finished"
-                pending.job.finish_reason = "error"
-                pending.shutdown = True
+                pending.send("error", shutting_down("the server shut down before the reply finished"))
 
     def _rebuild(self, err: Exception) -> None:
         """Fail the replies in flight, start their sessions over and forget the stacked batch: the engine is as if
@@ -581,7 +590,7 @@ class Worker(threading.Thread):
 
     def _fail_all(self) -> None:
         """The worker stops: every reply in flight or queued gets a 503."""
-        gone = ApiError(503, "the server shut down before the reply finished", "server_error", "shutting_down")
+        gone = shutting_down("the server shut down before the reply finished")
         for pending in list(self.active) + self.line.drain():
             pending.send("error", gone)
         self.active = []
@@ -592,21 +601,12 @@ class Worker(threading.Thread):
             if job.done:
                 self.engine.settle(job)
             if job.done and not pending.cancelled:
-                if pending.shutdown:
-                    self._failed(pending, ApiError(503, f"{job.error}; retry on another server or later",
-                                                   "server_error", "shutting_down"))
-                elif job.finish_reason == "error":
+                if job.finish_reason == "error":
                     self.errors += 1
-                    self._failed(pending, ApiError(500, f"the reply failed: {job.error}", "server_error"))
+                    pending.send("error", ApiError(500, f"the reply failed: {job.error}", "server_error"))
                 else:
                     pending.send("done", job)
         self.active = [p for p in self.active if not p.job.done]
-
-    def _failed(self, pending: Pending, err: ApiError) -> None:
-        """A 5xx raised on the engine thread: one log line naming the request, then the error to its handler."""
-        log.log(logging.ERROR if err.status == 500 else logging.WARNING, "request %s: %d %s", pending.request_id,
-                err.status, err.message)
-        pending.send("error", err)
 
     def _admit(self) -> None:
         """Start waiting requests while the batch has room: first those held for a place (oldest first), then new
@@ -629,15 +629,12 @@ class Worker(threading.Thread):
                 reason = self._begin(pending)
             except ApiError as err:
                 self.line.withdraw(pending)
-                if err.status >= 500:
-                    self._failed(pending, err)
-                else:
-                    pending.send("error", err)
+                pending.send("error", err)
                 continue
             except Exception as err:  # noqa: BLE001
                 self.line.withdraw(pending)
                 self.errors += 1
-                self._failed(pending, ApiError(500, f"the request failed: {type(err).__name__}: {err}",
+                pending.send("error", ApiError(500, f"the request failed: {type(err).__name__}: {err}",
                                                "server_error"))
                 continue
             if reason is not None:
@@ -845,9 +842,7 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, err: ApiError):
-        if err.status >= 500:
-            log.warning("request %s: %d %s", request.scope.get("state", {}).get("request_id"), err.status,
-                        err.message)
+        log_5xx(request.scope.get("state", {}).get("request_id", ""), err)
         return _error(err)
 
     @app.exception_handler(HTTPException)
@@ -1092,6 +1087,7 @@ async def _stream(request: Request, reply: Reply, event: tuple, usage: bool):
                     yield "data: [DONE]\n\n"
                     return
             else:  # an error: its event, then the end of the stream, as for any other
+                log_5xx(reply.pendings[0].request_id, payload)
                 yield f"data: {json.dumps(payload.body())}\n\n"
                 yield "data: [DONE]\n\n"
                 return
@@ -1139,7 +1135,7 @@ class Inspector:
     def __init__(self, engine: Engine, limits: Limits, model_name: str):
         self.engine, self.limits, self.model_name = engine, limits, model_name
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-inspect")
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.tokenizer = None  # copied at the first inspection
         self.taken = 0  # inspections running or waiting (changed on the event loop only)
         self.stops: set[threading.Event] = set()  # one per inspection taken
         self.closed = False
@@ -1149,7 +1145,7 @@ class Inspector:
 
         limits = self.limits
         if self.closed:
-            raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
+            raise shutting_down()
         if body.max_new_tokens > limits.max_tokens:
             raise ApiError(400, f"max_new_tokens is over this server's limit of {limits.max_tokens}",
                            param="max_new_tokens")
@@ -1164,6 +1160,9 @@ class Inspector:
                 await asyncio.to_thread(self.engine.tokenize, body.text + (body.question or ""), True, True)
             except ValueError as err:
                 raise ApiError(400, f"{err} (--max-prompt-tokens)", param="text") from None
+
+            if self.tokenizer is None:
+                self.tokenizer = copy.deepcopy(self.engine.tokenizer)
 
             def interrupt() -> None:
                 if stop.is_set():
@@ -1182,14 +1181,14 @@ class Inspector:
                     stop.set()  # a running inspection stops at its next chunk; a waiting one never starts
                     work.cancel()
                     if self.closed:
-                        raise ApiError(503, "the server is shutting down", "server_error", "shutting_down")
+                        raise shutting_down()
                     raise ClientGone
             try:
                 return JSONResponse(work.result())
             except ValueError as err:
                 raise ApiError(400, str(err)) from None
             except InspectionCancelled:
-                raise ApiError(503, "the server is shutting down", "server_error", "shutting_down") from None
+                raise shutting_down() from None
         finally:
             self.taken -= 1
             self.stops.discard(stop)

@@ -144,7 +144,8 @@ def test_a_begin_that_fails_under_kv_memory_gives_its_memory_back(reference, mon
                                 json={"prompt": "Once", "max_tokens": 2, "session_id": session})
             assert "KeyError" in _openai_error(failed, 500)["message"]
             request_id = failed.headers["x-request-id"]
-            assert any(request_id in r.getMessage() and "500" in r.getMessage() for r in server_log)
+            assert [r.getMessage() for r in server_log if request_id in r.getMessage()] == [
+                f"request {request_id}: 500 {failed.json()['error']['message']}"]  # one line, where it is answered
             ok = httpx.post(f"{running.url}/v1/completions", json={"prompt": "Once", "max_tokens": 2}, timeout=10)
             assert ok.status_code == 200
         assert _settle(running)["sparsegen_kv_bytes_reserved"] == 0
