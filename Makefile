@@ -105,20 +105,24 @@ gpu-check: setup
 	$(VENV)/bin/pytest -q -m 'not slow and not results' tests/test_cuda.py tests/test_decoding.py
 	$(PY) scripts/compile_step.py random:llama-1b h2o 8192 --device cuda --dtype bfloat16
 
-# llama.cpp's own server as bench-serve's baseline (`bench-serve --spawn --baseline llama.cpp`): built from the
-# llama.cpp sources that llama-cpp-python's release ships (the binding's version), two parallel jobs, no web UI.
+# llama.cpp's own tools as the baselines: `llama-server` for `bench-serve --spawn --baseline llama.cpp`, `llama-bench`
+# and `llama-perplexity` for `bench --baseline llama.cpp` and `ppl --baseline llama.cpp`; built from the llama.cpp
+# sources that llama-cpp-python's release ships (the binding's version), two parallel jobs, no web UI.
 LLAMA_SERVER_FROM := 0.3.36
 LLAMA_SERVER_SRC  := .cache/llama-server/llama_cpp_python-$(LLAMA_SERVER_FROM)/vendor/llama.cpp
-.PHONY: llama-server
-llama-server: setup
-	test -x $(VENV)/bin/llama-server || { \
+LLAMA_TOOLS       := llama-server llama-bench llama-perplexity
+.PHONY: llama-server llama-tools
+llama-server: llama-tools
+llama-tools: setup
+	for tool in $(LLAMA_TOOLS); do test -x $(VENV)/bin/$$tool || missing=1; done; test -z "$$missing" || { \
 		mkdir -p .cache/llama-server && \
-		$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_SERVER_FROM) \
-			-d .cache/llama-server && \
-		tar xzf .cache/llama-server/llama_cpp_python-$(LLAMA_SERVER_FROM).tar.gz -C .cache/llama-server \
-			llama_cpp_python-$(LLAMA_SERVER_FROM)/vendor/llama.cpp && \
+		{ test -d $(LLAMA_SERVER_SRC) || { \
+			$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_SERVER_FROM) \
+				-d .cache/llama-server && \
+			tar xzf .cache/llama-server/llama_cpp_python-$(LLAMA_SERVER_FROM).tar.gz -C .cache/llama-server \
+				llama_cpp_python-$(LLAMA_SERVER_FROM)/vendor/llama.cpp; }; } && \
 		cmake -S $(LLAMA_SERVER_SRC) -B .cache/llama-server/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 			-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
 			-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF && \
-		cmake --build .cache/llama-server/build --target llama-server -j2 && \
-		cp .cache/llama-server/build/bin/llama-server $(VENV)/bin/llama-server; }
+		cmake --build .cache/llama-server/build --target $(LLAMA_TOOLS) -j2 && \
+		for tool in $(LLAMA_TOOLS); do cp .cache/llama-server/build/bin/$$tool $(VENV)/bin/$$tool; done; }

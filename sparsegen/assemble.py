@@ -12,17 +12,39 @@ import torch
 from sparsegen.models import load as load_checkpoint
 
 
-def restore_weights(model: torch.nn.Module, weights: str, name_or_path: str | Path) -> None:
-    """``fp32`` (as loaded), ``int8`` / ``int4`` (PyTorch's CPU weight-only kernels) or ``gguf`` (each linear at the
-    bit width of the model's own GGUF file), in place."""
-    from sparsegen.quant.fast import gguf_plan, quantize_weights
+def weights_of(model: torch.nn.Module) -> str:
+    """The kind of weights ``model`` runs (``restore_weights``): fp32 (as loaded) unless re-stored."""
+    return getattr(model.config, "sparsegen_weights", "fp32")
 
+
+def default_weights(name_or_path: str | Path, device: str | torch.device) -> str:
+    """What ``weights="auto"`` stores: a GGUF model (a packaged one or a ``.gguf`` file) on a CPU at its own file's
+    bit widths (``gguf``: Q4_1 as ``w4a8``, Q5_0 as ``w5a8``...), in sparsegen's integer kernels, which are CPU
+    kernels; anything else as loaded (``fp32``), so a checkpoint folder runs as it always has."""
+    from sparsegen.models.gguf import PACKAGED, is_gguf
+
+    gguf = str(name_or_path) in PACKAGED or is_gguf(name_or_path)
+    return "gguf" if gguf and torch.device(device).type == "cpu" else "fp32"
+
+
+def restore_weights(model: torch.nn.Module, weights: str, name_or_path: str | Path) -> str:
+    """``fp32`` (as loaded), ``int8`` / ``int4`` (PyTorch's CPU weight-only kernels), ``w8a8`` / ``w4a8`` /
+    ``w5a8`` (sparsegen's integer kernels), ``gguf`` (each linear at the bit width of the model's own GGUF file) or
+    ``auto`` (``default_weights``), in place; the kind it stored (also ``model.config.sparsegen_weights``, so that
+    every number a command prints can say which weights made it)."""
+    from sparsegen.quant.fast import WEIGHTS, gguf_plan, quantize_weights
+
+    if weights not in ("auto", *WEIGHTS):
+        raise ValueError(f"--weights must be one of auto, {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "auto":
+        weights = default_weights(name_or_path, next(model.parameters()).device)
     plan = None
     if weights == "gguf":
         from sparsegen.models.gguf import gguf_file
 
         plan = gguf_plan(gguf_file(str(name_or_path)))
     quantize_weights(model, weights, plan)
+    return weights_of(model)
 
 
 def put_prompt(model: torch.nn.Module, tokenizer, soft_prompt: str | Path | None = None,
@@ -42,11 +64,11 @@ def put_prompt(model: torch.nn.Module, tokenizer, soft_prompt: str | Path | None
 
 
 def load(name_or_path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-         weights: str = "fp32", contextual: str | Path | None = None, soft_prompt: str | Path | None = None,
+         weights: str = "auto", contextual: str | Path | None = None, soft_prompt: str | Path | None = None,
          hard_prompt: str | None = None, **options) -> tuple[torch.nn.Module, object]:
     """``(model, tokenizer)`` for a hub id, a checkpoint folder, a ``.gguf`` file, a packaged (``smollm2``,
     ``gemma3-270m``) or bundled (``reference``) model (``options``: ``sparsegen.models.load``'s own), with its
-    ``weights`` re-stored (``restore_weights``), a ``contextual`` plan (a folder from ``sparsegen contextual fit``)
+    ``weights`` re-stored (``restore_weights``; by default a GGUF model at its own bit widths, in integer kernels), a ``contextual`` plan (a folder from ``sparsegen contextual fit``)
     and a prompt before every sequence (``put_prompt``)."""
     model, tokenizer = load_checkpoint(name_or_path, device=device, dtype=dtype, **options)
     restore_weights(model, weights, name_or_path)

@@ -10,7 +10,9 @@ import dis
 import functools
 import inspect
 import math
+import os
 import sys
+import threading
 import time
 import types
 import weakref
@@ -27,6 +29,43 @@ from sparsegen.models.compat import cache_kwargs
 COMPILED_SHAPES = 128
 KNOWN_STATES = 8  # states of one cache whose graphs a DecodeStep keeps to call directly (past it: forgets them)
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): logits / T overflow long before T = 0
+COMPILE_NOTICE_AFTER = 2.0  # seconds a step through dynamo runs before the wait is shown (a compile, not a lookup)
+
+
+class CompileTally:
+    """Every step of this process that went through dynamo and took more than ``COMPILE_NOTICE_AFTER`` (a compile,
+    or a compile's load from the cache folder): how many and their seconds, for ``/metrics`` and ``bench``."""
+
+    def __init__(self):
+        self.count, self.seconds, self._lock = 0, 0.0, threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.count += 1
+            self.seconds += seconds
+
+
+COMPILES = CompileTally()
+
+
+def compiles_by_default(model: torch.nn.Module) -> bool:
+    """What ``compile=None`` means: the compiled step wherever it is the fast path: weights in low-bit kernels (what
+    ``sparsegen.load`` gives a GGUF model by default; a compiled step decodes them 2-3x faster than eager), or a
+    CUDA device (CUDA graphs); eager where neither (a checkpoint folder in fp32 on a CPU, as it always ran)."""
+    from sparsegen.quant.fast import PACKED_LINEARS
+
+    if next(model.parameters()).device.type == "cuda":
+        return True
+    return any(isinstance(module, PACKED_LINEARS) for module in model.modules())
+
+
+def compile_cache() -> str:
+    """Where inductor keeps what it compiled: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else sparsegen's cache folder
+    (``$SPARSEGEN_CACHE`` or ``~/.cache/sparsegen``), not ``/tmp``, so a compile is paid once per machine and
+    shape, not once per boot."""
+    from sparsegen.models.gguf import cache_root
+
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 
 def check_sampling(temperature: float, top_p: float, seed: int = 0) -> None:
@@ -86,8 +125,9 @@ class DecodeStep:
     slot or evicts its own lowest. Eager where a cache cannot take a fixed step (heads sharing slots, a policy that
     reads the host, a ``full`` cache out of slots), and with ``compile=False``, for debugging."""
 
-    def __init__(self, model: torch.nn.Module, compile: bool = False):
-        self.model, self.compiled = model, compile
+    def __init__(self, model: torch.nn.Module, compile: bool | None = None, notice: bool = True):
+        compile = compiles_by_default(model) if compile is None else compile
+        self.model, self.compiled, self.notice = model, compile, notice
         self.graphs = compile and next(model.parameters()).device.type == "cuda"
         self.compiled_steps = 0  # steps that ran the compiled step
         self.unguarded_steps = 0  # of them, those that evaluated no guard (their state's graph was known)
@@ -135,8 +175,11 @@ class DecodeStep:
                 graph = _graph_passing_guards(self._region, self.model, cache, token, position)
             if graph is not None:
                 logits = graph(self.model, cache, token, position)
+            elif compiled:
+                with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
+                    logits = run(cache, token, position)
             else:
-                logits = run(cache, token, position)  # through dynamo: it compiles a graph for this state
+                logits = run(cache, token, position)
         if compiled:
             self.compiled_steps += 1
             self.unguarded_steps += unguarded
@@ -198,6 +241,37 @@ class DecodeStep:
         return len(graphs) - 1
 
 
+class _compiling:
+    """Around a step that goes through dynamo: past ``COMPILE_NOTICE_AFTER`` seconds (a compile, not a lookup) say
+    on stderr what is compiling and, at the end, how long it took; counted in ``COMPILES``."""
+
+    def __init__(self, batch: int, cache, notice: bool):
+        slots = [layer.fixed_slots or 0 for layer in getattr(cache, "layers", ())]
+        self.what = f"batch {batch}, {max(slots, default=0):,} slots"
+        self.notice, self.shown, self.done = notice, False, threading.Event()
+
+    def __enter__(self):
+        self.started = time.perf_counter()
+        if self.notice:
+            threading.Thread(target=self._show, daemon=True).start()
+        return self
+
+    def _show(self) -> None:
+        if not self.done.wait(COMPILE_NOTICE_AFTER):
+            self.shown = True
+            print(f"sparsegen: compiling the decode step ({self.what}; once per shape, kept in {compile_cache()}; "
+                  f"--no-compile skips it) ...", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        seconds = time.perf_counter() - self.started
+        if seconds > COMPILE_NOTICE_AFTER:
+            COMPILES.add(seconds)
+            if self.notice:
+                print(f"sparsegen: decode step compiled in {seconds:.1f} s ({self.what})", file=sys.stderr,
+                      flush=True)
+
+
 def _step(model: torch.nn.Module, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return forward(model, cache, token[:, None], position[:, None], last=True)
 
@@ -220,6 +294,7 @@ def _compiled_step(graphs: bool):
     sets; a mode and options cannot both be given.) On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the ~700
     kernel and op calls of a SmolLM2 step no longer go through Python, 6.5-7.4% of a w4a8 step (one process, both
     wrappers, interleaved; docs/benchmarks.md); CUDA replays a graph instead."""
+    compile_cache()
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
     accepted = inspect.signature(torch.compile).parameters

@@ -65,7 +65,7 @@ def generate_tokens(
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
     kv_bits: int | KVQuantization | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
     first_chunk: int | None = None,
     cache: EvictionCache | None = None,
     hold_after_first: bool = False,
@@ -74,7 +74,7 @@ def generate_tokens(
 
     ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``; checking
     whether all have stopped is the loop's one host read per token, and only with ``eos_id``. ``compile``: the decode
-    step through ``torch.compile`` (``DecodeStep``). ``first_chunk``: prefill that many tokens in one pass first
+    step through ``torch.compile`` (``DecodeStep``; None: where the weights are low-bit or on CUDA). ``first_chunk``: prefill that many tokens in one pass first
     (``prefill``). ``cache``: a cache already holding a context (``CompressedContext.cache``; then ``policy``,
     ``positions`` and ``kv_bits`` are its own) that ``ids`` continue. ``hold_after_first``: after the first chunk
     the cache evicts nothing more (kvpress's exact protocol: the context compressed once, the question and the answer
@@ -127,7 +127,9 @@ def generate_tokens(
             break
         logits = step(cache, token, position)
         position = position + 1
-    return new, counts, cache.stats(), prefill_seconds, time.perf_counter() - t0
+    stats = {**cache.stats(), "weights": getattr(model.config, "sparsegen_weights", "fp32"), "compiled": step.compiled,
+             "compile_seconds": step.compile_seconds}
+    return new, counts, stats, prefill_seconds, time.perf_counter() - t0
 
 
 def generate(
@@ -153,7 +155,7 @@ def generate(
     draft_tokens: int | str = 4,
     draft_model: torch.nn.Module | None = None,
     kv_bits: int | KVQuantization | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
     context: str | CompressedContext | None = None,
     question: str | None = None,
     evict_after_context: bool = True,
@@ -171,7 +173,9 @@ def generate(
     ``kv_bits`` (8, 4 or 2): hold the cache's keys and values quantized (KIVI-style, ``sparsegen.kv.quantized``),
     under any policy; 16: as float16 numbers.
 
-    ``compile``: run the decode step through ``torch.compile`` (one graph; the first call compiles).
+    ``compile``: run the decode step through ``torch.compile`` (one graph; the first call of a shape compiles, kept in
+    sparsegen's cache folder); None (default): compiled where the weights are low-bit, as ``sparsegen.load`` gives a
+    GGUF model by default, or on CUDA (``compiles_by_default``).
 
     ``context`` and ``question`` instead of ``prompts``: kvpress's protocol. The context is encoded in one pass and
     compressed once to the budget (a fraction is of the context) by the policy's scores; then the question is fed
@@ -312,6 +316,7 @@ def compare(
     chunk_size: int = DEFAULT_CHUNK,
     draft_tokens: int | str = 4,
     draft_model: torch.nn.Module | None = None,
+    compile: bool | None = None,
 ) -> dict[str, dict]:
     """The same prompt under each of ``policies``, greedy, never stopping early: name -> ``Generation.to_dict()``.
     A name is ``full``, a policy taking ``budget``, either with ``+kvN`` to hold the cache in N bits (``h2o+kv4``), or
@@ -327,6 +332,6 @@ def compare(
             model, tokenizer, prompt, policy="full" if draft else policy,
             budget=None if policy == "full" or draft else budget, max_new_tokens=max_new_tokens,
             chunk_size=chunk_size, stop_at_eos=False, speculative=draft, draft_tokens=draft_tokens,
-            draft_model=draft_model if draft else None, kv_bits=bits,
+            draft_model=draft_model if draft else None, kv_bits=bits, compile=compile,
         ).to_dict()
     return rows

@@ -197,7 +197,7 @@ def speculative_tokens(
     pad_id: int = 0,
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """What ``generation.generate_tokens`` returns under the full cache, drafted as ``speculation`` says: ``(new
     [B, n], counts [B], the full cache's stats with "draft_cache" and "speculation" entries, prefill s, decode s)``.

@@ -25,3 +25,28 @@ def test_load_refuses_what_it_cannot_do():
         sparsegen.load("reference", weights="int3")
     with pytest.raises(sparsegen.ModelLoadError, match="not a GGUF model"):
         sparsegen.load("reference", weights="gguf")
+
+
+def test_a_gguf_model_runs_at_its_own_bit_width_by_default_and_a_folder_as_loaded(tmp_path):
+    from sparsegen.assemble import default_weights, weights_of
+
+    assert default_weights("smollm2", "cpu") == default_weights("gemma3-270m", "cpu") == "gguf"
+    assert default_weights(tmp_path / "model.Q4_1.GGUF", "cpu") == "gguf"
+    assert default_weights("reference", "cpu") == default_weights(tmp_path, "cpu") == "fp32"
+    assert default_weights("smollm2", "cuda") == "fp32"  # (the integer kernels are CPU kernels)
+    model, _ = sparsegen.load("reference")  # weights="auto"
+    assert weights_of(model) == "fp32" and any(type(m) is torch.nn.Linear for m in model.get_decoder().modules())
+    with pytest.raises(ValueError, match="one of auto, fp32"):
+        sparsegen.load("reference", weights="int2")
+
+
+def test_the_compiled_step_is_the_default_where_the_weights_are_low_bit():
+    from sparsegen.assemble import weights_of
+    from sparsegen.decoding import DecodeStep, compiles_by_default
+
+    plain, _ = sparsegen.load("reference")
+    packed, _ = sparsegen.load("reference", weights="w8a8")
+    assert weights_of(packed) == "w8a8"
+    assert not compiles_by_default(plain) and compiles_by_default(packed)
+    assert not DecodeStep(plain).compiled and DecodeStep(packed).compiled
+    assert not DecodeStep(packed, compile=False).compiled and DecodeStep(plain, compile=True).compiled

@@ -51,7 +51,7 @@ class Setup:
     recompute_tokens: int = 8
     memory_limit: int | None = None
     bandwidth: float | None = None
-    compiled: bool = False
+    compiled: bool = False  # (resolved: bench's --compile, or compiles_by_default for the model)
     seed: int = 0
     repeats: int = 1  # measure every policy this many times, interleaved, and pool the steps
     text_ids: torch.Tensor | None = None  # prefill with this token stream (rows at different offsets), not random ids
@@ -91,6 +91,7 @@ class Setup:
         machine, flags = (torch.cuda.get_device_name(device), []) if device.type == "cuda" else _cpu_info()
         return {
             "model": self.model_name, "random_weights": self.random_weights, "device": str(device),
+            "weights": getattr(self.model.config, "sparsegen_weights", "fp32"),
             "machine": machine, "vector_extensions": flags, "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
@@ -458,7 +459,7 @@ def _warm_up(setup: Setup) -> None:
     cache = DynamicCache(config=setup.model.config)
     ids = torch.zeros(1, min(setup.chunk_size, 64), dtype=torch.long, device=setup.device)
     forward(setup.model, cache, ids, torch.arange(ids.shape[1], device=setup.device)[None])
-    DecodeStep(setup.model)(cache, ids[:, 0], torch.tensor([ids.shape[1]], device=setup.device))
+    DecodeStep(setup.model, compile=False)(cache, ids[:, 0], torch.tensor([ids.shape[1]], device=setup.device))
     synchronize(setup.device)
 
 

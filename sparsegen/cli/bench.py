@@ -22,6 +22,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     from sparsegen.bench import report
+    from sparsegen.assemble import weights_of
     from sparsegen.bench.roofline import measure_bandwidth
     from sparsegen.contextual import Contextual, attach, detach
     from sparsegen.kv.quantized import policy_and_bits
@@ -52,10 +53,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     variants = [v.strip() for v in (args.contextual or "none").split(",") if v.strip()]
     plans = {v: Contextual.load(v) for v in variants if v != "none"}  # a bad folder fails before any model is built
     weight_modes = [w.strip() for w in args.weights.split(",") if w.strip()]
-    if not weight_modes or any(w not in WEIGHTS for w in weight_modes):
-        raise ValueError(f"--weights takes {', '.join(WEIGHTS)} (comma-separated), got {args.weights!r}")
+    if not weight_modes or any(w not in ("auto", *WEIGHTS) for w in weight_modes):
+        raise ValueError(f"--weights takes auto, {', '.join(WEIGHTS)} (comma-separated), got {args.weights!r}")
     for name, weights in [(n, w) for n in names_of_models for w in weight_modes]:
         model, tokenizer = _bench_load(args, name, weights, device)
+        weights = weights_of(model)  # (auto: what it stood for)
         for variant in variants:
             label = name if variant == "none" else f"{name} + {variant}"
             label = label if len(weight_modes) == 1 and weights == "fp32" else f"{label} [{weights}]"
@@ -161,19 +163,21 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
     """Measure one model (or one contextual variant of it), and ``baseline`` (llama.cpp) beside it: print its table,
     ratios and goals."""
     from sparsegen.bench import decode, report
+    from sparsegen.decoding import compiles_by_default
 
+    compiled = compiles_by_default(model) if args.compile is None else args.compile
     setup = decode.Setup(
         model=model, model_name=label, random_weights=random_weights, new_tokens=args.new_tokens,
         warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
         recompute_tokens=args.recompute_tokens, memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
-        bandwidth=bandwidth, compiled=args.compile, seed=args.seed, repeats=args.repeats, text_ids=text_ids,
+        bandwidth=bandwidth, compiled=compiled, seed=args.seed, repeats=args.repeats, text_ids=text_ids,
         kv_bits=kv_quantization(args),
     )
     env = setup.environment()
     extensions = f" [{' '.join(env['vector_extensions'])}]" if env["vector_extensions"] else ""
     print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
           f"{env['machine']}{extensions}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
-          f"{'torch.compile' if args.compile else 'eager'}; {args.new_tokens} timed decode steps after "
+          f"{'torch.compile' if compiled else 'eager'}; {args.new_tokens} timed decode steps after "
           f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
     print(report.header())
     measured = decode.run(setup, policies, contexts, batches,

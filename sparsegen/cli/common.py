@@ -34,14 +34,16 @@ def model_args(p: argparse.ArgumentParser, positional: bool = False, more: str =
 
 
 def compile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the decode step through torch.compile (one graph: model, cache update, eviction) in "
-                        "fixed shapes (each layer's budget of slots, or a full cache's allocation); the first step "
-                        "compiles (about a minute on a small CPU), and again when the batch or the slots change")
+                        "fixed shapes (each layer's budget of slots, or a full cache's allocation); the first step of "
+                        "a shape compiles, kept in sparsegen's cache folder for the next run (default: compiled "
+                        "where the weights are low-bit, as a GGUF model's are by default, or on CUDA; eager "
+                        "otherwise; --no-compile: eager, for debugging)")
 
 
 def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
-    p.add_argument("--weights", default="fp32", metavar="fp32|int8|int4|w8a8|w4a8|w5a8|gguf" + ("[,...]" if several else ""),
+    p.add_argument("--weights", default="auto", metavar="auto|fp32|int8|int4|w8a8|w4a8|w5a8|gguf" + ("[,...]" if several else ""),
                    help="store the decoder's linears and LM head in 8 or 4 bits for PyTorch's CPU weight-only kernels "
                         "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest); w8a8: int8 weights "
                         "times inputs quantized to 7 bits, each token at its own scale, turned by a Hadamard rotation "
@@ -53,7 +55,8 @@ def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "(4-bit types as w4a8, Q5_0 as w5a8, the others as w8a8); every kind keeps the embedding "
                         "table in llama.cpp's 8-bit Q8_0 blocks (exact for a Q8_0 GGUF's table)"
                         + ("; several, comma-separated, are measured in turn and compared" if several else "")
-                        + " (default fp32: as loaded)")
+                        + " (default auto: a GGUF model (smollm2, gemma3-270m, a .gguf file) on a CPU as gguf, "
+                          "anything else as loaded: fp32)")
 
 
 def prompt_args(p: argparse.ArgumentParser) -> None:
@@ -181,7 +184,7 @@ def load_model(args: argparse.Namespace):
     """``sparsegen.load`` with the command's options."""
     from sparsegen.assemble import load
 
-    return load(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", "fp32"),
+    return load(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", "auto"),
                 contextual=getattr(args, "contextual", None), soft_prompt=getattr(args, "soft_prompt", None),
                 hard_prompt=getattr(args, "hard_prompt", None))
 

@@ -132,7 +132,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args)
     draft_model = load_draft_model(args, tokenizer)
     rows = list(compare(model, tokenizer, prompt, args.policies.split(","), args.budget, args.max_new_tokens,
-                        args.chunk_size, draft_tokens, draft_model).items())
+                        args.chunk_size, draft_tokens, draft_model, args.compile).items())
     if args.json:
         print(json.dumps(dict(rows), indent=2))
         return
@@ -203,6 +203,7 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
     model_args(p, run=True)
+    compile_arg(p)
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-file", default=None)
     p.add_argument("--policies", default="full,window,streaming,h2o",

@@ -90,6 +90,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import os
+    import time
 
     from sparsegen.serve.server import Limits, build_app, kv_bound, run_server
 
@@ -116,6 +117,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens {defaults.max_tokens} is over --max-tokens-limit {limits.max_tokens}")
     model, tokenizer = load_model(args)
     engine = _engine(args, model, tokenizer)
+    if engine.decode.compiled:  # (before /health answers: no request waits on a compile)
+        from sparsegen.assemble import weights_of
+
+        started = time.perf_counter()
+        warm = engine.warm_up(rows=min(3, args.max_batch))
+        print(f"sparsegen serve: decode step ready in {time.perf_counter() - started:.1f} s ({warm['compiles']} "
+              f"compiles, {warm['seconds']:.1f} s; {weights_of(model)} weights)", flush=True)
     app = build_app(engine, limits, args.model, defaults)
     bound = kv_bound(engine, limits)
     policy = engine.make_policy().describe()

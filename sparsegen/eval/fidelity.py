@@ -39,7 +39,7 @@ def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, pol
     cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size, kv_bits=kv_bits)
     length = prompts.shape[1]
     logits = [prefill(model, cache, prompts, torch.ones_like(prompts), chunk_size, progress=False)]
-    step, position = DecodeStep(model), torch.full((len(prompts),), length, device=prompts.device)
+    step, position = DecodeStep(model, compile=False), torch.full((len(prompts),), length, device=prompts.device)
     for i in range(continuation.shape[1] - 1):
         logits.append(step(cache, continuation[:, i], position + i))
     return torch.stack(logits, dim=1).float()

@@ -183,7 +183,7 @@ def _answer(model, tokenizer, cache: EvictionCache, logits: torch.Tensor, length
             after_token: Callable[[], None] | None = None) -> str:
     """Greedy reply from the cache as the prompt left it (the kept sets are read before, so the reply's own
     evictions do not show)."""
-    step, tokens = DecodeStep(model), []
+    step, tokens = DecodeStep(model, compile=False), []
     position = torch.tensor([length], device=logits.device)
     for _ in range(max_new_tokens):
         token = next_token(logits, 0.0, 1.0, None)

@@ -309,7 +309,7 @@ def score(answer: str, references: list[str]) -> float:
 def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Policy], protocol: str = "stream",
              chunk_size: int = 512, positions: str | None = None, kv_bits: int | KVQuantization | None = None,
              max_new_tokens: int | None = None, progress: bool = True,
-             speculation: Callable[[int], Speculation] | None = None, compile: bool = False) -> list[dict]:
+             speculation: Callable[[int], Speculation] | None = None, compile: bool | None = None) -> list[dict]:
     """Greedy answers to ``samples`` (one at a time) through a cache under ``make(context_tokens)``'s policy, each
     with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``. ``speculation``
     (``make`` giving the full cache, ``stream`` protocol): the same answers, drafted over a cache under
@@ -366,7 +366,7 @@ def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Pol
         positions: str | None = None, kv_bits: int | KVQuantization | None = None,
         max_new_tokens: int | None = None, progress: bool = True,
         on_row: Callable[[dict], None] | None = None, done: list[dict] | None = None,
-        speculation: Callable[[int], Speculation] | None = None, compile: bool = False) -> dict:
+        speculation: Callable[[int], Speculation] | None = None, compile: bool | None = None) -> dict:
     """RULER over ``policies`` (name -> policy for a context of n tokens) x ``protocols`` x ``lengths`` x ``tasks``:
     ``{"rows": [{"policy", "budget", "protocol", "task", "length", "score", "depths", "kv_tokens_peak",
     "samples": [...]}]}``, the same prompts for every policy. ``done``: rows of an interrupted run with the same

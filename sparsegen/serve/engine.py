@@ -22,6 +22,7 @@ draft caches missed meanwhile are fed to them with the next round, so no draft c
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decoding import DecodeStep, check_sampling, forward, next_token
+from sparsegen.decoding import COMPILES, DecodeStep, check_sampling, forward, next_token
 from sparsegen.detokenize import Detokenizer
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
@@ -209,7 +210,7 @@ class Engine:
                  chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
                  speculation: Callable[[], Speculation] | None = None,
-                 kv_bits: int | KVQuantization | None = None, compile: bool = False, kv_memory: int | None = None,
+                 kv_bits: int | KVQuantization | None = None, compile: bool | None = None, kv_memory: int | None = None,
                  max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | str | None = None,
                  contexts: dict[str, CompressedContext] | None = None, packed_prefill: bool = True):
         if max_sessions < 1 or max_batch < 1:
@@ -316,11 +317,17 @@ class Engine:
 
     # --- sessions ---
     def new_cache(self) -> EvictionCache:
-        """An empty cache for one session under this engine's policy (it allocates when first fed)."""
-        return EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
-                             rollback=self.draft_tokens if self.speculation is not None else 0,
-                             kv_bits=self.quantization, max_length=self.max_context,
-                             expected_length=self.max_context if self.memory is not None else None)
+        """An empty cache for one session under this engine's policy (it allocates when first fed). Under a compiled
+        step it is marked from the start as one that will outgrow its budget (``mark_evicting``: the rolling sinks'
+        frame is computed before eviction needs it, to the same result), so a conversation passing its budget
+        meets no new graph mid-traffic."""
+        cache = EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
+                              rollback=self.draft_tokens if self.speculation is not None else 0,
+                              kv_bits=self.quantization, max_length=self.max_context,
+                              expected_length=self.max_context if self.memory is not None else None)
+        if self.decode.compiled:
+            cache.mark_evicting(sys.maxsize)
+        return cache
 
     def _new_draft(self) -> EvictionCache | None:
         if self.speculation is None:
@@ -457,6 +464,32 @@ class Engine:
         return Job(session, sampling, len(ids), reencoded=history, strip_leading=strip, generator=generator,
                    on_text=on_text, text=Detokenizer(self.tokenizer), feed=ids, served=self._ticks,
                    stops=tuple(sampling.stop) + tuple(self.template.stop if strip else ()))
+
+    def warm_up(self, rows: int = 3, tokens: int = 4) -> dict:
+        """Compile, before any request, the decode step's graphs that traffic meets, so that no reply waits on a
+        compile: throwaway replies of one prompt decode alone (a session's own cache), then ``rows`` of them
+        stacked, finishing one after another (the batched cache at ``rows`` down to 1 rows: at its second batch size
+        dynamo compiles a graph whose batch size is a variable, which every later size takes). Their caches and the
+        counters are given back; returns ``{"compiles", "seconds"}`` (``COMPILES``' count and seconds it added)."""
+        if not self.decode.compiled:
+            return {"compiles": 0, "seconds": 0.0}
+        counters, (count, seconds) = dict(self.counters), (COMPILES.count, COMPILES.seconds)
+        rows = max(1, min(rows, self.max_batch))
+        middle = self.model.config.vocab_size // 2  # (any text: eight ordinary tokens of the vocabulary)
+        prompt = self.tokenizer.decode(list(range(middle, middle + 8)))
+        for group in ([tokens], [tokens + 2 * row for row in range(rows)] if rows > 1 else []):
+            jobs = [self.begin(self.session(None), Sampling(max_tokens=n, ignore_eos=True), prompt=prompt)
+                    for n in group]
+            while not all(job.done for job in jobs):
+                self.step(jobs)
+            for job in jobs:
+                self.settle(job)
+            failed = next((job.error for job in jobs if job.error), None)
+            if failed is not None:
+                raise RuntimeError(f"the decode step failed while warming up: {failed}")
+        self.counters.clear()
+        self.counters.update(counters)
+        return {"compiles": COMPILES.count - count, "seconds": COMPILES.seconds - seconds}
 
     def unbegun(self, session: Session, in_doubt: bool) -> None:
         """After ``begin`` failed in ``session``: a session-less request gives back the K/V memory it reserved; a

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException
 
 from sparsegen.bench.memory import current_rss
+from sparsegen.decoding import COMPILES
 from sparsegen.serve.engine import MOST_LOGPROBS, Engine, Job, Prepared, Sampling, SessionsBusy, TokenLogprob
 
 log = logging.getLogger("sparsegen.serve")
@@ -1237,7 +1238,8 @@ def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
         with worker.lock:
             snapshot = dict(worker.snapshot)
         # the line as it is now (a request whose client left is gone from it at once, between two engine steps)
-        snapshot.update(worker.line.counts(), kv_bytes_bound=bound, resident_bytes=current_rss() or 0)
+        snapshot.update(worker.line.counts(), kv_bytes_bound=bound, resident_bytes=current_rss() or 0,
+                        compiles_total=COMPILES.count, compile_seconds_total=round(COMPILES.seconds, 3))
         lines = []
         for name, value in snapshot.items():
             metric = f"sparsegen_{name}"

@@ -541,7 +541,7 @@ def test_generate_and_bench_take_weights(capsys, tmp_path):
     assert main(["generate", "--model", "reference", "--prompt", "Once upon a time", "--max-new-tokens", "4",
                  "--weights", "int8"]) == 0
     assert main(["bench", "--model", "reference", "--policies", "full", "--contexts", "32", "--new-tokens", "2",
-                 "--warmup", "1", "--weights", "fp32,int8,int4,w8a8", "--json", str(tmp_path / "b.json")]) == 0
+                 "--warmup", "1", "--weights", "fp32,int8,int4,w8a8", "--no-compile", "--json", str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert "speed-up of reference [int8] over reference [fp32]" in out and "reference [int4]" in out
     assert "reference [w8a8]" in out

@@ -513,3 +513,34 @@ def test_ignore_eos_decodes_max_tokens_past_an_end_of_sequence():
                                            prompt="5 6 7"))
     assert stopped.tokens == first.tokens[:1] and stopped.finish_reason == "stop"
     assert kept_going.tokens == first.tokens and kept_going.finish_reason == "length"
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_a_warm_up_compiles_every_graph_that_traffic_then_meets(policy, monkeypatch):
+    """``serve`` warms up before ``/health`` says ok: afterwards, replies alone and stacked at every batch size up to
+    ``max_batch`` (joining and leaving) compile nothing more, and the warm-up leaves no session and no count."""
+    import sparsegen.decoding as decoding
+
+    graphs = []
+
+    def count(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(decoding._step, fullgraph=True, backend=count)
+    monkeypatch.setattr(decoding, "_compiled_step", lambda cuda_graphs: compiled)
+    engine = Engine(tiny_model("llama"), IdTokenizer(), lambda: make_policy(policy, 12), chunk_size=5, max_batch=4,
+                    compile=True)
+    engine.warm_up(rows=3)
+    warmed = len(graphs)
+    assert warmed >= 2 and engine.counters["requests"] == 0 and not engine.sessions and engine.kv_bytes() == 0
+    generator = torch.Generator().manual_seed(1)
+    prompts = [" ".join(map(str, torch.randint(3, VOCAB, (n,), generator=generator).tolist())) for n in (9, 4, 15, 6)]
+    jobs = [engine.begin(engine.session(f"s{i}"), Sampling(max_tokens=4 + 3 * i), prompt=p)
+            for i, p in enumerate(prompts)]
+    while not all(job.done for job in jobs):
+        engine.step(jobs)
+    alone = engine.begin(engine.session("s0"), Sampling(max_tokens=5), prompt=prompts[0] + " 7 8")
+    _run(engine, alone)
+    assert len(graphs) == warmed, f"{len(graphs) - warmed} graphs compiled during traffic"
