@@ -111,6 +111,9 @@ gpu-check: setup
 LLAMA_SERVER_FROM := 0.3.36
 LLAMA_SERVER_SRC  := .cache/llama-server/llama_cpp_python-$(LLAMA_SERVER_FROM)/vendor/llama.cpp
 LLAMA_TOOLS       := llama-server llama-bench llama-perplexity
+# (-march=native turns on AMX where the CPU has it; its kernels die of SIGILL where the OS grants no tile state, as
+# in sandboxed VMs: measured here, an AMX Xeon. The AVX-512/AVX2 kernels are what a llama.cpp user gets elsewhere.)
+NO_AMX            := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 .PHONY: llama-server llama-tools
 llama-server: llama-tools
 llama-tools: setup
@@ -123,6 +126,6 @@ llama-tools: setup
 				llama_cpp_python-$(LLAMA_SERVER_FROM)/vendor/llama.cpp; }; } && \
 		cmake -S $(LLAMA_SERVER_SRC) -B .cache/llama-server/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 			-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
-			-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF && \
+			-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)" && \
 		cmake --build .cache/llama-server/build --target $(LLAMA_TOOLS) -j2 && \
 		for tool in $(LLAMA_TOOLS); do cp .cache/llama-server/build/bin/$$tool $(VENV)/bin/$$tool; done; }

@@ -475,11 +475,14 @@ def run(setup: Setup, policies: list[tuple[str, Callable[[], Policy | int | None
         for context in contexts:
             beside = baseline is not None and batch == 1
             # policy after policy, `repeats` times over: slow drifts of the machine hit every policy alike
-            turns = [[measure(setup, name, make(), context, batch, checks=not turn) for name, make in policies]
-                     + ([baseline.measure(context)] if beside else []) for turn in range(setup.repeats)]
+            turns, theirs = [], []
+            for turn in range(setup.repeats):
+                turns.append([measure(setup, name, make(), context, batch, checks=not turn) for name, make in policies])
+                if beside:
+                    theirs.append(baseline.measure(context))
             measured = [{**env, **_merge(setup, [t[i] for t in turns])} for i in range(len(policies))]
             if beside:
-                measured.append(baseline.pool([t[-1] for t in turns]))
+                measured += baseline.pool(theirs)
             for row in measured:
                 rows.append(row)
                 if on_row is not None:

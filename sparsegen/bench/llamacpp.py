@@ -1,6 +1,11 @@
-"""llama.cpp on the same GGUF, timed as ``bench`` times sparsegen: the baseline rows of ``bench --baseline llama.cpp``.
+"""llama.cpp on the same GGUF: the baseline rows of ``bench --baseline llama.cpp``.
 
-Each measurement runs in a child process (this file run as a script: no torch imported) so that its peak memory is
+Where llama.cpp's own ``llama-bench`` is built (``make llama-tools``), it measures, as llama.cpp measures itself:
+prompt processing of the context from empty (``-p C``) and generation at that depth (``-n N -d C``), each with flash
+attention on and off (``-fa on,off``: which is faster depends on the machine and the model), its own ``swa_full =
+false``, and each row records llama.cpp's build and the CPU it saw; ``bench`` compares against the faster setting.
+
+Otherwise the binding (``llama-cpp-python``) does: each measurement runs in a child process (this file run as a script: no torch imported) so that its peak memory is
 its own and its threads do not share the parent's: the model is loaded from the GGUF at its own bit width, a context of
 random token ids is evaluated in batches, then ``warmup + new_tokens`` greedy tokens are decoded one ``eval`` at a
 time and each step is timed on the wall clock. It needs the optional ``llama-cpp-python`` binding (``pip install
@@ -17,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -31,7 +37,69 @@ SERVER_INSTALL = ("the llama.cpp server baseline needs llama.cpp's `llama-server
 
 
 def available() -> bool:
-    return find_spec("llama_cpp") is not None
+    return bench_binary() is not None or find_spec("llama_cpp") is not None
+
+
+def bench_binary() -> Path | None:
+    """``$LLAMA_BENCH``, else ``llama-bench`` beside this Python or on PATH (None: not built)."""
+    found = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    return Path(found) if found and Path(found).is_file() else None
+
+
+BENCH_REPETITIONS = 1  # llama-bench runs of each test after its own warm-up run (bench --repeats repeats turns: each
+# prompt test re-encodes the whole context, 8K tokens a minute on 2 cores)
+
+
+def measure_with_llama_bench(gguf: Path, context: int, new_tokens: int, threads: int,
+                             repetitions: int = BENCH_REPETITIONS) -> list[dict]:
+    """llama.cpp's rows at ``context`` (batch 1), one per flash-attention setting, from ``llama-bench``: the prompt
+    from empty, then ``new_tokens`` generated at depth ``context``; each row's peak RSS is the child's own."""
+    binary = bench_binary()
+    if binary is None:
+        raise ValueError(INSTALL)
+    common = [str(binary), "-m", str(gguf), "-t", str(threads), "-fa", "on,off", "-r", str(repetitions), "-o", "json"]
+    prompt, peak_prompt = _llama_bench(common + ["-p", str(context), "-n", "0", "-d", "0"])
+    steps, peak_steps = _llama_bench(common + ["-p", "0", "-n", str(new_tokens), "-d", str(context)])
+    rows = []
+    for flash in (True, False):
+        pp = next(r for r in prompt if bool(r["flash_attn"]) == flash)
+        tg = next(r for r in steps if bool(r["flash_attn"]) == flash)
+        seconds = sorted(1 / t for t in tg["samples_ts"])  # (each repetition's mean step)
+        rows.append({
+            "policy": "llama.cpp", "context": context, "batch": 1, "budget": None, "flash_attn": flash,
+            "swa_full": False, "engine": f"llama-bench build {tg['build_number']} ({tg['build_commit']})",
+            "cpu_info": tg["cpu_info"], "weights": gguf.name, "threads": tg["n_threads"],
+            "prefill_seconds": context / pp["avg_ts"], "prefill_tokens_per_s": pp["avg_ts"],
+            "ms_per_token": 1000 / tg["avg_ts"], "ms_per_token_p90": 1000 * seconds[-1], "tokens_per_s": tg["avg_ts"],
+            "tokens_per_s_stddev": tg["stddev_ts"], "timed_tokens": new_tokens * len(seconds), "repeats": len(seconds),
+            "kv_tokens": context + new_tokens, "peak_memory_bytes": max(peak_prompt, peak_steps),
+            "peak_memory_method": "child process ru_maxrss", "host_syncs_per_token": None, "graph_breaks": None,
+        })
+    return rows
+
+
+def _llama_bench(command: list[str]) -> tuple[list[dict], int]:
+    """llama-bench's JSON rows and the child's peak RSS in bytes (its ``VmHWM``, read until it exits)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child, peak = subprocess.Popen(command, stdout=out, stderr=err, text=True), 0
+        while child.poll() is None:
+            peak = max(peak, _high_water(child.pid))
+            time.sleep(0.05)
+        if child.returncode:
+            err.seek(0)
+            raise RuntimeError(f"llama-bench failed ({child.returncode}): {err.read().strip()[-500:]}")
+        out.seek(0)
+        return json.loads(out.read()), peak
+
+
+def _high_water(pid: int) -> int:
+    """A live process's RSS high-water mark (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
 
 
 def server_binary() -> Path:
@@ -70,7 +138,8 @@ def measure(gguf: Path, context: int, new_tokens: int, warmup: int, threads: int
 @dataclass(frozen=True)
 class Baseline:
     """llama.cpp's rows for one bench model, measured in the run's own turns (``bench --repeats``: after each turn's
-    policies, at each context), so that the machine's drifts hit both engines alike."""
+    policies, at each context), so that the machine's drifts hit both engines alike: by ``llama-bench`` where it is
+    built (a row per flash-attention setting), else by the binding (one row, the binding's settings)."""
 
     gguf: Path
     model: str  # the label of the rows it sits beside
@@ -79,19 +148,32 @@ class Baseline:
     threads: int
     seed: int = 0
 
-    def measure(self, context: int) -> dict:
-        return {"model": self.model, **measure(self.gguf, context, self.new_tokens, self.warmup, self.threads,
-                                               self.seed)}
+    def measure(self, context: int) -> list[dict]:
+        if bench_binary() is not None:
+            rows = measure_with_llama_bench(self.gguf, context, self.new_tokens, self.threads)
+        else:
+            rows = [measure(self.gguf, context, self.new_tokens, self.warmup, self.threads, self.seed)]
+        return [{"model": self.model, **row} for row in rows]
 
     @staticmethod
-    def pool(rows: list[dict]) -> dict:
-        """One row from repeated measurements at one context: statistics over all their steps."""
-        if len(rows) == 1:
-            return rows[0]
-        prefill = statistics.median(r["prefill_seconds"] for r in rows)
-        return {**rows[0], **_step_stats([s for r in rows for s in r["step_seconds"]]), "prefill_seconds": prefill,
-                "prefill_tokens_per_s": rows[0]["context"] / prefill,
-                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows), "repeats": len(rows)}
+    def pool(turns: list[list[dict]]) -> list[dict]:
+        """One row per setting from repeated measurements at one context: statistics over all their steps (the
+        binding's), or the median turn's speeds (llama-bench's, each already a mean over its repetitions)."""
+        pooled = []
+        for rows in zip(*turns):
+            rows = list(rows)
+            if len(rows) == 1:
+                pooled.append(rows[0])
+                continue
+            prefill = statistics.median(r["prefill_seconds"] for r in rows)
+            speed = {"ms_per_token": statistics.median(r["ms_per_token"] for r in rows)} if "step_seconds" not in \
+                rows[0] else _step_stats([s for r in rows for s in r["step_seconds"]])
+            if "step_seconds" not in rows[0]:
+                speed["tokens_per_s"] = 1000 / speed["ms_per_token"]
+            pooled.append({**rows[0], **speed, "prefill_seconds": prefill,
+                           "prefill_tokens_per_s": rows[0]["context"] / prefill,
+                           "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows), "repeats": len(rows)})
+        return pooled
 
 
 def _step_stats(seconds: list[float]) -> dict:

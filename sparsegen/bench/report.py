@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 COLUMNS = (  # header, width, row -> text
-    ("policy", 14, lambda r: r["policy"]),
+    ("policy", 14, lambda r: label(r)),
     ("context", 8, lambda r: f"{r['context']:,}"),
     ("batch", 6, lambda r: str(r["batch"])),
     ("prefill s", 10, lambda r: _num(r.get("prefill_seconds"), ".2f")),
@@ -21,6 +21,12 @@ COLUMNS = (  # header, width, row -> text
     ("accepted", 9, lambda r: _num(r.get("acceptance_rate"), ".0%")),
     ("max batch", 10, lambda r: _num(r.get("max_batch_at_limit"), ",d")),
 )
+
+
+def label(row: dict) -> str:
+    """A row's name in the table: its policy, and llama.cpp's flash-attention setting where it was measured."""
+    flash = row.get("flash_attn")
+    return row["policy"] if flash is None else f"{row['policy']} fa-{'on' if flash else 'off'}"
 
 
 def _mib(value):

@@ -132,15 +132,31 @@ def _bench_load(args: argparse.Namespace, name: str, weights: str, device):
 
 
 def _vs_llamacpp(measured: list[dict], baseline: list[dict], gguf_name: str) -> None:
-    """Each measured row's tok/s over llama.cpp's at its context (``vs_llama_cpp``), printed."""
-    base = {row["context"]: row["tokens_per_s"] for row in baseline}
-    ratios = []
+    """Each measured row's tok/s over llama.cpp's faster setting at its context (``vs_llama_cpp``; llama-bench
+    measures flash attention on and off), and its prefill's (``prefill_vs_llama_cpp``), printed."""
+    fastest: dict[int, dict] = {}
+    for row in baseline:
+        if row["context"] not in fastest or row["tokens_per_s"] > fastest[row["context"]]["tokens_per_s"]:
+            fastest[row["context"]] = row
+    ratios, prompts = [], []
     for row in measured:
-        if row.get("tokens_per_s") and row["batch"] == 1 and row["context"] in base:
-            row["vs_llama_cpp"] = row["tokens_per_s"] / base[row["context"]]
-            ratios.append(f"{row['policy']} {row['context']:,} {row['vs_llama_cpp']:.2f}x")
-    print(f"tok/s of {measured[0]['model'] if measured else ''} over llama.cpp's ({gguf_name}, batch 1): "
-          + "; ".join(ratios))
+        base = fastest.get(row["context"])
+        if not row.get("tokens_per_s") or row["batch"] != 1 or base is None:
+            continue
+        row["vs_llama_cpp"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["llama_cpp_flash_attn"] = base.get("flash_attn")
+        ratios.append(f"{row['policy']} {row['context']:,} {row['vs_llama_cpp']:.2f}x")
+        quickest = max((r["prefill_tokens_per_s"] for r in baseline if r["context"] == row["context"]
+                        and r.get("prefill_tokens_per_s")), default=None)
+        if row.get("prefill_tokens_per_s") and quickest:
+            row["prefill_vs_llama_cpp"] = row["prefill_tokens_per_s"] / quickest
+            prompts.append(f"{row['policy']} {row['context']:,} {row['prefill_vs_llama_cpp']:.2f}x")
+    settings = "; ".join(f"{c:,}: flash attention {'on' if r.get('flash_attn') else 'off'}"
+                         for c, r in sorted(fastest.items()) if r.get("flash_attn") is not None)
+    print(f"tok/s of {measured[0]['model'] if measured else ''} over llama.cpp's ({gguf_name}, batch 1"
+          + (f"; its faster setting at {settings}" if settings else "") + "): " + "; ".join(ratios))
+    if prompts:
+        print("prefill tok/s over llama.cpp's faster setting: " + "; ".join(prompts))
 
 
 def _bench_text(args: argparse.Namespace, tokenizer, model_name: str):

@@ -44,6 +44,7 @@ def test_llamacpp_runs_in_each_turn_after_the_policies_and_its_steps_are_pooled(
                 "ms_per_token": 10.0 * turn, "tokens_per_s": 100 / turn, "timed_tokens": new_tokens}
 
     monkeypatch.setattr(llamacpp, "available", lambda: True)
+    monkeypatch.setattr(llamacpp, "bench_binary", lambda: None)  # (the binding's path)
     monkeypatch.setattr(llamacpp, "measure", theirs)
     monkeypatch.setattr(gguf, "gguf_file", lambda name: tmp_path / "model.gguf")
     monkeypatch.setattr(decode, "measure", ours)
@@ -63,6 +64,57 @@ def test_llamacpp_runs_in_each_turn_after_the_policies_and_its_steps_are_pooled(
         if row["policy"] != "llama.cpp":
             assert row["vs_llama_cpp"] == pytest.approx(row["tokens_per_s"] / (1000 / 15.0))
     assert "over llama.cpp's (model.gguf, batch 1)" in capsys.readouterr().out
+
+
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+prompt, gen, depth = int(args["-p"]), int(args["-n"]), int(args["-d"])
+rows = []
+for flash in args["-fa"].split(","):
+    on = flash == "on"  # generation: on is faster; the prompt: off is
+    speed = (100.0 if on else 80.0) if gen else (400.0 if on else 500.0)
+    rows.append({{"build_commit": "abc1234", "build_number": 7000, "cpu_info": "a CPU", "n_threads": int(args["-t"]),
+                 "flash_attn": on, "n_prompt": prompt, "n_gen": gen, "n_depth": depth, "avg_ts": speed,
+                 "stddev_ts": 1.0, "samples_ts": [speed - 1, speed, speed + 1][:int(args["-r"])]}})
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.heavy
+def test_llama_bench_measures_flash_attention_on_and_off_and_the_ratio_is_to_the_faster(tiny_checkpoint, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """llama.cpp's own llama-bench, as llama.cpp runs itself: a row per flash-attention setting with its build and
+    CPU, the prompt from empty and generation at the context's depth; the ratios are to the faster setting of each."""
+    import sys
+
+    from sparsegen.models import gguf
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLAMA_BENCH", str(fake))
+    monkeypatch.setattr(gguf, "gguf_file", lambda name: tmp_path / "model.gguf")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_checkpoint), "--policies", "full", "--contexts", "16",
+                 "--new-tokens", "3", "--warmup", "0", "--prefill", "real", "--baseline", "llama.cpp",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    llama = {row["flash_attn"]: row for row in rows if row["policy"] == "llama.cpp"}
+    assert set(llama) == {True, False}
+    for flash, row in llama.items():
+        assert row["engine"] == "llama-bench build 7000 (abc1234)" and row["cpu_info"] == "a CPU"
+        assert row["swa_full"] is False and row["repeats"] == llamacpp.BENCH_REPETITIONS
+        assert row["tokens_per_s"] == (100.0 if flash else 80.0)
+        assert row["prefill_tokens_per_s"] == (400.0 if flash else 500.0)
+        assert row["prefill_seconds"] == pytest.approx(16 / row["prefill_tokens_per_s"])
+    ours = next(row for row in rows if row["policy"] == "full")
+    assert ours["vs_llama_cpp"] == pytest.approx(ours["tokens_per_s"] / 100.0)  # generation: on was faster
+    assert ours["llama_cpp_flash_attn"] is True
+    assert ours["prefill_vs_llama_cpp"] == pytest.approx(ours["prefill_tokens_per_s"] / 500.0)  # the prompt: off
+    printed = capsys.readouterr().out
+    assert "llama.cpp fa-on" in printed and "llama.cpp fa-off" in printed
+    assert "its faster setting at 16: flash attention on" in printed
 
 
 def test_a_model_without_a_gguf_is_refused(tmp_path):
