@@ -5,7 +5,11 @@ cache, compress a context once, inspect what each policy keeps, prune, quantize,
 prompt.
 """
 
-from sparsegen.assemble import load
+from sparsegen.paths import use_compile_cache
+
+use_compile_cache()  # (before anything imports torch._dynamo)
+
+from sparsegen.assemble import load  # noqa: E402
 from sparsegen.contextual import Contextual, DejaVuConfig, fit_dejavu, fit_teal
 from sparsegen.eval.inspect import inspect
 from sparsegen.generation import Generation, compare, compress, generate

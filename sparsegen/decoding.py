@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sparsegen.models.compat import cache_kwargs
+from sparsegen.paths import COMPILE_ENV
 
 # graphs the one compiled step may hold (one per model, policy kind and (batch, slots) shape; past it dynamo fails
 # loudly, fullgraph); dynamo's default, 8, is less than one bench run of a few policies over a few contexts needs
@@ -59,13 +60,6 @@ def compiles_by_default(model: torch.nn.Module) -> bool:
     return any(isinstance(module, PACKED_LINEARS) for module in model.modules())
 
 
-def compile_cache() -> str:
-    """Where inductor keeps what it compiled: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else sparsegen's cache folder
-    (``$SPARSEGEN_CACHE`` or ``~/.cache/sparsegen``), not ``/tmp``, so a compile is paid once per machine and
-    shape, not once per boot."""
-    from sparsegen.models.gguf import cache_root
-
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 
 def check_sampling(temperature: float, top_p: float, seed: int = 0) -> None:
@@ -247,8 +241,9 @@ class _compiling:
 
     def __init__(self, batch: int, cache, notice: bool):
         slots = [layer.fixed_slots or 0 for layer in getattr(cache, "layers", ())]
-        self.what = f"batch {batch}, {max(slots, default=0):,} slots"
-        self.notice, self.shown, self.done = notice, False, threading.Event()
+        policy = getattr(getattr(cache, "policy", None), "name", "")
+        self.what = f"{policy + ', ' if policy else ''}batch {batch}, {max(slots, default=0):,} slots"
+        self.notice, self.done = notice, threading.Event()
 
     def __enter__(self):
         self.started = time.perf_counter()
@@ -258,9 +253,8 @@ class _compiling:
 
     def _show(self) -> None:
         if not self.done.wait(COMPILE_NOTICE_AFTER):
-            self.shown = True
-            print(f"sparsegen: compiling the decode step ({self.what}; once per shape, kept in {compile_cache()}; "
-                  f"--no-compile skips it) ...", file=sys.stderr, flush=True)
+            print(f"sparsegen: compiling the decode step ({self.what}; once per shape, kept in "
+                  f"{os.environ.get(COMPILE_ENV)}; --no-compile skips it) ...", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
         self.done.set()
@@ -294,7 +288,6 @@ def _compiled_step(graphs: bool):
     sets; a mode and options cannot both be given.) On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the ~700
     kernel and op calls of a SmolLM2 step no longer go through Python, 6.5-7.4% of a w4a8 step (one process, both
     wrappers, interleaved; docs/benchmarks.md); CUDA replays a graph instead."""
-    compile_cache()
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
     accepted = inspect.signature(torch.compile).parameters

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
-INSTALL = ("llama.cpp rows need the llama-cpp-python binding, built from source once (about 20 minutes on 2 cores): "
-           "make llamacpp, or CMAKE_BUILD_PARALLEL_LEVEL=2 pip install 'sparsegen[llamacpp]'")
+INSTALL = ("llama.cpp rows need llama.cpp's own llama-bench, built from source once (about 15 minutes on 2 cores): "
+           "make llama-tools, or set LLAMA_BENCH=PATH (or the llama-cpp-python binding: make llamacpp)")
 
 
 SERVER_INSTALL = ("the llama.cpp server baseline needs llama.cpp's `llama-server`: `make llama-server` builds it from "

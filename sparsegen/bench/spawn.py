@@ -243,10 +243,13 @@ def serve_one(setup: SpawnSetup, spec: str, cap: int, openings: list[str], log: 
     if setup.threads:
         env["OMP_NUM_THREADS"] = str(setup.threads)
     with open(log, "w") as out:
+        started = time.perf_counter()
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(url, server, log)
+            ready = time.perf_counter() - started  # (load, and the compiled step's warm-up where it compiles)
             row = asyncio.run(drive(url, openings, setup.turns, setup.max_tokens, setup.timeout))
+            row["ready_seconds"] = round(ready, 1)
             row["peak_rss_bytes"] = peak_rss(server.pid)
         except NoRoom as err:
             row = {"skipped": str(err), "sessions_admitted": 0, "failed": 0, "server_errors": 0,
@@ -326,7 +329,7 @@ class NoRoom(Exception):
     """The cap holds not one session of this policy: a row of its own (0 admitted), not a failure of the run."""
 
 
-def wait_healthy(url: str, server: subprocess.Popen, log: Path, seconds: float = 300) -> None:
+def wait_healthy(url: str, server: subprocess.Popen, log: Path, seconds: float = 1800) -> None:
     deadline = time.time() + seconds
     while time.time() < deadline:
         if server.poll() is not None:

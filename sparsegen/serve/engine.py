@@ -320,11 +320,13 @@ class Engine:
         """An empty cache for one session under this engine's policy (it allocates when first fed). Under a compiled
         step it is marked from the start as one that will outgrow its budget (``mark_evicting``: the rolling sinks'
         frame is computed before eviction needs it, to the same result), so a conversation passing its budget
-        meets no new graph mid-traffic."""
+        meets no new graph mid-traffic, and an unbounded one allocates ``max_context`` at once (one shape of
+        slots)."""
         cache = EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
                               rollback=self.draft_tokens if self.speculation is not None else 0,
                               kv_bits=self.quantization, max_length=self.max_context,
-                              expected_length=self.max_context if self.memory is not None else None)
+                              expected_length=self.max_context if self.memory is not None or self.decode.compiled
+                              else None)
         if self.decode.compiled:
             cache.mark_evicting(sys.maxsize)
         return cache
@@ -469,14 +471,16 @@ class Engine:
         """Compile, before any request, the decode step's graphs that traffic meets, so that no reply waits on a
         compile: throwaway replies of one prompt decode alone (a session's own cache), then ``rows`` of them
         stacked, finishing one after another (the batched cache at ``rows`` down to 1 rows: at its second batch size
-        dynamo compiles a graph whose batch size is a variable, which every later size takes). Their caches and the
+        dynamo compiles a graph whose batch size is a variable, which every later size takes). An unbounded policy's
+        slots are fixed only with ``max_context`` (its sessions then allocate it at once); without, each larger
+        allocation of a growing conversation is a graph of its own, compiled when first met. Their caches and the
         counters are given back; returns ``{"compiles", "seconds"}`` (``COMPILES``' count and seconds it added)."""
         if not self.decode.compiled:
             return {"compiles": 0, "seconds": 0.0}
         counters, (count, seconds) = dict(self.counters), (COMPILES.count, COMPILES.seconds)
         rows = max(1, min(rows, self.max_batch))
-        middle = self.model.config.vocab_size // 2  # (any text: eight ordinary tokens of the vocabulary)
-        prompt = self.tokenizer.decode(list(range(middle, middle + 8)))
+        vocab = self.model.config.vocab_size  # (any text: ordinary tokens from the middle of the vocabulary)
+        prompt = self.tokenizer.decode([(vocab // 2 + i) % vocab for i in range(8)])
         for group in ([tokens], [tokens + 2 * row for row in range(rows)] if rows > 1 else []):
             jobs = [self.begin(self.session(None), Sampling(max_tokens=n, ignore_eos=True), prompt=prompt)
                     for n in group]

@@ -18,7 +18,7 @@ def test_without_the_binding_the_baseline_says_how_to_get_it(monkeypatch, capsys
     monkeypatch.setattr(llamacpp, "available", lambda: False)
     assert main(["bench", "--model", "smollm2", "--policies", "full", "--contexts", "16",
                  "--baseline", "llama.cpp"]) == 2
-    assert "make llamacpp" in capsys.readouterr().err
+    assert "make llama-tools" in capsys.readouterr().err
 
 
 @pytest.mark.heavy
@@ -129,15 +129,17 @@ def test_the_packaged_gguf_is_the_installed_file():
 
 
 @smollm2
-@pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed (make llamacpp)")
+@pytest.mark.heavy
+@pytest.mark.skipif(not llamacpp.available(), reason="llama.cpp is not built (make llama-tools)")
 def test_llamacpp_rows_sit_beside_sparsegens_with_the_ratio(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", "smollm2", "--policies", "full", "--contexts", "32", "--new-tokens", "3",
                  "--warmup", "1", "--prefill", "synthetic", "--threads", "1", "--baseline", "llama.cpp",
-                 "--json", str(out)]) == 0
+                 "--no-compile", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    ours, theirs = rows[0], rows[1]
-    assert theirs["policy"] == "llama.cpp" and theirs["timed_tokens"] == 3 and theirs["tokens_per_s"] > 0
-    assert theirs["peak_memory_bytes"] > 50 * 2**20 and theirs["weights"].endswith(".gguf")
-    assert ours["vs_llama_cpp"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+    ours, theirs = rows[0], [row for row in rows if row["policy"] == "llama.cpp"]
+    assert theirs and all(row["timed_tokens"] == 3 and row["tokens_per_s"] > 0 for row in theirs)
+    assert all(row["peak_memory_bytes"] > 50 * 2**20 and row["weights"].endswith(".gguf") for row in theirs)
+    fastest = max(row["tokens_per_s"] for row in theirs)
+    assert ours["vs_llama_cpp"] == pytest.approx(ours["tokens_per_s"] / fastest)
     assert "over llama.cpp's" in capsys.readouterr().out

@@ -109,7 +109,7 @@ def test_llamacpps_server_runs_under_the_same_cap_and_clients(tmp_path):
     out = tmp_path / "spawn.json"
     assert main(["bench-serve", "--spawn", "--model", "smollm2", "--policies", "full", "--kv-memory", "64MiB",
                  "--context", "512", "--sessions", "3", "--turns", "2", "--max-tokens", "8", "--chunk-size", "128",
-                 "--baseline", "llama.cpp", "--json", str(out)]) in (0, None)
+                 "--baseline", "llama.cpp", "--serve-arg=--no-compile", "--json", str(out)]) in (0, None)
     rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
     llama = rows["llama.cpp"]
     per_session = llama["kv_bytes_per_session"]

