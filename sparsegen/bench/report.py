@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 COLUMNS = (  # header, width, row -> text
-    ("policy", 14, lambda r: label(r)),
+    ("policy", 17, lambda r: label(r)),
     ("context", 8, lambda r: f"{r['context']:,}"),
     ("batch", 6, lambda r: str(r["batch"])),
     ("prefill s", 10, lambda r: _num(r.get("prefill_seconds"), ".2f")),
@@ -43,7 +43,7 @@ def header() -> str:
 
 def format_row(row: dict) -> str:
     if "skipped" in row:
-        return f"{row['policy']:<14}{row['context']:>8,}{row['batch']:>6}   skipped: {row['skipped']}"
+        return f"{row['policy']:<17}{row['context']:>8,}{row['batch']:>6}   skipped: {row['skipped']}"
     return "".join(f"{fmt(row):>{width}}" if i else f"{fmt(row):<{width}}" for i, (_, width, fmt) in enumerate(COLUMNS))
 
 

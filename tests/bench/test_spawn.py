@@ -102,6 +102,7 @@ def _llama_server() -> bool:
         return False
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not _llama_server(), reason="llama-server is not built (make llama-server)")
 def test_llamacpps_server_runs_under_the_same_cap_and_clients(tmp_path):
     """llama.cpp's server on SmolLM2's GGUF under a cap of two of its sessions: two slots, every reply served, its

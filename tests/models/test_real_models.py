@@ -79,7 +79,7 @@ def test_every_policy_at_full_budget_equals_dynamic_cache(real, policy):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", [_real("smollm2"), _real("gemma3-270m")])
+@pytest.mark.parametrize("name", [_real("smollm2")])  # (Gemma-3 alike: the bench's acceptance runs it)
 def test_by_default_a_gguf_model_decodes_compiled_at_its_own_bit_width(name):
     """What a user gets with no flags: the GGUF's own widths in the integer kernels, through the compiled step, the
     same greedy tokens as the eager step over the same weights."""
