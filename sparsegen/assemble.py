@@ -68,7 +68,8 @@ def load(name_or_path: str | Path, device: str | torch.device = "cpu", dtype: st
          hard_prompt: str | None = None, **options) -> tuple[torch.nn.Module, object]:
     """``(model, tokenizer)`` for a hub id, a checkpoint folder, a ``.gguf`` file, a packaged (``smollm2``,
     ``gemma3-270m``) or bundled (``reference``) model (``options``: ``sparsegen.models.load``'s own), with its
-    ``weights`` re-stored (``restore_weights``; by default a GGUF model at its own bit widths, in integer kernels), a ``contextual`` plan (a folder from ``sparsegen contextual fit``)
+    ``weights`` re-stored (``restore_weights``; by default a GGUF model at its own bit widths, in integer kernels),
+    a ``contextual`` plan (a folder from ``sparsegen contextual fit``)
     and a prompt before every sequence (``put_prompt``)."""
     model, tokenizer = load_checkpoint(name_or_path, device=device, dtype=dtype, **options)
     restore_weights(model, weights, name_or_path)

@@ -74,11 +74,11 @@ def generate_tokens(
 
     ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``; checking
     whether all have stopped is the loop's one host read per token, and only with ``eos_id``. ``compile``: the decode
-    step through ``torch.compile`` (``DecodeStep``; None: where the weights are low-bit or on CUDA). ``first_chunk``: prefill that many tokens in one pass first
-    (``prefill``). ``cache``: a cache already holding a context (``CompressedContext.cache``; then ``policy``,
-    ``positions`` and ``kv_bits`` are its own) that ``ids`` continue. ``hold_after_first``: after the first chunk
-    the cache evicts nothing more (kvpress's exact protocol: the context compressed once, the question and the answer
-    all held).
+    step through ``torch.compile`` (``DecodeStep``; None: where the weights are low-bit or on CUDA). ``first_chunk``:
+    prefill that many tokens in one pass first (``prefill``). ``cache``: a cache already holding a context
+    (``CompressedContext.cache``; then ``policy``, ``positions`` and ``kv_bits`` are its own) that ``ids`` continue.
+    ``hold_after_first``: after the first chunk the cache evicts nothing more (kvpress's exact protocol: the context
+    compressed once, the question and the answer all held).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")

@@ -1,4 +1,5 @@
-"""Where sparsegen keeps what it builds once per machine (imports nothing heavy: ``sparsegen/__init__`` uses it first)."""
+"""Where sparsegen keeps what it builds once per machine (importing nothing heavy: ``sparsegen/__init__`` uses it
+first)."""
 
 from __future__ import annotations
 

@@ -5,11 +5,12 @@ prompt processing of the context from empty (``-p C``) and generation at that de
 attention on and off (``-fa on,off``: which is faster depends on the machine and the model), its own ``swa_full =
 false``, and each row records llama.cpp's build and the CPU it saw; ``bench`` compares against the faster setting.
 
-Otherwise the binding (``llama-cpp-python``) does: each measurement runs in a child process (this file run as a script: no torch imported) so that its peak memory is
-its own and its threads do not share the parent's: the model is loaded from the GGUF at its own bit width, a context of
-random token ids is evaluated in batches, then ``warmup + new_tokens`` greedy tokens are decoded one ``eval`` at a
-time and each step is timed on the wall clock. It needs the optional ``llama-cpp-python`` binding (``pip install
-'sparsegen[llamacpp]'``, or ``make llamacpp``: it builds llama.cpp from source, with two parallel jobs).
+Otherwise the binding (``llama-cpp-python``) does: each measurement runs in a child process (this file run as a
+script: no torch imported) so that its peak memory is its own and its threads do not share the parent's: the model is
+loaded from the GGUF at its own bit width, a context of random token ids is evaluated in batches, then ``warmup +
+new_tokens`` greedy tokens are decoded one ``eval`` at a time and each step is timed on the wall clock. It needs the
+optional ``llama-cpp-python`` binding (``pip install 'sparsegen[llamacpp]'``, or ``make llamacpp``: it builds
+llama.cpp from source, with two parallel jobs).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def measure_with_llama_bench(gguf: Path, context: int, new_tokens: int, threads:
             "ms_per_token": 1000 / tg["avg_ts"], "ms_per_token_p90": 1000 * seconds[-1], "tokens_per_s": tg["avg_ts"],
             "tokens_per_s_stddev": tg["stddev_ts"], "timed_tokens": new_tokens * len(seconds), "repeats": len(seconds),
             "kv_tokens": context + new_tokens, "peak_memory_bytes": max(peak_prompt, peak_steps),
-            "peak_memory_method": "child process ru_maxrss", "host_syncs_per_token": None, "graph_breaks": None,
+            "peak_memory_method": "child process VmHWM", "host_syncs_per_token": None, "graph_breaks": None,
         })
     return rows
 

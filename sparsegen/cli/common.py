@@ -43,7 +43,8 @@ def compile_arg(p: argparse.ArgumentParser) -> None:
 
 
 def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
-    p.add_argument("--weights", default="auto", metavar="auto|fp32|int8|int4|w8a8|w4a8|w5a8|gguf" + ("[,...]" if several else ""),
+    kinds = "auto|fp32|int8|int4|w8a8|w4a8|w5a8|gguf"
+    p.add_argument("--weights", default="auto", metavar=kinds + ("[,...]" if several else ""),
                    help="store the decoder's linears and LM head in 8 or 4 bits for PyTorch's CPU weight-only kernels "
                         "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest); w8a8: int8 weights "
                         "times inputs quantized to 7 bits, each token at its own scale, turned by a Hadamard rotation "
