@@ -12,19 +12,13 @@ import torch
 from sparsegen.models import load as load_checkpoint
 
 
-def weights_of(model: torch.nn.Module) -> str:
-    """The kind of weights ``model`` runs (``restore_weights``): fp32 (as loaded) unless re-stored."""
-    return getattr(model.config, "sparsegen_weights", "fp32")
-
-
 def default_weights(name_or_path: str | Path, device: str | torch.device) -> str:
     """What ``weights="auto"`` stores: a GGUF model (a packaged one or a ``.gguf`` file) on a CPU at its own file's
     bit widths (``gguf``: Q4_1 as ``w4a8``, Q5_0 as ``w5a8``...), in sparsegen's integer kernels, which are CPU
     kernels; anything else as loaded (``fp32``), so a checkpoint folder runs as it always has."""
-    from sparsegen.models.gguf import PACKAGED, is_gguf
+    from sparsegen.models.gguf import is_gguf_model
 
-    gguf = str(name_or_path) in PACKAGED or is_gguf(name_or_path)
-    return "gguf" if gguf and torch.device(device).type == "cpu" else "fp32"
+    return "gguf" if is_gguf_model(name_or_path) and torch.device(device).type == "cpu" else "fp32"
 
 
 def restore_weights(model: torch.nn.Module, weights: str, name_or_path: str | Path) -> str:
@@ -32,7 +26,7 @@ def restore_weights(model: torch.nn.Module, weights: str, name_or_path: str | Pa
     ``w5a8`` (sparsegen's integer kernels), ``gguf`` (each linear at the bit width of the model's own GGUF file) or
     ``auto`` (``default_weights``), in place; the kind it stored (also ``model.config.sparsegen_weights``, so that
     every number a command prints can say which weights made it)."""
-    from sparsegen.quant.fast import WEIGHTS, gguf_plan, quantize_weights
+    from sparsegen.quant.fast import WEIGHTS, gguf_plan, quantize_weights, weights_of
 
     if weights not in ("auto", *WEIGHTS):
         raise ValueError(f"--weights must be one of auto, {', '.join(WEIGHTS)}, got {weights!r}")

@@ -35,7 +35,8 @@ COMPILE_NOTICE_AFTER = 2.0  # seconds a step through dynamo runs before the wait
 
 class CompileTally:
     """Every step of this process that went through dynamo and took more than ``COMPILE_NOTICE_AFTER`` (a compile,
-    or a compile's load from the cache folder): how many and their seconds, for ``/metrics`` and ``bench``."""
+    or a compile's load from the cache folder): how many and their seconds, for ``/metrics`` and ``serve``'s
+    warm-up."""
 
     def __init__(self):
         self.count, self.seconds, self._lock = 0, 0.0, threading.Lock()

@@ -14,6 +14,7 @@ from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.quantized import policy_and_bits
+from sparsegen.quant.fast import weights_of
 from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 
@@ -127,7 +128,7 @@ def generate_tokens(
             break
         logits = step(cache, token, position)
         position = position + 1
-    stats = {**cache.stats(), "weights": getattr(model.config, "sparsegen_weights", "fp32"), "compiled": step.compiled,
+    stats = {**cache.stats(), "weights": weights_of(model), "compiled": step.compiled,
              "compile_seconds": step.compile_seconds}
     return new, counts, stats, prefill_seconds, time.perf_counter() - t0
 

@@ -31,6 +31,7 @@ from sparsegen.decoding import DecodeStep, forward, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.quantized import policy_and_bits
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
+from sparsegen.quant.fast import weights_of
 from sparsegen.speculative import Speculation, speculative_tokens
 
 BASELINES = ("dense", "recompute")
@@ -91,7 +92,7 @@ class Setup:
         machine, flags = (torch.cuda.get_device_name(device), []) if device.type == "cuda" else _cpu_info()
         return {
             "model": self.model_name, "random_weights": self.random_weights, "device": str(device),
-            "weights": getattr(self.model.config, "sparsegen_weights", "fp32"),
+            "weights": weights_of(self.model),
             "machine": machine, "vector_extensions": flags, "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,

@@ -167,10 +167,11 @@ class Baseline:
                 pooled.append(rows[0])
                 continue
             prefill = statistics.median(r["prefill_seconds"] for r in rows)
-            speed = {"ms_per_token": statistics.median(r["ms_per_token"] for r in rows)} if "step_seconds" not in \
-                rows[0] else _step_stats([s for r in rows for s in r["step_seconds"]])
-            if "step_seconds" not in rows[0]:
-                speed["tokens_per_s"] = 1000 / speed["ms_per_token"]
+            if "step_seconds" in rows[0]:
+                speed = _step_stats([s for r in rows for s in r["step_seconds"]])
+            else:
+                ms = statistics.median(r["ms_per_token"] for r in rows)
+                speed = {"ms_per_token": ms, "tokens_per_s": 1000 / ms}
             pooled.append({**rows[0], **speed, "prefill_seconds": prefill,
                            "prefill_tokens_per_s": rows[0]["context"] / prefill,
                            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows), "repeats": len(rows)})

@@ -57,6 +57,11 @@ def is_gguf(name_or_path: str | Path) -> bool:
     return str(name_or_path).lower().endswith(".gguf")
 
 
+def is_gguf_model(name_or_path: str | Path) -> bool:
+    """A packaged model's name or a ``.gguf`` path: a model whose weights come from a GGUF file."""
+    return str(name_or_path) in PACKAGED or is_gguf(name_or_path)
+
+
 def _error(message: str) -> Exception:
 
     return ModelLoadError(message)

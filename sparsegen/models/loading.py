@@ -32,7 +32,7 @@ def resolve(name_or_path: str | Path) -> str:
     """Turn a bundled name into its folder, and a packaged model name (``smollm2``, ``gemma3-270m``) or a
     ``.gguf`` file into its converted checkpoint (converting on first use); anything else is returned as given
     (a path or a hub id)."""
-    from sparsegen.models.gguf import PACKAGED, checkpoint_folder, is_gguf
+    from sparsegen.models.gguf import checkpoint_folder, is_gguf_model
 
     name = str(name_or_path)
     local = Path(name).expanduser()
@@ -42,7 +42,7 @@ def resolve(name_or_path: str | Path) -> str:
                              f"(smollm2, gemma3-270m, reference) or a hub id such as org/name")
     if looks_local:
         name = str(local)
-    if name in PACKAGED or is_gguf(name):
+    if is_gguf_model(name):
         return str(checkpoint_folder(name))
     if name in BUNDLED:
         folder = CHECKPOINTS / name

@@ -322,11 +322,12 @@ class Engine:
         frame is computed before eviction needs it, to the same result), so a conversation passing its budget
         meets no new graph mid-traffic, and an unbounded one allocates ``max_context`` at once (one shape of
         slots)."""
-        cache = EvictionCache(self.model, self.make_policy(), positions=self.positions, chunk_size=self.chunk_size,
+        policy = self.make_policy()
+        one_shape = self.decode.compiled and policy.budget is None  # (a bounded policy's slots are its budget)
+        cache = EvictionCache(self.model, policy, positions=self.positions, chunk_size=self.chunk_size,
                               rollback=self.draft_tokens if self.speculation is not None else 0,
                               kv_bits=self.quantization, max_length=self.max_context,
-                              expected_length=self.max_context if self.memory is not None or self.decode.compiled
-                              else None)
+                              expected_length=self.max_context if self.memory is not None or one_shape else None)
         if self.decode.compiled:
             cache.mark_evicting(sys.maxsize)
         return cache
