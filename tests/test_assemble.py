@@ -52,3 +52,24 @@ def test_the_compiled_step_is_the_default_where_the_weights_are_low_bit():
     assert not compiles_by_default(plain) and compiles_by_default(packed)
     assert not DecodeStep(plain).compiled and DecodeStep(packed).compiled
     assert not DecodeStep(packed, compile=False).compiled and DecodeStep(plain, compile=True).compiled
+
+
+def test_commands_that_change_weights_load_them_as_floats_and_calibration_refuses_packed_ones(monkeypatch):
+    """prune, quantize, prompt-tune and contextual fit have no --weights: a GGUF model's default (gguf) would hand
+    them packed linears to calibrate (CI's vLLM checkpoints once divided by zero pruned linears)."""
+    import sparsegen.assemble
+    from sparsegen.cli import build_parser
+    from sparsegen.cli.common import load_model
+    from sparsegen.pruning import PruneConfig, prune_model
+
+    asked = {}
+    monkeypatch.setattr(sparsegen.assemble, "load", lambda name, **kw: asked.setdefault(name, kw["weights"]))
+    for command in (["prune", "--model", "smollm2", "--method", "magnitude", "--sparsity", "0.5", "--out", "x"],
+                    ["quantize", "--model", "smollm2", "--out", "x"],
+                    ["generate", "--model", "gemma3-270m", "--prompt", "x"]):
+        asked.clear()
+        load_model(build_parser().parse_args(command))
+        assert asked == {command[2]: "auto" if command[0] == "generate" else "fp32"}
+    packed, _ = sparsegen.load("reference", weights="w8a8")
+    with pytest.raises(ValueError, match="stored as w8a8: load it with weights='fp32'"):
+        prune_model(packed, PruneConfig(method="magnitude", sparsity=0.5), progress=False)

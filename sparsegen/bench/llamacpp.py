@@ -37,15 +37,24 @@ SERVER_INSTALL = ("the llama.cpp server baseline needs llama.cpp's `llama-server
                   "the llama.cpp sources llama-cpp-python ships (two parallel jobs), or set LLAMA_SERVER=PATH")
 
 
+PERPLEXITY_INSTALL = ("ppl --baseline llama.cpp needs llama.cpp's `llama-perplexity`: `make llama-tools` builds it from "
+                      "the llama.cpp sources llama-cpp-python ships (two parallel jobs), or set LLAMA_PERPLEXITY=PATH")
+
+
 def available() -> bool:
     return bench_binary() is not None or find_spec("llama_cpp") is not None
 
 
-def bench_binary() -> Path | None:
-    """``$LLAMA_BENCH``, else ``llama-bench`` beside this Python or on PATH (None: not built)."""
-    found = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench", path=os.pathsep.join(
+def tool(name: str) -> Path | None:
+    """One of llama.cpp's programs (``llama-bench``, ``llama-server``, ``llama-perplexity``): ``$LLAMA_BENCH`` (and
+    so on), else the program beside this Python or on PATH (None: not built)."""
+    found = os.environ.get(name.upper().replace("-", "_")) or shutil.which(name, path=os.pathsep.join(
         [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     return Path(found) if found and Path(found).is_file() else None
+
+
+def bench_binary() -> Path | None:
+    return tool("llama-bench")
 
 
 BENCH_REPETITIONS = 1  # llama-bench runs of each test after its own warm-up run (bench --repeats repeats turns: each
@@ -104,12 +113,33 @@ def _high_water(pid: int) -> int:
 
 
 def server_binary() -> Path:
-    """``$LLAMA_SERVER``, else ``llama-server`` beside this Python or on PATH."""
-    found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server", path=os.pathsep.join(
-        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    if not found or not Path(found).is_file():
+    found = tool("llama-server")
+    if found is None:
         raise ValueError(SERVER_INSTALL)
-    return Path(found)
+    return found
+
+
+def perplexity(gguf: Path, text: Path, ctx: int, threads: int, chunks: int | None = None) -> dict:
+    """llama.cpp's own ``llama-perplexity`` on ``text``: windows of ``ctx`` tokens of the whole file, each window's
+    first token replaced by BOS where the model adds one, the second half of each window scored."""
+    binary = tool("llama-perplexity")
+    if binary is None:
+        raise ValueError(PERPLEXITY_INSTALL)
+    command = [str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-t", str(threads),
+               "--chunks", str(chunks or -1)]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", done.stderr + done.stdout)
+    if done.returncode or not found:
+        raise RuntimeError(f"llama-perplexity failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    windows = re.search(r"over (\d+) chunks, n_ctx=(\d+)", done.stderr)
+    version = re.search(r"version: (.+)", subprocess.run([str(binary), "--version"], capture_output=True,
+                                                          text=True).stderr)
+    return {"engine": f"llama-perplexity {version[1].strip() if version else ''}".strip(),
+            "weights": gguf.name, "ppl": float(found[1]), "ppl_stderr": float(found[2]), "ctx": ctx,
+            "windows": int(windows[1]) if windows else None,
+            "tokens": int(windows[1]) * (ctx - ctx // 2 - 1) if windows else None,
+            "seconds": round(time.perf_counter() - started, 1)}
 
 
 def server_kv_bytes(log: str) -> int:

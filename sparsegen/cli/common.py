@@ -182,10 +182,11 @@ def policy_factories(args: argparse.Namespace, input_length: int | None = None):
 
 
 def load_model(args: argparse.Namespace):
-    """``sparsegen.load`` with the command's options."""
+    """``sparsegen.load`` with the command's options; a command without ``--weights`` (prune, quantize, prompt-tune,
+    contextual fit...) changes or calibrates the float weights, so it loads them as they are (fp32)."""
     from sparsegen.assemble import load
 
-    return load(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", "auto"),
+    return load(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", "fp32"),
                 contextual=getattr(args, "contextual", None), soft_prompt=getattr(args, "soft_prompt", None),
                 hard_prompt=getattr(args, "hard_prompt", None))
 

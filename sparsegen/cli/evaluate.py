@@ -16,6 +16,8 @@ def cmd_ppl(args: argparse.Namespace) -> None:
         raise ValueError("give exactly one of --stream and --windows")
     if args.windows and args.kv_bits is not None:
         raise ValueError("--windows runs the model without a cache; --kv-bits applies to --stream")
+    if args.baseline and not args.windows:
+        raise ValueError("--baseline llama.cpp compares window perplexity as llama-perplexity computes it: add --windows")
     model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test"
     bos = leading_bos(tokenizer)
@@ -26,6 +28,12 @@ def cmd_ppl(args: argparse.Namespace) -> None:
         from sparsegen.models.anatomy import pinned_tokens
 
         ctx = args.ctx or model.config.max_position_embeddings - pinned_tokens(model)  # the prompt's positions too
+        if args.baseline:
+            report = _beside_llama_cpp(args, model, tokenizer, text, ctx, bos, meta)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=2)
+            return
         result = window_perplexity(model, tokenize_files(text, tokenizer), ctx, bos, max_windows=args.max_windows)
         report = {**meta, **result, "ctx": ctx, "kv_tokens_peak": ctx, "segments": []}
         print(f"PPL {report['ppl']:.3f} over {report['tokens']:,} tokens ({report['windows']} windows of {ctx})")
@@ -34,6 +42,43 @@ def cmd_ppl(args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def _beside_llama_cpp(args, model, tokenizer, text, ctx, bos, meta) -> dict:
+    """sparsegen and llama.cpp's ``llama-perplexity`` on the same GGUF and the same text, scored alike (the second
+    half of each window: ``second_half_perplexity``)."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from sparsegen.bench import llamacpp
+    from sparsegen.data import read_texts
+    from sparsegen.eval.perplexity import second_half_perplexity
+    from sparsegen.models.gguf import gguf_file
+    from sparsegen.quant.fast import weights_of
+
+    gguf = gguf_file(args.model)  # (not a GGUF model: fails before anything runs)
+    whole = "\n\n".join(read_texts(text))
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    tokens = np.array(([bos] if bos is not None else []) + ids, dtype=np.int64)
+    ours = second_half_perplexity(model, tokens, ctx, bos, max_windows=args.max_windows)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "text.txt"
+        path.write_text(whole, encoding="utf-8")
+        theirs = llamacpp.perplexity(gguf, path, ctx, threads, args.max_windows)
+    report = {**meta, "protocol": "llama-perplexity (windows of ctx, the second half scored)", "ctx": ctx,
+              "sparsegen": {**ours, "weights": weights_of(model), "text_tokens": len(tokens)},
+              "llama_cpp": theirs, "ppl_vs_llama_cpp": ours["ppl"] / theirs["ppl"]}
+    print(f"sparsegen [{weights_of(model)}]: PPL {ours['ppl']:.4f} over {ours['tokens']:,} tokens "
+          f"({ours['windows']} windows of {ctx}, the second half scored)")
+    print(f"{theirs['engine']} [{gguf.name}]: PPL {theirs['ppl']:.4f} +/- {theirs['ppl_stderr']:.4f} over "
+          f"{theirs['windows']} windows; sparsegen / llama.cpp = {report['ppl_vs_llama_cpp']:.4f}")
+    return report
 
 
 def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
@@ -153,6 +198,10 @@ def add_parsers(sub) -> None:
                    help="tokens per forward call; every policy computes exactly what one token per call would (default 256)")
     p.add_argument("--ctx", type=int, default=None, help="--windows: window length (default: the model's)")
     p.add_argument("--max-windows", type=int, default=None, help="--windows: at most this many windows")
+    p.add_argument("--baseline", choices=["llama.cpp"], default=None,
+                   help="--windows on a GGUF model: llama.cpp's own llama-perplexity (make llama-tools) on the same "
+                        "file and text, both scored as it scores (each window's second half), side by side")
+    p.add_argument("--threads", type=int, default=None, help="--baseline: both engines' CPU threads (default: torch's)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--csv", default=None, help="write per-segment PPL as CSV to this file")
     p.add_argument("--plot", default=None, help="write log-PPL and KV memory vs tokens as a PNG")

@@ -54,3 +54,28 @@ def window_perplexity(
         total += nll.item()
         count += batch[:, 1:].numel()
     return {"nll": total / count, "ppl": math.exp(total / count), "tokens": count, "windows": len(data)}
+
+
+@torch.inference_mode()
+def second_half_perplexity(model: torch.nn.Module, tokens: np.ndarray, ctx: int, bos_id: int | None = None,
+                           batch_size: int = 8, max_windows: int | None = None, progress: bool = True) -> dict:
+    """llama.cpp's ``llama-perplexity`` protocol, so that the two engines score the same tokens: ``tokens`` (a whole
+    text, BOS first where the model adds one) cut into windows of ``ctx``, each window's first token replaced by
+    BOS, and only the predictions from position ``ctx // 2`` on scored (each with at least half a window before it).
+    """
+    if len(tokens) < 2 * ctx:
+        raise ValueError(f"the text is {len(tokens):,} tokens; llama.cpp's protocol needs at least 2 x ctx = {2 * ctx:,}")
+    device = next(model.parameters()).device
+    data = windows([tokens], ctx, max_windows)
+    if bos_id is not None:
+        data[:, 0] = bos_id
+    first = ctx // 2
+    batch_size = max(1, min(batch_size, LOGIT_BYTES // ((ctx - first) * model.config.get_text_config().vocab_size * 4)))
+    total, count = 0.0, 0
+    for start in tqdm(range(0, len(data), batch_size), desc="ppl", disable=not progress, leave=False):
+        batch = data[start : start + batch_size].to(device)
+        logits = model(input_ids=batch, logits_to_keep=ctx - first).logits[:, :-1].float()
+        targets = batch[:, first + 1:]
+        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        count += targets.numel()
+    return {"nll": total / count, "ppl": math.exp(total / count), "tokens": count, "windows": len(data)}

@@ -109,6 +109,11 @@ def calibrated_layers(model: torch.nn.Module, ids: torch.Tensor | None, statisti
     calibration tokens ran through the layers before it *as the caller left them*: once the caller has
     compressed a layer (in place, or by swapping its linears), that layer's outputs feed the next.
     """
+    from sparsegen.quant.fast import weights_of
+
+    if weights_of(model) != "fp32":
+        raise ValueError(f"{desc} changes the model's float linears, but they are stored as {weights_of(model)}: "
+                         "load it with weights='fp32' (sparsegen.load(..., weights='fp32'))")
     layers = decoder_layers(model)
     inputs = first_layer_inputs(model, ids, batch_size) if statistic else []
     for index, layer in enumerate(tqdm(layers, desc=desc, unit="layer", disable=not progress)):

@@ -143,3 +143,45 @@ def test_llamacpp_rows_sit_beside_sparsegens_with_the_ratio(tmp_path, capsys):
     fastest = max(row["tokens_per_s"] for row in theirs)
     assert ours["vs_llama_cpp"] == pytest.approx(ours["tokens_per_s"] / fastest)
     assert "over llama.cpp's" in capsys.readouterr().out
+
+
+FAKE_LLAMA_PERPLEXITY = """#!{python}
+import sys
+if sys.argv[1:] == ["--version"]:
+    sys.exit(print("version: 9999 (fake)", file=sys.stderr))
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+open({seen!r}, "w").write(open(args["-f"]).read())
+print(f"perplexity: calculating perplexity over 3 chunks, n_ctx={{args['-c']}}, batch_size=2048", file=sys.stderr)
+print("[1]4.0,[2]5.0,[3]6.0,", file=sys.stderr)
+print("Final estimate: PPL = 12.5000 +/- 0.25000", file=sys.stderr)
+"""
+
+
+def test_ppl_beside_llama_perplexity_reads_the_same_text_and_scores_as_it_scores(tiny_checkpoint, corpus, tmp_path,
+                                                                                monkeypatch, capsys):
+    """`ppl --windows --baseline llama.cpp`: llama-perplexity gets the same text sparsegen scored (the folder's files
+    joined), the same ctx and threads; sparsegen's number is llama.cpp's protocol (the second half of each window)."""
+    import sys
+
+    from sparsegen.models import gguf
+
+    seen = tmp_path / "seen.txt"
+    fake = tmp_path / "llama-perplexity"
+    fake.write_text(FAKE_LLAMA_PERPLEXITY.format(python=sys.executable, seen=str(seen)))
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLAMA_PERPLEXITY", str(fake))
+    monkeypatch.setattr(gguf, "gguf_file", lambda name: tmp_path / "model.gguf")
+    out = tmp_path / "ppl.json"
+    text = corpus / "books" / "train"
+    assert main(["ppl", "--model", str(tiny_checkpoint), "--windows", "--ctx", "16", "--text", str(text),
+                 "--max-windows", "3", "--threads", "1", "--baseline", "llama.cpp", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert seen.read_text() == "\n\n".join(p.read_text() for p in sorted(text.glob("*.txt")))
+    ours, theirs = report["sparsegen"], report["llama_cpp"]
+    assert theirs == {**theirs, "ppl": 12.5, "ppl_stderr": 0.25, "windows": 3, "tokens": 3 * 7, "ctx": 16,
+                      "engine": "llama-perplexity 9999 (fake)", "weights": "model.gguf"}
+    assert ours["windows"] == 3 and ours["tokens"] == 3 * 7 and ours["weights"] == "fp32"
+    assert report["ppl_vs_llama_cpp"] == pytest.approx(ours["ppl"] / 12.5)
+    assert "sparsegen / llama.cpp" in capsys.readouterr().out
+    assert main(["ppl", "--model", str(tiny_checkpoint), "--stream", "--baseline", "llama.cpp"]) == 2
+    assert "add --windows" in capsys.readouterr().err
