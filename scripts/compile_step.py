@@ -21,6 +21,7 @@ from sparsegen.models.loading import load_config
 from sparsegen.models.spec import kv_shape
 from sparsegen.models.synthetic import is_random, random_model
 from sparsegen.quant.fast import WEIGHTS, quantize_weights
+from sparsegen.bench.fill import fill_random
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model")
@@ -55,7 +56,7 @@ def fresh() -> EvictionCache:
     cache = EvictionCache(model, make_policy(args.policy, None if args.policy == "full" else args.budget),
                           expected_length=args.context + 2 * args.steps + 8)
     generator = torch.Generator(device=device).manual_seed(0)
-    cache.fill_random(args.batch, args.context, kv_heads, head_dim, dtype, device, generator)
+    fill_random(cache, args.batch, args.context, kv_heads, head_dim, dtype, device, generator)
     return cache
 
 

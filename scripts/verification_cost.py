@@ -1,5 +1,5 @@
 """What a speculative verification costs: ``tokens`` new tokens a row fed over a full cache of ``context`` random
-tokens (``EvictionCache.fill_random``), attended by ``sparsegen::decode_attention`` and by the grouped matmuls
+tokens (``sparsegen.bench.fill.fill_random``), attended by ``sparsegen::decode_attention`` and by the grouped matmuls
 (``cache.native_decode`` off), interleaved in one process, each forward followed by ``forget_last`` as a round does.
 
     PYTHONPATH=. .venv/bin/python scripts/verification_cost.py smollm2 --weights w8a8 --batch 8 --context 8192 \
@@ -22,6 +22,8 @@ from sparsegen.decoding import forward
 from sparsegen.kv import EvictionCache
 from sparsegen.kv.policies.full import Full
 from sparsegen.models.spec import kv_shape
+from sparsegen.bench.fill import fill_random
+from sparsegen.kv.rollback import forget_last
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     _, kv_heads, head_dim = kv_shape(model.config)
     counts = [int(n) for n in args.tokens.split(",")]
     cache = EvictionCache(model, Full(), expected_length=args.context + max(counts) + 1, rollback=max(counts))
-    cache.fill_random(args.batch, args.context, kv_heads, head_dim, torch.float32, torch.device("cpu"),
+    fill_random(cache, args.batch, args.context, kv_heads, head_dim, torch.float32, torch.device("cpu"),
                       torch.Generator().manual_seed(0))
     if not cache.native_decode:
         raise SystemExit("sparsegen::decode_attention is not built here (see the warning above): nothing to compare")
@@ -54,7 +56,7 @@ def main() -> None:
         with torch.no_grad():
             logits = forward(model, cache, ids, positions)
         seconds = time.perf_counter() - started
-        cache.forget_last(tokens)
+        forget_last(cache, tokens)
         return seconds, logits
 
     rows = []

@@ -19,6 +19,7 @@ from sparsegen.decoding import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.spec import kv_shape
 from sparsegen.quant import fast
+from sparsegen.bench.fill import fill_random
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model")
@@ -52,7 +53,7 @@ def timed() -> tuple[list[float], torch.Tensor]:
     """Per-step seconds after two warm-ups, and the first step's logits (every round starts from the same cache)."""
     cache = EvictionCache(model, make_policy(args.policy, None if args.policy == "full" else args.budget),
                           expected_length=args.context + args.steps + 8)
-    cache.fill_random(1, args.context, kv_heads, head_dim, torch.float32, torch.device("cpu"),
+    fill_random(cache, 1, args.context, kv_heads, head_dim, torch.float32, torch.device("cpu"),
                       torch.Generator().manual_seed(0))
     token, position, times, first = torch.tensor([5]), torch.tensor([args.context]), [], None
     for _ in range(args.steps + 2):

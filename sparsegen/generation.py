@@ -14,7 +14,7 @@ from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.quantized import policy_and_bits
-from sparsegen.quant.fast import weights_of
+from sparsegen.models.anatomy import weights_of
 from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 

@@ -8,7 +8,7 @@ distribution exactly (speculative sampling: Leviathan et al. 2023, Chen et al. 2
 
 Two caches over one model (or over a smaller draft model with the same vocabulary): the target keeps everything,
 the draft cache evicts under its policy and is fed every accepted token, so it never re-reads the history. Rejected
-tokens are forgotten in both (``EvictionCache.forget_last``). The target forgets exactly; the draft cache cannot
+tokens are forgotten in both (``sparsegen.kv.rollback.forget_last``). The target forgets exactly; the draft cache cannot
 bring back what the rejected tokens made it evict, and under H2O the attention their queries paid stays in the
 scores: the drafts get slightly worse after a rejection, the output never changes.
 """
@@ -25,6 +25,7 @@ from sparsegen.decoding import GREEDY_BELOW, DecodeStep, check_sampling, forward
 from sparsegen.kv import EvictionCache, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.policies.full import Full
+from sparsegen.kv.rollback import forget_last
 
 MOST_DRAFT_TOKENS = 16
 FIRST_AUTO_DRAFT = 4
@@ -248,9 +249,9 @@ def speculative_tokens(
         accepted, bonus = accept(drafted, draft_probs, logits, temperature, top_p, generator)
         t3 = _synchronized(device)
         # both caches keep the pending token and the accepted drafts; the draft cache was never fed the last draft
-        target.forget_last(torch.where(done, k_round + 1, k_round - accepted))
+        forget_last(target, torch.where(done, k_round + 1, k_round - accepted))
         if k_round:  # (the draft was fed the pending token, k - 1 drafts and a carried one)
-            draft.forget_last(torch.where(done, k_round + carried.long(), (k_round - 1 - accepted).clamp(min=0)))
+            forget_last(draft, torch.where(done, k_round + carried.long(), (k_round - 1 - accepted).clamp(min=0)))
             carried = (accepted == k_round) & ~done
             last_draft = drafted[rows, -1]
         counters.add(accepted, k_round, out.active(), t2 - t1, t3 - t2)

@@ -30,7 +30,7 @@ def test_load_refuses_what_it_cannot_do():
 
 def test_a_gguf_model_runs_at_its_own_bit_width_by_default_and_a_folder_as_loaded(tmp_path):
     from sparsegen.assemble import default_weights
-    from sparsegen.quant.fast import weights_of
+    from sparsegen.models.anatomy import weights_of
 
     assert default_weights("smollm2", "cpu") == default_weights("gemma3-270m", "cpu") == "gguf"
     assert default_weights(tmp_path / "model.Q4_1.GGUF", "cpu") == "gguf"
@@ -43,7 +43,7 @@ def test_a_gguf_model_runs_at_its_own_bit_width_by_default_and_a_folder_as_loade
 
 
 def test_the_compiled_step_is_the_default_where_the_weights_are_low_bit():
-    from sparsegen.quant.fast import weights_of
+    from sparsegen.models.anatomy import weights_of
     from sparsegen.decoding import DecodeStep, compiles_by_default
 
     plain, _ = sparsegen.load("reference")

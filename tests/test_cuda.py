@@ -13,6 +13,7 @@ from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
 from tests.kv.families import VOCAB, tiny_model
 from tests.kv.test_host_syncs import READING, SHARED_SLOTS
+from sparsegen.kv.rows import stack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SYNC_FREE = sorted(set(POLICIES) - SHARED_SLOTS - READING)
@@ -95,7 +96,7 @@ def test_a_stacked_batch_of_different_lengths_decodes_on_cuda_without_a_sync(nam
             ids = torch.randint(3, VOCAB, (1, length), generator=generator).to("cuda")
             prefill(model, cache, ids, torch.ones_like(ids), 16)
             caches.append(cache)
-        batch = EvictionCache.stacked(model, caches, capacity=3)
+        batch = stack(model, caches, capacity=3)
         token = torch.tensor([5, 6, 7], device="cuda")
         position = torch.tensor([3, 9, 15], device="cuda")
         step = DecodeStep(model)

@@ -31,8 +31,9 @@ from sparsegen.decoding import DecodeStep, forward, prefill
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.quantized import policy_and_bits
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
-from sparsegen.quant.fast import weights_of
+from sparsegen.models.anatomy import weights_of
 from sparsegen.speculative import Speculation, speculative_tokens
+from sparsegen.bench.fill import fill_random
 
 BASELINES = ("dense", "recompute")
 SYNC_STEPS = 2  # decode steps whose host reads are counted, after the timed ones
@@ -216,7 +217,7 @@ def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, conte
                                  generator=generator)
                 cache.update(kv, kv.clone(), layer)
         else:
-            cache.fill_random(batch, context, kv_heads, head_dim, setup.dtype, setup.device, generator)
+            fill_random(cache, batch, context, kv_heads, head_dim, setup.dtype, setup.device, generator)
     return cache
 
 

@@ -22,7 +22,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     from sparsegen.bench import report
-    from sparsegen.quant.fast import weights_of
+    from sparsegen.models.anatomy import weights_of
     from sparsegen.bench.roofline import measure_bandwidth
     from sparsegen.contextual import Contextual, attach, detach
     from sparsegen.kv.quantized import policy_and_bits

@@ -56,7 +56,7 @@ def _beside_llama_cpp(args, model, tokenizer, text, ctx, bos, meta) -> dict:
     from sparsegen.data import read_texts
     from sparsegen.eval.perplexity import second_half_perplexity
     from sparsegen.models.gguf import gguf_file
-    from sparsegen.quant.fast import weights_of
+    from sparsegen.models.anatomy import weights_of
 
     gguf = gguf_file(args.model)  # (not a GGUF model: fails before anything runs)
     whole = "\n\n".join(read_texts(text))

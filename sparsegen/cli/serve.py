@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args)
     engine = _engine(args, model, tokenizer)
     if engine.decode.compiled:  # (before /health answers: no request waits on a compile)
-        from sparsegen.quant.fast import weights_of
+        from sparsegen.models.anatomy import weights_of
 
         started = time.perf_counter()
         warm = engine.warm_up(rows=min(3, args.max_batch))

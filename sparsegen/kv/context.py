@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from sparsegen.kv.cache import BUFFERS, ROW_STATE, EvictionCache
+from sparsegen.kv.cache import EvictionCache
+from sparsegen.kv.layer import BUFFERS, ROW_STATE
 from sparsegen.kv.policies import policy_class
 from sparsegen.kv.policy import Policy, policy_options
 from sparsegen.kv.quantized import KVQuantization

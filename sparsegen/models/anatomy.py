@@ -22,6 +22,12 @@ def linears(layer: nn.Module) -> dict[str, nn.Linear]:
     return {name: module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
 
 
+def weights_of(model: nn.Module) -> str:
+    """The kind of weights ``model`` runs (``sparsegen.quant.fast.quantize_weights`` records it): fp32 (as loaded)
+    unless re-stored."""
+    return getattr(model.config, "sparsegen_weights", "fp32")
+
+
 def mlp_layout(model_type: str) -> tuple[tuple[str, ...], str]:
     """(names of the layers whose output rows are the MLP's neurons, the layer whose input columns are)."""
     return family(model_type).mlp

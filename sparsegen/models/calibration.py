@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sparsegen.models.anatomy import decoder_layers, linears
+from sparsegen.models.anatomy import decoder_layers, linears, weights_of
 
 
 def calibration_ids(token_arrays: list[np.ndarray], nsamples: int, seqlen: int, seed: int,
@@ -109,8 +109,6 @@ def calibrated_layers(model: torch.nn.Module, ids: torch.Tensor | None, statisti
     calibration tokens ran through the layers before it *as the caller left them*: once the caller has
     compressed a layer (in place, or by swapping its linears), that layer's outputs feed the next.
     """
-    from sparsegen.quant.fast import weights_of
-
     if weights_of(model) != "fp32":
         raise ValueError(f"{desc} changes the model's float linears, but they are stored as {weights_of(model)}: "
                          "load it with weights='fp32' (sparsegen.load(..., weights='fp32'))")

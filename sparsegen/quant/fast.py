@@ -667,11 +667,6 @@ def quantize_weights(model: nn.Module, weights: str, plan: dict[str, str] | None
     return model
 
 
-def weights_of(model: nn.Module) -> str:
-    """The kind of weights ``model`` runs (``quantize_weights`` records it): fp32 (as loaded) unless re-stored."""
-    return getattr(model.config, "sparsegen_weights", "fp32")
-
-
 MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (file-backed ones are dropped and read again if touched)
 
 

@@ -40,6 +40,8 @@ from sparsegen.kv.quantized import as_quantization
 from sparsegen.serve.memory import KVMemory
 from sparsegen.serve.template import ChatTemplate
 from sparsegen.speculative import Speculation, accept, draft_length, draft_token
+from sparsegen.kv.rollback import forget_last
+from sparsegen.kv.rows import add_row, park, remove_row, stack
 
 
 @dataclass
@@ -646,9 +648,9 @@ class Engine:
                                  torch.stack(probs)[None] if probs else None, logits, sampling.temperature,
                                  sampling.top_p, job.generator)
         n = int(accepted)
-        target.forget_last(k - n)
+        forget_last(target, k - n)
         if n < k:
-            draft.forget_last(k - 1 - n)
+            forget_last(draft, k - 1 - n)
         else:
             session.draft_lag = drafts[-1:]
         self.counters["drafted_tokens"] += k
@@ -665,11 +667,11 @@ class Engine:
         """Drop the newest ``tokens`` from the session's cache and, where it has them, its draft cache."""
         if not tokens:
             return
-        session.cache.forget_last(tokens)
+        forget_last(session.cache, tokens)
         if session.draft is not None:
             lagging = min(tokens, len(session.draft_lag))
             session.draft_lag = session.draft_lag[:len(session.draft_lag) - lagging]
-            session.draft.forget_last(tokens - lagging)
+            forget_last(session.draft, tokens - lagging)
 
     def _guarded(self, job: Job, action: Callable, *args) -> None:
         try:
@@ -727,13 +729,13 @@ class Engine:
         present = set(map(id, self._rows))
         joining = [job for job in jobs if id(job) not in present]
         if self._batch is None:
-            self._batch = EvictionCache.stacked(self.model, [job.session.cache for job in joining],
+            self._batch = stack(self.model, [job.session.cache for job in joining],
                                                 capacity=self.max_batch, exact=self.memory is not None)
         else:
             for job in joining:
-                self._batch.add_row(job.session.cache)
+                add_row(self._batch, job.session.cache)
         for job in joining:
-            job.session.cache.park()  # the batch holds its row now: one copy of each conversation
+            park(job.session.cache)  # the batch holds its row now: one copy of each conversation
         self._rows += joining
         self._steps += [0] * len(joining)
         return self._batch
@@ -747,7 +749,7 @@ class Engine:
         if self._batch is None or not any(row is job for row in self._rows):
             return
         index = next(i for i, row in enumerate(self._rows) if row is job)
-        self._batch.remove_row(index, job.session.cache, self._steps[index])
+        remove_row(self._batch, index, job.session.cache, self._steps[index])
         last = len(self._rows) - 1
         for rows in (self._rows, self._steps):  # the last row moved into the gap
             rows[index] = rows[last]

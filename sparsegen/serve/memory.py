@@ -3,7 +3,7 @@ caches hold, so a policy that holds less serves more of them in the same memory 
 
 Every live session reserves a fixed amount: its cache at its policy's full allocation (a bounded policy's budget
 plus one prefill chunk; ``full``: ``--max-context`` tokens). While it decodes with others its row lives in the stacked
-decode batch instead (the budget plus the new token), its own slots let go (``EvictionCache.park``), and the batch's
+decode batch instead (the budget plus the new token), its own slots let go (``sparsegen.kv.rows.park``), and the batch's
 storage holds its present rows only, so a conversation is held once. (For a moment while a row joins or leaves, one
 layer's batch storage exists twice: a thirtieth of the batch on a 30-layer model.) A request whose session
 is not live is admitted only if its reservation fits beside the others'; otherwise the least recently used idle

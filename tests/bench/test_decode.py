@@ -10,6 +10,7 @@ from sparsegen.decoding import DecodeStep
 from sparsegen.kv import EvictionCache, KVQuantization, make_policy
 from sparsegen.models import load
 from sparsegen.models.spec import kv_bytes_per_token
+from sparsegen.bench.fill import fill_random
 
 REQUIRED = {"policy", "context", "batch", "ms_per_token", "tokens_per_s", "peak_kv_bytes", "prefill_seconds",
             "ms_per_token_p90", "peak_memory_bytes", "roofline_fraction", "torch", "transformers", "dtype", "threads"}
@@ -70,7 +71,7 @@ def test_the_roofline_counts_each_layers_own_slots():
 
     model = family_model("gemma3")  # two sliding layers (window 6: 5 held before a step) and one global
     cache = EvictionCache(model, make_policy("full"))
-    cache.fill_random(1, 20, kv_heads=model.config.num_key_value_heads, head_dim=16, dtype=torch.float32,
+    fill_random(cache, 1, 20, kv_heads=model.config.num_key_value_heads, head_dim=16, dtype=torch.float32,
                       device=torch.device("cpu"))
     assert cache.held_tokens() == [5, 5, 20]
     assert decode._attended_tokens(cache, compiled=False) == (5 + 5 + 20) / 3 + 1
@@ -84,12 +85,12 @@ def test_synthetic_prefill_holds_what_the_policy_would(tiny_model):
     for name, budget, expected in (("streaming", 8, {0, 1, 2, 3, 16, 17, 18, 19}), ("window", 8, set(range(12, 20))),
                                    ("full", None, set(range(20)))):
         cache = EvictionCache(tiny_model, make_policy(name, budget))
-        cache.fill_random(2, 20, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+        fill_random(cache, 2, 20, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
         for layer in cache.layers:
             for row in layer.index[:, :, : layer.used].reshape(-1, layer.used):
                 assert set(row.tolist()) == expected
     h2o = EvictionCache(tiny_model, make_policy("h2o", 8))
-    h2o.fill_random(1, 20, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+    fill_random(h2o, 1, 20, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
     layer = h2o.layers[0]
     held = layer.index[0, :, : layer.used]
     assert layer.used == 8 and all({16, 17, 18, 19} <= set(head.tolist()) for head in held)
@@ -102,7 +103,7 @@ def test_synthetic_prefill_holds_what_the_policy_would(tiny_model):
 def test_synthetic_prefill_of_a_policy_reading_keys_keeps_what_it_chooses_from_them(tiny_model, name):
     """The held keys and values are the ones the policy chose by (knorm: the smallest key norms of all 40)."""
     cache = EvictionCache(tiny_model, make_policy(name, 12))
-    cache.fill_random(2, 40, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
+    fill_random(cache, 2, 40, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
                       generator=torch.Generator().manual_seed(0))
     layer = cache.layers[0]
     assert layer.used == 12 and layer.valid[:, :, :12].all()

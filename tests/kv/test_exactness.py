@@ -8,6 +8,8 @@ from sparsegen.kv import POLICIES, EvictionCache, make_policy
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, ROPE_FAMILIES, VOCAB, tiny_model
 from tests.kv.reference import ReferenceRun
+from sparsegen.kv.rollback import forget_last
+from sparsegen.kv.rows import remove_row, stack
 
 TOL = 1e-5
 POLICY_NAMES = list(POLICIES)  # every registered policy: a new one is tested by being registered
@@ -278,13 +280,13 @@ def test_a_stacked_row_that_evicted_keeps_the_sinks_frame():
     with torch.no_grad():
         caches = [EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=16) for _ in range(2)]
         model(input_ids=ids[:1, :16], **cache_kwargs(caches[0]))
-        caches[0].forget_last(5)  # 11 tokens fed, after an eviction
+        forget_last(caches[0], 5)  # 11 tokens fed, after an eviction
         model(input_ids=ids[1:, :4], **cache_kwargs(caches[1]))
         assert caches[0].layers[0].may_evict and caches[0].length == 11 and not caches[1].layers[0].may_evict
         alone = EvictionCache(model, _policy("streaming", 12, sinks=2), chunk_size=16)
         model(input_ids=ids[:1, :16], **cache_kwargs(alone))
-        alone.forget_last(5)
-        batch = EvictionCache.stacked(model, caches)
+        forget_last(alone, 5)
+        batch = stack(model, caches)
         assert all(layer.may_evict for layer in batch.layers)
         token = ids[:, 11:12].clone()
         token[1] = ids[1, 4]
@@ -292,7 +294,7 @@ def test_a_stacked_row_that_evicted_keeps_the_sinks_frame():
         got = model(input_ids=token, position_ids=position, **cache_kwargs(batch)).logits[0]
         expected = model(input_ids=token[:1], position_ids=position[:1], **cache_kwargs(alone)).logits[0]
         assert (got - expected).abs().max() <= TOL
-        batch.remove_row(1, caches[1], 1)  # (the batch cannot tell which of its rows evicted)
+        remove_row(batch, 1, caches[1], 1)  # (the batch cannot tell which of its rows evicted)
         assert all(layer.may_evict for layer in caches[1].layers)
 
 

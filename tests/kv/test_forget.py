@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
+from sparsegen.kv.rollback import forget_last
 
 TOL = 1e-5
 
@@ -21,7 +22,7 @@ def test_rows_forgetting_different_counts_continue_as_if_never_fed(family):
     with torch.no_grad():
         model(input_ids=ids[:, :12], **cache_kwargs(cache))
         model(input_ids=ids[:, 12:], position_ids=torch.arange(12, 20).expand(3, -1), **cache_kwargs(cache))
-        cache.forget_last(forget)
+        forget_last(cache, forget)
         kept = 20 - forget
         after = torch.randint(3, VOCAB, (3, 2), generator=torch.Generator().manual_seed(1))
         logits = model(input_ids=after, position_ids=kept[:, None] + torch.arange(2),
@@ -39,9 +40,9 @@ def test_forgetting_more_than_was_seen_is_refused():
     with torch.no_grad():
         model(input_ids=torch.randint(3, VOCAB, (2, 6)), **cache_kwargs(cache))
     with pytest.raises(ValueError, match="cannot forget"):
-        cache.forget_last(torch.tensor([1, 7]))
+        forget_last(cache, torch.tensor([1, 7]))
     with pytest.raises(ValueError, match="cannot forget"):
-        cache.forget_last(-1)
+        forget_last(cache, -1)
 
 
 def test_a_memo_that_counted_forgotten_tokens_is_computed_again():
@@ -54,7 +55,7 @@ def test_a_memo_that_counted_forgotten_tokens_is_computed_again():
     with torch.no_grad():
         model(input_ids=ids[:, :10], **cache_kwargs(rolled_back))
         model(input_ids=ids[:, 10:12], **cache_kwargs(rolled_back))  # completes the partition after tokens 8-9
-        rolled_back.forget_last(2)
+        forget_last(rolled_back, 2)
         model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], **cache_kwargs(rolled_back))
         model(input_ids=ids[:, :10], **cache_kwargs(direct))
         model(input_ids=ids[:, 12:], position_ids=torch.arange(10, 16)[None], **cache_kwargs(direct))

@@ -10,6 +10,7 @@ from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
+from sparsegen.kv.rows import stack
 
 # heads share a row of slots and hold different counts: their step still reads counts (Ada-KV)
 SHARED_SLOTS = {name for name, cls in POLICIES.items() if cls.shares_slots}
@@ -62,7 +63,7 @@ def test_a_stacked_batch_of_different_lengths_decodes_without_host_reads(name):
             cache = EvictionCache(model, make_policy(name, 10), chunk_size=16)
             model(input_ids=torch.randint(3, VOCAB, (1, length), generator=generator), **cache_kwargs(cache))
             caches.append(cache)
-        batch = EvictionCache.stacked(model, caches, capacity=3)
+        batch = stack(model, caches, capacity=3)
         token, position, counts = torch.tensor([[5], [6], [7]]), torch.tensor([[3], [9], [15]]), []
         for _ in range(10):
             with HostSyncs() as syncs:

@@ -8,11 +8,12 @@ from transformers import DynamicCache
 
 from sparsegen.decoding import DecodeStep, forward
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.cache import EvictionLayer
+from sparsegen.kv.layer import EvictionLayer
 from sparsegen.kv.quantized import HeldCodes, KVQuantization, dequantize, pack, quantize, unpack
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 from tests.kv.test_exactness import CHUNKS, _padded_batch, _run_chunks
+from sparsegen.kv.rows import remove_row, stack
 
 
 def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -178,12 +179,12 @@ def test_stacked_rows_decode_as_alone():
     with torch.no_grad():
         expected = [model(token[i:i + 1], position_ids=torch.tensor([[p.shape[1]]]), **cache_kwargs(c)).logits
                     for i, (p, c) in enumerate(zip(prompts, alone))]
-        batched = EvictionCache.stacked(model, rows, capacity=2)
+        batched = stack(model, rows, capacity=2)
         got = model(token, position_ids=torch.tensor([[13], [20]]), **cache_kwargs(batched),
                     attention_mask=torch.ones(2, 1, dtype=torch.long)).logits
     for i in range(2):
         torch.testing.assert_close(got[i:i + 1], expected[i], atol=1e-5, rtol=1e-5)
-    batched.remove_row(0, rows[0], steps=1)
+    remove_row(batched, 0, rows[0], steps=1)
     for a, b in zip(rows[0].layers, alone[0].layers):
         assert torch.equal(a.ring_index, b.ring_index) and torch.equal(a.key_channels, b.key_channels)
 

@@ -85,7 +85,7 @@ def test_by_default_a_gguf_model_decodes_compiled_at_its_own_bit_width(name):
     the eager step's tokens to the last: inputs quantized to 8 bits a block turn float noise of 1e-6 between two
     orders of summation into rounding flips, 0.4-0.6 in the logits after 30 layers, the fixed step uncompiled too;
     in fp32 the two steps agree to 2e-5, tested in tests/test_decoding.py.)"""
-    from sparsegen.quant.fast import weights_of
+    from sparsegen.models.anatomy import weights_of
 
     model, tokenizer = sparsegen.load(name)
     assert weights_of(model) == "gguf"

@@ -9,6 +9,7 @@ from sparsegen.serve import ChatTemplate, Engine, Sampling
 from sparsegen.serve.chat import chat
 from tests.kv.families import VOCAB, tiny_model
 from tests.serve.ids import IdTokenizer
+from sparsegen.kv.rows import stack
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +111,13 @@ def test_a_soft_prompt_is_fed_once_per_session_and_positions_follow_it(reference
 def test_stacking_refuses_unfed_or_different_caches():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="fed cache"):
-        EvictionCache.stacked(model, [EvictionCache(model, make_policy("window", 4))])
+        stack(model, [EvictionCache(model, make_policy("window", 4))])
     fed = []
     for policy in ("window", "streaming"):
         fed.append(EvictionCache(model, make_policy(policy, 8)))
         model(input_ids=torch.tensor([[5, 6, 7]]), **cache_kwargs(fed[-1]))
     with pytest.raises(ValueError, match="same policy"):
-        EvictionCache.stacked(model, fed)
+        stack(model, fed)
 
 
 def test_a_conversation_encodes_only_each_new_turn(reference):
