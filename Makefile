@@ -28,8 +28,12 @@ demo: setup
 	$(VENV)/bin/sparsegen compare --model smollm2 --prompt-file examples/long_prompt_9k.txt \
 		--policies full,window,streaming,h2o --budget 1024 --max-new-tokens 40
 
-test: setup
+test: setup lint
 	$(VENV)/bin/pytest -q
+
+.PHONY: lint
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # the tests that take seconds each (marked heavy: compiles, real models, spawned servers, soaks); CI runs both
 .PHONY: test-slow
@@ -102,7 +106,7 @@ test-vllm: setup vllm
 # On a machine with a CUDA GPU: the checks CI cannot run (no GPU there), then eager vs compiled (CUDA graphs).
 .PHONY: gpu-check
 gpu-check: setup
-	$(VENV)/bin/pytest -q -m 'not slow and not results' tests/test_cuda.py tests/test_decoding.py
+	$(VENV)/bin/pytest -q -m 'not slow and not results' tests/test_cuda.py tests/engine/test_step.py
 	$(PY) scripts/compile_step.py random:llama-1b h2o 8192 --device cuda --dtype bfloat16
 
 # llama.cpp's own tools as the baselines: `llama-server` for `bench-serve --spawn --baseline llama.cpp`, `llama-bench`

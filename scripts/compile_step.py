@@ -15,13 +15,13 @@ import time
 import torch
 
 import sparsegen
-from sparsegen.decoding import DecodeStep
+from sparsegen.bench.fill import fill_random
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.loading import load_config
 from sparsegen.models.spec import kv_shape
 from sparsegen.models.synthetic import is_random, random_model
-from sparsegen.quant.fast import WEIGHTS, quantize_weights
-from sparsegen.bench.fill import fill_random
+from sparsegen.quant.restore import WEIGHTS, quantize_weights
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model")
@@ -65,7 +65,7 @@ def run(step: DecodeStep) -> tuple[float, float, torch.Tensor, torch.Tensor]:
     cache, picked, times, first = fresh(), [], [], None
     token = torch.full((args.batch,), 5, device=device)
     position = torch.full((args.batch,), args.context, device=device)
-    for index in range(args.steps + 4):
+    for _ in range(args.steps + 4):
         synchronize()
         start = time.perf_counter()
         logits = step(cache, token, position)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sparsegen
 from sparsegen.data import data_dir
-from sparsegen.kv import CompressedContext
+from sparsegen.engine.context import CompressedContext
 
 QUESTIONS = ["\n\nQuestion: Who is the narrator? Answer:", "\n\nQuestion: Where does this happen? Answer:",
              "\n\nQuestion: What happens first? Answer:", "\n\nQuestion: Who arrives at the end? Answer:",

@@ -17,9 +17,9 @@ import torch
 
 import sparsegen
 from sparsegen.data import data_dir, tokenize_files
-from sparsegen.generation import generate_tokens
+from sparsegen.engine.generate import generate_tokens
+from sparsegen.engine.speculative import Speculation, speculative_tokens
 from sparsegen.kv import make_policy
-from sparsegen.speculative import Speculation, speculative_tokens
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "speculative"
 

@@ -18,12 +18,12 @@ import time
 import torch
 
 import sparsegen
-from sparsegen.decoding import forward
+from sparsegen.bench.fill import fill_random
+from sparsegen.engine.step import forward
 from sparsegen.kv import EvictionCache
 from sparsegen.kv.policies.full import Full
-from sparsegen.models.spec import kv_shape
-from sparsegen.bench.fill import fill_random
 from sparsegen.kv.rollback import forget_last
+from sparsegen.models.spec import kv_shape
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ def measure_sparsegen(path: str, batch: int, new_tokens: int) -> float:
     import torch
 
     import sparsegen
-    from sparsegen.generation import generate_tokens
+    from sparsegen.engine.generate import generate_tokens
     from sparsegen.kv import make_policy
 
     torch.set_num_threads(2)

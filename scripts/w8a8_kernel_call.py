@@ -15,11 +15,11 @@ import warnings
 import torch
 
 import sparsegen
-from sparsegen.decoding import DecodeStep
+from sparsegen.bench.fill import fill_random
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.spec import kv_shape
 from sparsegen.quant import fast
-from sparsegen.bench.fill import fill_random
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model")

@@ -1,4 +1,5 @@
-from sparsegen.cli import main
 import sys
+
+from sparsegen.cli import main
 
 sys.exit(main())

@@ -27,7 +27,7 @@ def restore_weights(model: torch.nn.Module, weights: str, name_or_path: str | Pa
     ``auto`` (``default_weights``), in place; the kind it stored (also ``model.config.sparsegen_weights``, so that
     every number a command prints can say which weights made it)."""
     from sparsegen.models.anatomy import weights_of
-    from sparsegen.quant.fast import WEIGHTS, gguf_plan, quantize_weights
+    from sparsegen.quant.restore import WEIGHTS, gguf_plan, quantize_weights
 
     if weights not in ("auto", *WEIGHTS):
         raise ValueError(f"--weights must be one of auto, {', '.join(WEIGHTS)}, got {weights!r}")

@@ -24,7 +24,7 @@ def _one_thread():
 def compiled_step_batches(monkeypatch) -> list[int]:
     """``compile=True`` steps through dynamo with backend "eager" (the capture and the output are checked, not a
     kernel): the batch size of every step that ran compiled, in order."""
-    import sparsegen.decoding as decoding
+    import sparsegen.engine.step as decoding
 
     torch._dynamo.reset()
     compiled, batches = torch.compile(decoding._step, fullgraph=True, backend="eager"), []

@@ -15,7 +15,8 @@ def test_load_restores_weights_and_puts_a_prompt():
     ids = torch.tensor([tokenizer("It was a dark night")["input_ids"]])
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
-    out = sparsegen.generate(model, tokenizer, "It was a dark night", max_new_tokens=4, stop_at_eos=False, compile=False)
+    out = sparsegen.generate(model, tokenizer, "It was a dark "
+                                               "night", max_new_tokens=4, stop_at_eos=False, compile=False)
     assert out.new_tokens == [4] and out.cache["weights"] == "int8"  # (compiled by default: tested below)
 
 
@@ -43,8 +44,8 @@ def test_a_gguf_model_runs_at_its_own_bit_width_by_default_and_a_folder_as_loade
 
 
 def test_the_compiled_step_is_the_default_where_the_weights_are_low_bit():
+    from sparsegen.engine.step import DecodeStep, compiles_by_default
     from sparsegen.models.anatomy import weights_of
-    from sparsegen.decoding import DecodeStep, compiles_by_default
 
     plain, _ = sparsegen.load("reference")
     packed, _ = sparsegen.load("reference", weights="w8a8")

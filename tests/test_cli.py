@@ -130,7 +130,7 @@ def test_every_bad_invocation_is_one_line_and_a_nonzero_exit(tiny_checkpoint, tm
 
 def test_a_budget_far_above_the_sequence_allocates_what_the_sequence_needs(tiny_checkpoint, capsys):
     """`generate --budget 1000000000` tried to allocate the whole budget (256 GB on the reference model)."""
-    from sparsegen.bench.memory import current_rss
+    from sparsegen.memory import current_rss
 
     before = current_rss()
     assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "it was the", "--policy", "streaming",

@@ -8,12 +8,13 @@ import contextlib
 import pytest
 import torch
 
-from sparsegen.decoding import DecodeStep, prefill
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
+from sparsegen.kv.rows import stack
 from tests.kv.families import VOCAB, tiny_model
 from tests.kv.test_host_syncs import READING, SHARED_SLOTS
-from sparsegen.kv.rows import stack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SYNC_FREE = sorted(set(POLICIES) - SHARED_SLOTS - READING)

@@ -69,8 +69,8 @@ def test_the_custom_pruning_method_scores_as_ria_and_prunes_2_4(tmp_path, corpus
     from sparsegen.models.anatomy import decoder_layers, linears
     from sparsegen.models.calibration import Statistics
     from sparsegen.pruning import METHODS, PruneConfig, prune_model
-    from tests.pruning.test_prune import _ids
     from tests.kv.families import tiny_model
+    from tests.pruning.test_prune import _ids
 
     ria = load_plugin(str(EXAMPLES / "custom_pruning.py")).RIA
     assert METHODS["ria"] is ria

@@ -7,7 +7,7 @@ from pathlib import Path
 import sparsegen
 
 PACKAGE = Path(sparsegen.__file__).parent
-UPPER = ("pruning", "quant", "prompt", "contextual", "eval", "bench", "serve", "cli", "generation")
+UPPER = ("pruning", "quant", "prompt", "contextual", "eval", "bench", "serve", "cli", "engine")
 
 
 def _imports() -> dict[str, set[str]]:
@@ -34,6 +34,17 @@ def test_models_and_kv_import_no_kind_of_sparsity_or_anything_above():
     assert not wrong, wrong
 
 
+def test_the_engine_imports_no_front_end_and_only_it_stacks_or_rolls_back_rows():
+    """``engine`` (step, generation, speculation, scheduler) sits under ``serve``, ``bench``, ``eval`` and ``cli``; a
+    cache's row operations (``kv.rows``, ``kv.rollback``) are the engine's, called by nothing above it."""
+    graph = _imports()
+    up = {(m, t) for m, targets in graph.items() if m.startswith("sparsegen.engine") for t in targets
+          if t.split(".")[1] in ("serve", "bench", "eval", "cli", "sweep", "experiment")}
+    rows = {m for m, targets in graph.items() if targets & {"sparsegen.kv.rows", "sparsegen.kv.rollback"}}
+    assert not up, up
+    assert {m.split(".")[1] for m in rows} == {"engine"}, rows
+
+
 def test_no_import_cycles():
     graph = _imports()
     modules = {m: {t for t in targets if t in graph and t != m and not m.startswith(t + ".")}
@@ -57,12 +68,12 @@ def test_no_import_cycles():
 
 
 def test_one_decode_step():
-    """Only ``sparsegen.decoding`` hands a cache to a model: generation, chat/serve, streaming perplexity, fidelity,
+    """Only ``sparsegen.engine.step`` hands a cache to a model: generation, chat/serve, streaming perplexity, fidelity,
     pass-key, speculative decoding and bench all run ``forward``/``DecodeStep`` (issue 36)."""
     callers = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "cache_kwargs"}
-    assert callers == {"decoding.py"}, callers
+    assert callers == {"engine/step.py"}, callers
 
 
 def _dynamic_imports() -> dict[str, set[str]]:

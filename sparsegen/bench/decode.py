@@ -21,19 +21,26 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from sparsegen.bench.fill import fill_random
 from sparsegen.bench.llamacpp import Baseline
-from sparsegen.bench.memory import PeakMemory, available_bytes
-from sparsegen.bench.roofline import (decode_bytes, measure_bandwidth, roofline_tokens_per_s, synchronize,
-                                      weight_bytes_per_step, weights)
+from sparsegen.bench.roofline import (
+    decode_bytes,
+    measure_bandwidth,
+    roofline_tokens_per_s,
+    synchronize,
+    weight_bytes_per_step,
+    weights,
+)
 from sparsegen.bench.stats import percentile
 from sparsegen.bench.syncs import count_syncs
-from sparsegen.decoding import DecodeStep, forward, prefill
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.speculative import Speculation, speculative_tokens
+from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.quantized import policy_and_bits
-from sparsegen.models.spec import kv_bytes_per_token, kv_shape
+from sparsegen.memory import PeakMemory, available_bytes
 from sparsegen.models.anatomy import weights_of
-from sparsegen.speculative import Speculation, speculative_tokens
-from sparsegen.bench.fill import fill_random
+from sparsegen.models.spec import kv_bytes_per_token, kv_shape
 
 BASELINES = ("dense", "recompute")
 SYNC_STEPS = 2  # decode steps whose host reads are counted, after the timed ones
@@ -97,7 +104,8 @@ class Setup:
             "machine": machine, "vector_extensions": flags, "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
-            "prefill": self.prefill, "contextual": self.contextual, "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
+            "prefill": self.prefill, "contextual": self.contextual,
+            "bandwidth_gb_s": round(self.bandwidth / 1e9, 2) if self.bandwidth else None,
             "kv_bits": self.kv_bits.bits if self.kv_bits else None, "weight_bytes": self.weight_bytes,
         }
 

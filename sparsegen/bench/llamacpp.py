@@ -37,7 +37,8 @@ SERVER_INSTALL = ("the llama.cpp server baseline needs llama.cpp's `llama-server
                   "the llama.cpp sources llama-cpp-python ships (two parallel jobs), or set LLAMA_SERVER=PATH")
 
 
-PERPLEXITY_INSTALL = ("ppl --baseline llama.cpp needs llama.cpp's `llama-perplexity`: `make llama-tools` builds it from "
+PERPLEXITY_INSTALL = ("ppl --baseline llama.cpp needs llama.cpp's `llama-perplexity`: `make llama-tools` builds it "
+                      "from "
                       "the llama.cpp sources llama-cpp-python ships (two parallel jobs), or set LLAMA_PERPLEXITY=PATH")
 
 
@@ -244,7 +245,8 @@ def _run(gguf: str, context: int, new_tokens: int, warmup: int, threads: int, se
         "weights": Path(gguf).name, "threads": threads, "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": context / prefill_seconds, "step_seconds": seconds,
         "kv_tokens": context + warmup + new_tokens,
-        "peak_memory_bytes": _peak_rss(), "peak_memory_method": "child process VmHWM", "host_syncs_per_token": None, "graph_breaks": None,
+        "peak_memory_bytes": _peak_rss(), "peak_memory_method": "child process VmHWM",
+        "host_syncs_per_token": None, "graph_breaks": None,
     }
 
 

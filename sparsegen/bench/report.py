@@ -126,14 +126,16 @@ def _budget(rows: list[dict], policy: str):
 
 def markdown(rows: list[dict]) -> str:
     """The measured rows as a Markdown table (for docs)."""
-    lines = ["| policy | context | batch | ms/token (median) | p90 | tokens/s | KV peak MiB | peak memory MiB | roofline |",
+    lines = ["| policy | context | batch | ms/token (median) | p90 | tokens/s | KV peak MiB | peak memory MiB | "
+             "roofline |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ms_per_token" not in r:
             lines.append(f"| {r['policy']} | {r['context']:,} | {r['batch']} | skipped: {r['skipped']} | | | | | |")
             continue
         lines.append(f"| {r['policy']} | {r['context']:,} | {r['batch']} | {r['ms_per_token']:.2f} | "
-                     f"{_num(r['ms_per_token_p90'], '.2f')} | {r['tokens_per_s']:,.1f} | {_mib(r['peak_kv_bytes']):,.1f} | "
+                     f"{_num(r['ms_per_token_p90'], '.2f')} | {r['tokens_per_s']:,.1f} | "
+                     f"{_mib(r['peak_kv_bytes']):,.1f} | "
                      f"{_num(_mib(r.get('peak_memory_bytes')), ',.0f')} | {_num(r.get('roofline_fraction'), '.1%')} |")
     return "\n".join(lines)
 

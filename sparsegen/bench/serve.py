@@ -114,8 +114,10 @@ async def _chaos(client: httpx.AsyncClient, url: str, done: asyncio.Event, count
             return "timeout"
 
     async def garbage():
-        content = rng.choice([b'{"messages": [{"role": "us', b"\x00\xff not json", b'{"messages": "hi"}', b'{"prompt": 5}',
-                              b'{"messages": []}', b"[]", b'{"messages": [{"role": "user", "content": [{"type": 1}]}]}'])
+        content = rng.choice([b'{"messages": [{"role": "us', b"\x00\xff not json", b'{"messages": '
+                                                                                   b'"hi"}', b'{"prompt": 5}',
+                              b'{"messages": []}', b"[]", b'{"messages": [{"role": "user", "content": [{"type": '
+                                                          b'1}]}]}'])
         return (await client.post(chat, content=content, headers={"content-type": "application/json"})).status_code
 
     async def shared_session():
@@ -150,7 +152,8 @@ async def _chaos(client: httpx.AsyncClient, url: str, done: asyncio.Event, count
 
     async def inspect():  # the cache inspector at tiny budgets, sometimes given up on
         request = {"text": "The ship sailed at dawn and the crew sang. " * rng.randint(2, 20),
-                   "budget": rng.randint(1, 4), "policies": ",".join(rng.sample(["snapkv", "h2o", "streaming", "lagkv", "pyramid-snapkv",
+                   "budget": rng.randint(1, 4),
+                   "policies": ",".join(rng.sample(["snapkv", "h2o", "streaming", "lagkv", "pyramid-snapkv",
                                                     "snapkv-layers", "tova", "window"], 2))}
         try:
             reply = await client.post(f"{url}/v1/inspect", json=request, timeout=rng.choice([0.2, 30]))
@@ -174,7 +177,8 @@ async def _chaos(client: httpx.AsyncClient, url: str, done: asyncio.Event, count
             writer.close()
 
     async def malformed_http():
-        return await raw(rng.choice([b"GARBAGE\r\n\r\n", b"POST / HTTP/9.9\r\n\r\n", b"\x16\x03\x01\x00\xa5\x01\r\n\r\n"]), 5)
+        return await raw(rng.choice([b"GARBAGE\r\n\r\n", b"POST / "
+                                                         b"HTTP/9.9\r\n\r\n", b"\x16\x03\x01\x00\xa5\x01\r\n\r\n"]), 5)
 
     async def slow_headers():  # a request's headers trickled, then abandoned (slowloris)
         return await raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty", rng.uniform(0.1, 1.0))
@@ -237,7 +241,8 @@ async def run_load(url: str, sessions: int, turns: int, max_tokens: int = 16, he
             nonlocal finished
             messages = []
             for turn in range(turns):
-                messages.append({"role": "user", "content": f"Reader {index} asks question {turn}: what happened next?"})
+                messages.append({"role": "user", "content": f"Reader {index} asks question {turn}: what happened "
+                                                            f"next?"})
                 result = await _turn(client, url, f"load-{run}-{index}", messages, max_tokens)
                 results.append({**result, "turn": turn})
                 messages.append({"role": "assistant", "content": result["content"]})

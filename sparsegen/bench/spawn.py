@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from sparsegen.bench.stats import percentile
-from sparsegen.bench.memory import peak_rss
 from sparsegen.bench.serve import read_metrics
+from sparsegen.bench.stats import percentile
+from sparsegen.memory import peak_rss
 
 QUESTION = "In two sentences, what happens next in this story?"
 TEMPLATE_TOKENS = 48  # what a turn's chat template and question add, at most

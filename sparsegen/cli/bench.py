@@ -22,13 +22,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     from sparsegen.bench import report
-    from sparsegen.models.anatomy import weights_of
     from sparsegen.bench.roofline import measure_bandwidth
     from sparsegen.contextual import Contextual, attach, detach
     from sparsegen.kv.quantized import policy_and_bits
+    from sparsegen.models.anatomy import weights_of
     from sparsegen.models.loading import check_device
     from sparsegen.models.synthetic import is_random
-    from sparsegen.quant.fast import WEIGHTS
+    from sparsegen.quant.restore import WEIGHTS
 
     contexts, batches = int_list(args.contexts, "contexts"), int_list(args.batch, "batch")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
@@ -87,8 +87,8 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
     """``(name, make)`` for each row kind named: ``make()`` builds its policy (None for dense; recompute's window; a
     Speculation), checked here, before any model is built."""
     from sparsegen.bench import decode
+    from sparsegen.engine.speculative import Speculation, draft_length, draft_policy
     from sparsegen.kv.quantized import policy_and_bits
-    from sparsegen.speculative import Speculation, draft_length, draft_policy
 
     # (a POLICY+kvBITS row is POLICY's, its K/V held in BITS bits: ``decode.row_kv_bits``)
     args.policy = list(dict.fromkeys(policy_and_bits(n)[0] for n in names
@@ -181,13 +181,14 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
     """Measure one model (or one contextual variant of it), and ``baseline`` (llama.cpp) beside it: print its table,
     ratios and goals."""
     from sparsegen.bench import decode, report
-    from sparsegen.decoding import compiles_by_default
+    from sparsegen.engine.step import compiles_by_default
 
     compiled = compiles_by_default(model) if args.compile is None else args.compile
     setup = decode.Setup(
         model=model, model_name=label, random_weights=random_weights, new_tokens=args.new_tokens,
         warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
-        recompute_tokens=args.recompute_tokens, memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
+        recompute_tokens=args.recompute_tokens,
+        memory_limit=parse_bytes(args.memory_limit) if args.memory_limit else None,
         bandwidth=bandwidth, compiled=compiled, seed=args.seed, repeats=args.repeats, text_ids=text_ids,
         kv_bits=kv_quantization(args),
     )
@@ -253,7 +254,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--baseline", choices=["llama.cpp"], default=None,
                    help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1), "
                         "after the policies at each context and in each --repeats turn, and print each row's tok/s "
-                        "over llama.cpp's faster flash-attention setting; needs `make llama-tools` (llama-bench, a one-time "
+                        "over llama.cpp's faster flash-attention setting; needs `make llama-tools` (llama-bench, a "
+                        "one-time "
                         "source build) or the binding (`make llamacpp`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write one row per measurement (with the environment) to this file")

@@ -44,9 +44,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     if samples:  # at most 8 of them, evenly spread, the last included
         shown = samples[::-(-len(samples) // 8)]
         shown = shown if shown[-1] is samples[-1] else shown[:7] + samples[-1:]
+        held = samples[-1]["kv_bytes"] / 2**20
         print("server RSS after " + ", ".join(f"{s['conversations']}: {s['rss_bytes'] / 2**20:.0f} MiB"
-                                              for s in shown) + f" conversations (K/V {samples[-1]['kv_bytes'] / 2**20:.1f}"
-              f" MiB held at the end)")
+                                              for s in shown) + f" conversations (K/V {held:.1f} MiB held at the end)")
     print(f"health after: {report['health']}; engine rebuilds {report['engine_rebuilds']:.0f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -25,7 +25,8 @@ def model_args(p: argparse.ArgumentParser, positional: bool = False, more: str =
         p.add_argument("--model", default="reference",
                        help=f"hub id, local checkpoint folder, or 'reference' (default){more}")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
-    p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the checkpoint's on GPU)")
+    p.add_argument("--dtype", default=None, help="auto, float32, float16, bfloat16 (default: float32 on CPU, the "
+                                                 "checkpoint's on GPU)")
     if run:
         weights_arg(p)
         p.add_argument("--contextual", default=None, metavar="DIR",
@@ -49,7 +50,8 @@ def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
                         "(a quarter / an eighth of the fp32 bytes a token reads; round to nearest); w8a8: int8 weights "
                         "times inputs quantized to 7 bits, each token at its own scale, turned by a Hadamard rotation "
                         "(FBGEMM's integer kernels: the fastest on an x86 CPU without native bfloat16, e.g. AVX2; "
-                        "SmolLM2 +1.0%% perplexity, Gemma-3-270M +1.3%%; docs/benchmarks.md); w4a8: llama.cpp's Q4_1 "
+                        "SmolLM2 +1.0%% perplexity, Gemma-3-270M +1.3%%; docs/benchmarks-log.md); w4a8: "
+                        "llama.cpp's Q4_1 "
                         "blocks of 32 weights times inputs quantized to 8 bits a block, in sparsegen's AVX2 kernel "
                         "(5 bits a weight read; the LM head at w8a8); w5a8: the same with llama.cpp's Q5_0 blocks (6 "
                         "bits read); gguf: each linear at the bit width its GGUF file has, in those integer kernels "
@@ -144,7 +146,8 @@ def load_draft_model(args: argparse.Namespace, tokenizer):
 
 def calibration_args(p: argparse.ArgumentParser, who: str = "") -> None:
     """Layer-by-layer calibration (prune, quantize): which text, how many windows, how long, how many per forward."""
-    p.add_argument("--calib", default=None, help=f"{who}calibration text file or folder (default ../shared/data/books/train)")
+    p.add_argument("--calib", default=None, help=f"{who}calibration text file or folder (default "
+                                                 f"../shared/data/books/train)")
     p.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default 128)")
     p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default 512)")
     p.add_argument("--seed", type=int, default=0)
@@ -202,7 +205,8 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def parse_bytes(text: str) -> int:
     """``24GiB``, ``80GB``, ``512MiB`` or a plain number of bytes."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
     lowered = text.strip().lower()
     for unit, scale in units.items():
         if lowered.endswith(unit):

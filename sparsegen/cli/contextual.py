@@ -20,8 +20,9 @@ def cmd_contextual_stats(args: argparse.Namespace) -> None:
     print(f"{'layer':>5}{'MLP zeros':>11}{'MLP sparsity':>14}{'head sparsity':>15}{'cos(h, h_next)':>16}")
     for layer in stats["layers"]:
         heads, cosine = layer["head_sparsity"], layer["residual_cosine"]
+        heads, cosine = ("-" if x is None else format(x, ".3f") for x in (heads, cosine))
         print(f"{layer['layer']:>5}{layer['mlp_zero_fraction']:>11.3f}{layer['mlp_sparsity']:>14.3f}"
-              f"{'-' if heads is None else format(heads, '.3f'):>15}{'-' if cosine is None else format(cosine, '.3f'):>16}")
+              f"{heads:>15}{cosine:>16}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(stats, f, indent=2)
@@ -74,7 +75,8 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
     plan.save(out, overwrite=args.force)
     if args.method == "teal":
         achieved = plan.info["achieved_on_calibration"]
-        print(f"teal ({args.targets}): {len(achieved)} linear inputs, target sparsity {args.sparsity}, achieved on calibration "
+        print(f"teal ({args.targets}): {len(achieved)} linear inputs, target sparsity {args.sparsity}, achieved on "
+              f"calibration "
               f"{min(achieved.values()):.3f}-{max(achieved.values()):.3f}; {plan.info['seconds']} s; saved to {out}")
         return
     print(f"deja vu on {ids.numel():,} tokens ({plan.info['labels']}); per layer on held-out windows:")
@@ -106,7 +108,8 @@ def add_parsers(sub) -> None:
     model_args(p)
     p.add_argument("--method", required=True, help="dejavu (low-rank lookahead predictors) or teal (thresholds)")
     amount = p.add_mutually_exclusive_group(required=True)
-    amount.add_argument("--sparsity", type=float, help="fraction of MLP neurons (dejavu) / linear inputs (teal) skipped")
+    amount.add_argument("--sparsity", type=float, help="fraction of MLP neurons (dejavu) / linear inputs (teal) "
+                                                       "skipped")
     amount.add_argument("--top-k", type=int, help="dejavu: MLP neurons kept per token")
     amount.add_argument("--recall", type=float,
                         help="dejavu: per layer, the smallest K whose recall on validation windows reaches this")

@@ -17,7 +17,8 @@ def cmd_ppl(args: argparse.Namespace) -> None:
     if args.windows and args.kv_bits is not None:
         raise ValueError("--windows runs the model without a cache; --kv-bits applies to --stream")
     if args.baseline and not args.windows:
-        raise ValueError("--baseline llama.cpp compares window perplexity as llama-perplexity computes it: add --windows")
+        raise ValueError("--baseline llama.cpp compares window perplexity as llama-perplexity computes it: add "
+                         "--windows")
     model, tokenizer = load_model(args)
     text = args.text or data_dir() / "books" / "test"
     bos = leading_bos(tokenizer)
@@ -55,8 +56,8 @@ def _beside_llama_cpp(args, model, tokenizer, text, ctx, bos, meta) -> dict:
     from sparsegen.bench import llamacpp
     from sparsegen.data import read_texts
     from sparsegen.eval.perplexity import second_half_perplexity
-    from sparsegen.models.gguf import gguf_file
     from sparsegen.models.anatomy import weights_of
+    from sparsegen.models.gguf import gguf_file
 
     gguf = gguf_file(args.model)  # (not a GGUF model: fails before anything runs)
     whole = "\n\n".join(read_texts(text))
@@ -191,11 +192,13 @@ def add_parsers(sub) -> None:
                    help=f"{', '.join(POLICIES)} or recompute; repeat to compare (default full)")
     budget_args(p, "KV tokens per layer (recompute: its window)")
     p.add_argument("--max-tokens", type=int, default=20000, help="tokens predicted, over all streams (default 20000)")
-    p.add_argument("--streams", type=int, default=None, help="independent streams in one batch (default: files, up to 4)")
+    p.add_argument("--streams", type=int, default=None, help="independent streams in one batch (default: files, up to "
+                                                             "4)")
     p.add_argument("--segment", type=int, default=1024, help="tokens per reported segment (default 1024)")
     p.add_argument("--every", type=int, default=256, help="tokens between KV-memory samples (default 256)")
     p.add_argument("--chunk", type=int, default=256,
-                   help="tokens per forward call; every policy computes exactly what one token per call would (default 256)")
+                   help="tokens per forward call; every policy computes exactly what one token per call would "
+                        "(default 256)")
     p.add_argument("--ctx", type=int, default=None, help="--windows: window length (default: the model's)")
     p.add_argument("--max-windows", type=int, default=None, help="--windows: at most this many windows")
     p.add_argument("--baseline", choices=["llama.cpp"], default=None,
@@ -219,7 +222,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.set_defaults(func=cmd_fidelity)
 
-    p = sub.add_parser("sinks", help="attention-sink statistics: attention mass on token 0, and PPL with/without the first tokens")
+    p = sub.add_parser("sinks", help="attention-sink statistics: attention mass on token 0, and PPL with/without the "
+                                     "first tokens")
     model_args(p, positional=True)
     p.add_argument("--text", default=None, help="text file or folder (default ../shared/data/books/test)")
     p.add_argument("--length", type=int, default=256, help="window length (default 256)")
@@ -232,7 +236,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--preset", default="reference", choices=["reference", "reference-relu", "reference-large"],
                    help="reference (SwiGLU), reference-relu (ReLU gate, for contextual sparsity), reference-large")
     p.add_argument("--out", default=None, help="checkpoint folder (default: the package's bundled folder)")
-    p.add_argument("--work", default=None, help="training state, log and tokenizer (default runs/PRESET); resumes from it")
+    p.add_argument("--work", default=None, help="training state, log and tokenizer (default runs/PRESET); resumes "
+                                                "from it")
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step")
@@ -242,7 +247,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between resumable training states")
-    p.add_argument("--stop-after", type=int, default=None, help="end this run after N steps (state saved; rerun to resume)")
+    p.add_argument("--stop-after", type=int, default=None, help="end this run after N steps (state saved; rerun to "
+                                                                "resume)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--no-report", action="store_true", help="skip the perplexity and sink evaluation after training")
     p.set_defaults(func=cmd_train_reference)

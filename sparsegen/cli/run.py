@@ -35,8 +35,8 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from sparsegen.generation import generate
-    from sparsegen.speculative import draft_length
+    from sparsegen.engine.generate import generate
+    from sparsegen.engine.speculative import draft_length
 
     prompt = read_prompt(args)
     draft_tokens = draft_length(args.draft_tokens)
@@ -45,7 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     draft_model = load_draft_model(args, tokenizer)
     context = None
     if args.context is not None:
-        from sparsegen.kv import CompressedContext
+        from sparsegen.engine.context import CompressedContext
 
         context = CompressedContext.load(args.context, model)
     stream = None
@@ -73,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_compress(args: argparse.Namespace) -> None:
-    from sparsegen.generation import compress
+    from sparsegen.engine.generate import compress
 
     with open(args.context_file, encoding="utf-8", errors="replace") as f:
         text = f.read()
@@ -124,8 +124,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     import textwrap
 
-    from sparsegen.generation import compare
-    from sparsegen.speculative import draft_length
+    from sparsegen.engine.generate import compare
+    from sparsegen.engine.speculative import draft_length
 
     prompt = read_prompt(args)
     draft_tokens = draft_length(args.draft_tokens)
@@ -136,7 +136,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(dict(rows), indent=2))
         return
-    print(f"prompt: {rows[0][1]['prompt_tokens']} tokens; {args.max_new_tokens} new tokens, greedy; budget {args.budget}")
+    print(f"prompt: {rows[0][1]['prompt_tokens']} tokens; {args.max_new_tokens} new tokens, greedy; budget "
+          f"{args.budget}")
     width = max(14, *(len(name) + 2 for name, _ in rows))
     print(f"{'policy':<{width}}{'KV held':>9}{'KV peak':>9}{'peak MiB':>10}{'seconds':>9}{'accepted':>10}")
     for name, r in rows:
@@ -160,7 +161,8 @@ def add_parsers(sub) -> None:
     model_args(p, run=True)
     compile_arg(p)
     p.add_argument("--prompt", default=None, help="prompt text")
-    p.add_argument("--prompt-file", default=None, help="read the prompt from a file (any length: it is prefilled in chunks)")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from a file (any length: it is prefilled in "
+                                                       "chunks)")
     policy_args(p)
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

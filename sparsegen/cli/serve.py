@@ -20,8 +20,8 @@ from sparsegen.cli.common import (
 
 
 def _engine(args: argparse.Namespace, model, tokenizer):
+    from sparsegen.engine import Engine
     from sparsegen.kv import make_policy
-    from sparsegen.serve import Engine
 
     def policy():
         return make_policy(args.policy, None if args.policy == "full" else args.budget, sinks=args.sinks,
@@ -29,7 +29,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
 
     speculation = None
     if getattr(args, "speculative", None) is not None:
-        from sparsegen.speculative import Speculation, draft_length, draft_policy
+        from sparsegen.engine.speculative import Speculation, draft_length, draft_policy
 
         draft_tokens, draft_model = draft_length(args.draft_tokens), load_draft_model(args, tokenizer)
 
@@ -48,7 +48,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
 def _contexts(args: argparse.Namespace, model) -> dict:
     """``--context NAME=FILE`` (repeated): compressed contexts by the name requests give, checked whole against
     ``model`` (None: the files alone, before a model is loaded)."""
-    from sparsegen.kv import CompressedContext
+    from sparsegen.engine.context import CompressedContext
 
     contexts = {}
     for spec in getattr(args, "context", None) or []:
@@ -60,7 +60,7 @@ def _contexts(args: argparse.Namespace, model) -> dict:
 
 
 def _sampling(args: argparse.Namespace):
-    from sparsegen.serve import Sampling
+    from sparsegen.engine import Sampling
 
     return Sampling(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
@@ -92,7 +92,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import os
     import time
 
-    from sparsegen.serve.server import Limits, build_app, kv_bound, run_server
+    from sparsegen.serve.schemas import Limits
+    from sparsegen.serve.server import build_app, run_server
+    from sparsegen.serve.worker import kv_bound
 
     keys = list(args.api_key or [])
     if args.api_keys_file:

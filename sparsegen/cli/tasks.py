@@ -6,8 +6,17 @@ import argparse
 import json
 from pathlib import Path
 
-from sparsegen.cli.common import (budget_args, check_draft_model, compile_arg, kv_quantization, load_draft_model,
-                                  load_model, model_args, policy_factories, speculative_args)
+from sparsegen.cli.common import (
+    budget_args,
+    check_draft_model,
+    compile_arg,
+    kv_quantization,
+    load_draft_model,
+    load_model,
+    model_args,
+    policy_factories,
+    speculative_args,
+)
 from sparsegen.eval.protocols import PROTOCOLS
 
 PROTOCOL_HELP = ("stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
@@ -53,8 +62,8 @@ def cmd_passkey(args: argparse.Namespace) -> None:
 def cmd_ruler(args: argparse.Namespace) -> None:
 
     from sparsegen.data import data_dir
+    from sparsegen.engine.speculative import Speculation, draft_length, draft_policy
     from sparsegen.eval import ruler
-    from sparsegen.speculative import Speculation, draft_length, draft_policy
 
     check_draft_model(args)
     if args.speculative is not None:  # a bad --speculative or --draft-tokens fails before the model loads
@@ -192,7 +201,8 @@ def add_parsers(sub) -> None:
     budget_args(p, "KV tokens kept per layer, or a fraction of the context (0.5)")
     p.add_argument("--protocol", default="stream",
                    help=PROTOCOL_HELP + "; several comma-separated (default stream)")
-    p.add_argument("--depths", default=None, help="needle depths 0-1 the samples cycle through (default 0,.25,.5,.75,1)")
+    p.add_argument("--depths", default=None, help="needle depths 0-1 the samples cycle through (default "
+                                                  "0,.25,.5,.75,1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer tokens (default RULER's per task)")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)

@@ -124,7 +124,8 @@ def add_parsers(sub) -> None:
     model_args(p)
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (default 4)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="input columns per scale; 0 = one per row (default: the largest of 128, 64, 32, 16 that divides "
+                   help="input columns per scale; 0 = one per row (default: the largest of 128, 64, 32, 16 that "
+                        "divides "
                         "every linear: 64 on SmolLM2)")
     p.add_argument("--method", default="gptq", help="gptq (calibrated, default) or rtn (round to nearest)")
     p.add_argument("--format", default="pack-quantized", choices=("pack-quantized", "int-quantized"),

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from sparsegen.models.families import family
 from sparsegen.contextual.collect import capture
 from sparsegen.contextual.runtime import Contextual, LowRankPredictor, check_heads, model_info, predictor_name
 from sparsegen.contextual.stats import needed_fraction
+from sparsegen.models.families import family
 
 RELU_FAMILY = ("relu", "relu2", "relu6")
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 class Selection(Protocol):
     """Which units (neurons, or heads of ``unit_size`` features) each token keeps."""
 

@@ -98,7 +98,8 @@ class Contextual:
             try:
                 state = load_file(folder / WEIGHTS)
             except (FileNotFoundError, SafetensorError, OSError) as error:
-                raise ValueError(f"cannot read the predictors in {folder / WEIGHTS} ({error}); fit them again") from None
+                raise ValueError(f"cannot read the predictors in {folder / WEIGHTS} ({error}); fit them "
+                                 f"again") from None
             for name, rank in ranks.items():
                 up = state.get(f"{name}.up.weight")
                 if up is None:
@@ -178,7 +179,7 @@ def _hidden(args, kwargs) -> torch.Tensor:
 def check_float_weights(model: nn.Module) -> None:
     """Contextual sparsity gathers rows and columns of float weights: a quantized checkpoint is refused."""
     from sparsegen.quant import QuantLinear
-    from sparsegen.quant.fast import PACKED_LINEARS
+    from sparsegen.quant.restore import PACKED_LINEARS
 
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("contextual sparsity gathers rows and columns of float weights, and this checkpoint is "

@@ -14,8 +14,9 @@ from rouge_score import rouge_scorer
 from tqdm.auto import tqdm
 
 from sparsegen.contextual.runtime import suspended
-from sparsegen.decoding import DecodeStep, prefill
-from sparsegen.generation import generate_tokens
+from sparsegen.engine.generate import generate_tokens
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.policies.full import Full
 

@@ -5,7 +5,8 @@
 (lm-eval finds it by itself through the start-up hook the install ships, ``lm_eval_hook.py``; ``sparsegen lm-eval``
 is the same command line.) Every request streams its text through an ``EvictionCache`` in ``chunk_size`` chunks,
 evicting between them, as ``ppl --stream`` does: log-likelihoods (``loglikelihood``, ``loglikelihood_rolling``: a
-document of any length, each token predicted once from what the cache holds) and greedy generations (``generate_until``).
+document of any length, each token predicted once from what the cache holds) and greedy generations
+(``generate_until``).
 Under the full cache the log-likelihoods are the model's own. A fractional ``budget`` is a share of each request's
 tokens.
 
@@ -26,8 +27,8 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from sparsegen.data import leading_bos
-from sparsegen.decoding import forward
-from sparsegen.generation import generate
+from sparsegen.engine.generate import generate
+from sparsegen.engine.step import forward
 from sparsegen.kv import EvictionCache, KVQuantization, make_policy
 from sparsegen.kv.policies import parse_budget
 from sparsegen.models import load

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from sparsegen.decoding import DecodeStep, next_token, prefill
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.sampling import next_token
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.policies import POLICIES

@@ -10,8 +10,8 @@ import torch
 from tqdm.auto import tqdm
 
 from sparsegen.data import leading_bos
+from sparsegen.engine.generate import generate_tokens
 from sparsegen.eval.protocols import check_protocol, protocol_feed
-from sparsegen.generation import generate_tokens
 from sparsegen.kv import KVQuantization, Policy
 
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
@@ -88,7 +88,8 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
         for depth in depths:
             keys = rng.integers(10000, 100000, size=trials)
             offsets = rng.integers(0, max(1, len(filler) - length), size=trials)
-            prompts = [build_prompt(tokenizer, filler[o:], length, depth, int(k), chat)[0] for k, o in zip(keys, offsets)]
+            prompts = [build_prompt(tokenizer, filler[o:], length, depth, int(k), chat)[0]
+                       for k, o in zip(keys, offsets)]
             ids = torch.tensor(prompts, device=device)
             new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), make(), positions,
                                                      max_new_tokens=8, chunk_size=chunk_size, kv_bits=kv_bits,

@@ -64,7 +64,8 @@ def second_half_perplexity(model: torch.nn.Module, tokens: np.ndarray, ctx: int,
     BOS, and only the predictions from position ``ctx // 2`` on scored (each with at least half a window before it).
     """
     if len(tokens) < 2 * ctx:
-        raise ValueError(f"the text is {len(tokens):,} tokens; llama.cpp's protocol needs at least 2 x ctx = {2 * ctx:,}")
+        raise ValueError(f"the text is {len(tokens):,} tokens; llama.cpp's protocol needs at least 2 x ctx = "
+                         f"{2 * ctx:,}")
     device = next(model.parameters()).device
     data = windows([tokens], ctx, max_windows)
     if bos_id is not None:

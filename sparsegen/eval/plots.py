@@ -19,7 +19,8 @@ def plot_stream(summaries: list[dict], traces: list[tuple[list[int], int]], path
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[3, 2])
     for n, (summary, (kv_bytes, every)) in enumerate(zip(summaries, traces)):
         xs = [(s["start"] + s["end"]) / 2 for s in summary["segments"]]
-        top.plot(xs, [math.log(s["ppl"]) for s in summary["segments"]], label=f"{summary['label']} (PPL {summary['ppl']:.1f})")
+        top.plot(xs, [math.log(s["ppl"]) for s in summary["segments"]], label=f"{summary['label']} (PPL "
+                                                                              f"{summary['ppl']:.1f})")
         steps = [i * every for i in range(len(kv_bytes))]
         bottom.plot(steps, [b / 2**20 for b in kv_bytes], color=f"C{n}", label=f"{summary['label']}: KV held")
         if rss and any(rss[n]):  # zeros where the platform reports no RSS

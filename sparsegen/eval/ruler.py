@@ -35,11 +35,11 @@ import torch
 from tqdm.auto import tqdm
 
 from sparsegen.data import leading_bos
+from sparsegen.engine.generate import generate_tokens
+from sparsegen.engine.speculative import Speculation, speculative_tokens
 from sparsegen.eval.passkey import chat_frame
 from sparsegen.eval.protocols import check_protocol, protocol_feed
-from sparsegen.generation import generate_tokens
 from sparsegen.kv import KVQuantization, Policy
-from sparsegen.speculative import Speculation, speculative_tokens
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NIAH = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from sparsegen.bench.memory import current_rss
 from sparsegen.data import text_files
-from sparsegen.decoding import forward
+from sparsegen.engine.step import forward
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
+from sparsegen.memory import current_rss
 from sparsegen.models.spec import kv_bytes_per_token
 
 

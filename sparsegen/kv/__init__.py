@@ -2,9 +2,9 @@
 
 from sparsegen.kv.attention import patched, prepare, release
 from sparsegen.kv.cache import EvictionCache
-from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.policies import POLICIES, make_policy, resolve_budget
 from sparsegen.kv.policy import Policy, TokenView, register_policy
 from sparsegen.kv.quantized import KVQuantization
 
-__all__ = ["POLICIES", "CompressedContext", "EvictionCache", "KVQuantization", "Policy", "TokenView", "make_policy", "patched", "prepare", "register_policy", "release", "resolve_budget"]
+__all__ = ["POLICIES", "EvictionCache", "KVQuantization", "Policy", "TokenView", "make_policy", "patched", "prepare",
+           "register_policy", "release", "resolve_budget"]

@@ -12,7 +12,6 @@ the call's keyword arguments, which transformers passes on to every layer's atte
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +19,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from sparsegen.models.families import family
 from sparsegen.kv import native_attention
-from sparsegen.kv.policy import TokenView
 from sparsegen.kv.quantized import HeldCodes
 from sparsegen.kv.rotary import memoized
+from sparsegen.kv.scores import attention_scores, observe, observed_queries, slot_ranks
+from sparsegen.kv.stepwise import shared_attention, stepwise_attention
 from sparsegen.models.compat import attention_implementation, model_eager_attention, passed_cache
+from sparsegen.models.families import family
 
 BACKENDS = ("sdpa", "eager")
 CACHE_KWARG = "sparsegen_cache"  # how the decoder hook hands the cache to every layer's attention, through the call
@@ -34,33 +34,6 @@ FEW_QUERIES = native_attention.MOST_QUERIES  # up to a speculative verification:
 # its queries can see (a causal one-pass 4K prefill, one SmolLM2 layer's 9 heads: 1.39 s whole, 0.69 s in blocks of
 # 512, 0.43 s in blocks of 256, measured)
 QUERY_BLOCK = 256
-
-
-def slot_ranks(index: torch.Tensor, valid: torch.Tensor, sinks: int | None = None) -> torch.Tensor:
-    """Each slot's rank among the valid slots of its row by token order: the rolling position.
-
-    With ``sinks`` (an order policy: the held tokens are the first ``sinks`` plus one unbroken run) the rank
-    is computed without sorting. Invalid slots get rank 0.
-    """
-    if sinks is not None:
-        is_sink = index < sinks
-        sinks_held = (valid & is_sink).sum(-1, keepdim=True)
-        first_recent = index.masked_fill(~valid | is_sink, torch.iinfo(index.dtype).max).min(-1, keepdim=True).values
-        ranks = torch.where(is_sink, index, sinks_held + index - first_recent)
-        return ranks.masked_fill(~valid, 0)
-    order = torch.argsort(index.masked_fill(~valid, torch.iinfo(index.dtype).max), dim=-1, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return ranks.masked_fill(~valid, 0)
-
-
-def _scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """fp32 logits ``[B, Hkv, group, q, T]`` of grouped queries against their KV head's keys."""
-    batch, q_heads, q, head_dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * q, head_dim)
-    scores = (key.scores(grouped) if isinstance(key, HeldCodes) else grouped @ key.float().transpose(-1, -2)) * scaling
-    return scores.view(batch, kv_heads, q_heads // kv_heads, q, -1)
 
 
 def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
@@ -285,16 +258,6 @@ def _rank_frames(cache, layer, query, key, total: int, view):
     return query, key
 
 
-def observed_queries(policy, q: int) -> int | None:
-    """How many of a call's last queries a policy's statistic reads, where that is under half of the ``q``: SnapKV's
-    observation window, TOVA's last query (None: every query, as H2O's sums and Scissorhands' votes need, or a call
-    too short to gain)."""
-    if not policy.needs_attention or policy.history is not None:
-        return None
-    last = {"window": getattr(policy, "window", None), "latest": 1}.get(policy.attention_statistic)
-    return last if last is not None and 2 * last < q else None
-
-
 def _attention_observing_last(cache, layer, query, key, value, mask, scaling: float, observed: int,
                               band: tuple[int, int] | None):
     """A long call's attention by SDPA, and the probabilities of its last ``observed`` queries alone, all that the
@@ -303,7 +266,7 @@ def _attention_observing_last(cache, layer, query, key, value, mask, scaling: fl
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=band is not None,
                                          scale=scaling, enable_gqa=True)
     step, total = cache.step, key.shape[2]
-    scores = _scores(query[:, :, -observed:], key, scaling)
+    scores = attention_scores(query[:, :, -observed:], key, scaling)
     last = _band_mask(total - observed, observed, total, band, key.device) if band is not None else mask
     if last is not None:
         scores.masked_fill_(~last[:, :, None, -observed:], -torch.inf)
@@ -327,9 +290,9 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
     if q > QUERY_BLOCK and incoming is None and sink_query is None and _blockable(layer, key, value):
         return _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling)
     queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)
-    scores = _scores(queries, key, scaling)
+    scores = attention_scores(queries, key, scaling)
     if incoming is not None:
-        scores = torch.cat((scores, _scores(queries, incoming[0], scaling)), dim=-1)
+        scores = torch.cat((scores, attention_scores(queries, incoming[0], scaling)), dim=-1)
     if sink_query is not None:  # each slot takes its own frame's logit
         scores = torch.where(sink_slot[:, :, None], scores[:, :, :, q:], scores[:, :, :, :q])
     if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
@@ -378,7 +341,7 @@ def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: f
     outs = []
     for start, limit in zip(range(0, q, QUERY_BLOCK), limits):
         rows = slice(start, start + QUERY_BLOCK)
-        scores = _scores(query[:, :, rows], key[:, :, :limit], scaling)
+        scores = attention_scores(query[:, :, rows], key[:, :, :limit], scaling)
         if mask is not None:
             scores.masked_fill_(~mask[:, :, None, rows, :limit], -torch.inf)
         probs = torch.softmax(scores, dim=-1)
@@ -389,228 +352,6 @@ def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: f
         out = probs.to(value.dtype).view(batch, kv_heads, -1, limit) @ value[:, :, :limit]
         outs.append(out.view(batch, q_heads, scores.shape[3], -1))
     return torch.cat(outs, dim=2)
-
-
-def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real: torch.Tensor | None = None,
-            index: torch.Tensor | None = None) -> None:
-    """Fold what queries' attention ``probs`` ``[B, Hkv, group, q, T]`` says about each held token into ``attention``
-    ``[B, Hkv, T]`` by the policy's statistic: "sum" adds it (H2O), "latest" keeps the last query's (TOVA),
-    "pivotal" counts the query heads that gave the token more than the average 1 / ``visible`` (Scissorhands),
-    "window" adds the attention of the call's last ``policy.window`` queries (SnapKV's observation window).
-    ``real``: which queries are real tokens (padding adds nothing). Under a history window (``policy.history``)
-    ``attention`` is ``[B, Hkv, T, history]`` and query ``index`` (``[B, q]``, its ordinal) writes column
-    ``index % history`` over what the query ``history`` before it wrote."""
-    statistic = policy.attention_statistic
-    if statistic == "latest":  # left padding: the last query is real
-        attention.copy_(probs[:, :, :, -1].sum(2))
-        return
-    if statistic == "window":  # the call's last queries only (left padding: they are the real ones)
-        probs = probs[:, :, :, -policy.window:]
-        real = None if real is None else real[:, :, :, -policy.window:]
-    if statistic == "pivotal":
-        probs = (probs > 1 / visible).float()
-    if real is not None:
-        probs = probs.masked_fill(~real, 0)
-    if attention.dim() == 4:
-        width = attention.shape[-1]
-        columns = F.one_hot(index[:, -width:] % width, width).to(probs.dtype)  # [B, q, history]; the last queries win
-        if real is not None:  # a pad shares its ordinal with the real token before it: it writes nothing
-            columns *= real[:, 0, 0, -width:]
-        attention.mul_(1 - columns.amax(1)[:, None, None]).add_(
-            torch.einsum("bhqt,bqw->bhtw", probs[:, :, :, -width:].sum(2), columns))
-        return
-    attention += probs.sum(dim=(2, 3))
-
-
-def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
-    """A chunk of queries under an attention policy (H2O), each seeing exactly the cache that one-token calls would
-    have left: token i attends over the tokens held after token i-1 plus itself, its attention is accumulated, and
-    the lowest-priority token is evicted before token i+1 — the per-token steps replayed inside the layer, so the
-    projections, MLPs and the rest of the model run once per chunk. Unpadded rows only (streams)."""
-    step = cache.step
-    _check_unpadded(cache)
-    batch, q_heads, q, _ = query.shape
-    kv_heads, total = key.shape[1], key.shape[2]
-    group, start = q_heads // kv_heads, total - q
-    budget = layer.policy.budget
-    if cache.rolling:
-        # rank order = slot order from here on, so a token's rolling position is a running count of the live
-        # slots before it; keys and queries turn to it as complex pairs (one product per step, not a rotation)
-        order = torch.argsort(layer.index[:, :, :start].masked_fill(~layer.valid[:, :, :start], torch.iinfo(
-            torch.long).max), dim=-1, stable=True)
-        # the call's keys and values in that order too (before the buffers move: they may be views of them)
-        key, value = (torch.cat([x[:, :, :start].gather(2, order[..., None].expand(-1, -1, -1, x.shape[-1])),
-                                 x[:, :, start:]], 2) for x in (key, value))
-        for _, buf in layer.buffers():
-            take = order if buf.dim() == 3 else order[..., None].expand(-1, -1, -1, buf.shape[-1])
-            buf[:, :, :start] = buf[:, :, :start].gather(2, take)
-        rotary = layer.rotary
-        turns = rotary.turns(key, layer.keys.shape[2])
-        dim = 2 * turns.shape[-1]
-        raw_query = rotary.unrotate(query, step.positions, step.memo)
-        key_pairs = rotary.complex_pairs(key, dim)
-        query_pairs = rotary.complex_pairs(raw_query, dim).view(batch, kv_heads, group, q, dim // 2)
-        logits = _scores(raw_query[..., dim:], key[..., dim:], scaling) if dim < key.shape[-1] else None
-    else:
-        logits = _scores(query, key, scaling)  # [B, Hkv, group, q, T]
-    index = layer.index[:, :, :total]
-    alive = layer.valid[:, :, :total].clone()
-    alive[:, :, start:] = False
-    attention = None if layer.attention is None else layer.attention[:, :, :total]
-    keys_held = key if layer.policy.needs_keys else None  # as stored (unrotated under rolling positions)
-    values_held = value if layer.policy.needs_values else None
-    probs = query.new_zeros(batch, kv_heads, group, q, total, dtype=torch.float32)
-    for i in range(q):
-        alive[:, :, start + i] = True
-        visible = alive
-        if sliding_window is not None:
-            visible = alive & (index > step.new_index[:, i, None, None] - sliding_window)
-        if cache.rolling:
-            ranks = visible.cumsum(-1) - 1  # invalid slots get a rank too, and are masked below
-            keys = torch.view_as_real(key_pairs * turns[ranks]).flatten(-2)  # [B, Hkv, T, dim]
-            here = turns[ranks[:, 0, start + i]][:, None, None]  # the query's rank: it is the newest visible token
-            q_i = torch.view_as_real(query_pairs[:, :, :, i] * here).flatten(-2)  # [B, Hkv, group, dim]
-            row = q_i @ keys.transpose(-1, -2) * scaling
-            if logits is not None:  # dimensions the model does not rotate (partial rotary)
-                row = row + logits[:, :, :, i]
-        else:
-            row = logits[:, :, :, i]
-        p = torch.softmax(row.masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
-        probs[:, :, :, i] = p
-        if attention is not None:
-            observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None],
-                    index=step.new_index[:, i:i + 1])
-        over = alive.sum(-1, keepdim=True) > budget  # at most one over, as after a decode
-        if over.any():  # below the budget no policy is asked (a key-reading rule costs a pass over the held keys)
-            view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i),
-                             attention=None if attention is None else layer.observed(total),
-                             keys=keys_held, values=values_held,
-                             memo=None if layer.memo is None else layer.memo[:, :, :total])
-            alive = layer.drop_lowest(view, over)
-    out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
-    layer.pending = 0
-    layer._compact(alive, alive.sum(-1))
-    return out.transpose(1, 2).contiguous()
-
-
-def shared_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
-    """Attention over a layer whose KV heads share one row of slots (``Policy.shares_slots``): ``key``/``value`` are
-    ``[B, 1, T, D]`` with each slot's head in ``layer.head``; every query head scores the row and sees only its KV
-    head's slots, and the chunk's own tokens causally (the call's slot ``start + h * q + i`` is head h's token i).
-    Under ``cache.stepwise`` a chunk replays per-token steps, evicting after each token as one-token calls would."""
-    step = cache.step
-    batch, q_heads, q, _ = query.shape
-    heads, total = layer.fan, key.shape[2]
-    group, start = q_heads // heads, total - heads * q
-    stepwise = cache.stepwise and q > 1
-    end = total if stepwise else start  # (otherwise the call's own tokens are each head's own block)
-    key_index, key_head = layer.index[:, 0, :end], layer.head[:, 0, :end]  # [B, T]
-    # [B, heads, q, T]: the query's KV head's real tokens up to it
-    mask = (key_head[:, None, None] == torch.arange(heads, device=query.device)[:, None, None]) \
-        & (key_index[:, None, None] <= step.new_index[:, None, :, None])
-    if sliding_window is not None:
-        mask &= step.new_index[:, None, :, None] - key_index[:, None, None] < sliding_window
-    if stepwise:
-        own = start + torch.arange(heads, device=query.device)[:, None] * q + torch.arange(q, device=query.device)
-        logits = _scores(query, key, scaling).view(batch, heads, group, q, total)
-        _check_unpadded(cache)
-        alive = layer.valid[:, 0, :total].clone()
-        alive[:, start:] = False
-        probs = logits.new_zeros(logits.shape)
-        for i in range(q):
-            alive[:, own[:, i]] = True
-            visible = mask[:, :, i] & alive[:, None]  # [B, heads, T]
-            p = torch.softmax(logits[:, :, :, i].masked_fill(~visible[:, :, None], -torch.inf), dim=-1)
-            probs[:, :, :, i] = p
-            if layer.attention is not None:
-                observe(layer.policy, layer.attention[:, :, :total], p.reshape(batch, 1, q_heads, 1, total),
-                        visible.sum(-1).repeat_interleave(group, 1)[:, None, :, None, None],
-                        index=step.new_index[:, i:i + 1])
-            held = alive.sum(-1, keepdim=True)
-            if bool((held > layer.slot_budget).any()):
-                view = replace(layer.view(step.seen - (q - 1 - i)), valid=alive[:, None])
-                alive = layer.keep_highest(view, held.clamp(max=layer.slot_budget))[:, 0]
-        out = _attend(probs, value)
-        layer.pending = 0
-        layer._compact(alive[:, None], alive.sum(-1, keepdim=True))
-    else:
-        out = _held_and_own_blocks(layer, query, key, value, scaling, mask, sliding_window)
-        layer.evict(step.seen)  # (after attention: eviction moves the slots ``value`` views)
-    return out.transpose(1, 2).contiguous()
-
-
-def _held_and_own_blocks(layer, query, key, value, scaling: float, held_mask: torch.Tensor,
-                         sliding_window: int | None) -> torch.Tensor:
-    """``shared_attention`` of one call, without scoring a query against other heads' new tokens: the call's
-    tokens sit in one block per head (``start + h * q + i``), so each head's queries score the held slots
-    (``held_mask``: theirs, up to them) and their own block only — a one-pass 4K context scores 4K keys per query,
-    not heads × 4K (with the masks and probabilities that size, the slowest path of Ada-KV's context protocol).
-    Where the policy's statistic reads only the call's last queries (``observed_queries``: ada-snapkv's window), the
-    output comes from SDPA and only those queries' probabilities are formed."""
-    step = layer.cache.step
-    batch, q_heads, q, _ = query.shape
-    heads, start = layer.fan, key.shape[2] - layer.fan * q
-    group = q_heads // heads
-    held_mask = held_mask & layer.valid[:, :, None, :start]  # [B, heads, q, start]
-    index, real = step.new_index, step.new_valid
-    own_mask = (index[:, None, :] <= index[:, :, None]) & real[:, None, :]  # [B, q, q]: query, key
-    if sliding_window is not None:
-        own_mask &= index[:, :, None] - index[:, None, :] < sliding_window
-    own_mask |= torch.eye(q, dtype=torch.bool, device=query.device) & ~real[:, :, None]  # a pad sees its own slot
-    own_keys, own_values = (x[:, 0, start:].view(batch, heads, q, -1) for x in (key, value))
-    observed = observed_queries(layer.policy, q)
-    if observed is None or isinstance(key, HeldCodes) or isinstance(value, HeldCodes):
-        held_probs, own_probs = _block_probs(query, key[:, :, :start], own_keys, held_mask, own_mask, scaling)
-        out = _attend(held_probs, value[:, :, :start]) + (
-            own_probs.to(value.dtype).view(batch, heads, group * q, q) @ own_values).view(batch, q_heads, q, -1)
-    else:
-        # each KV head as a batch row of its own: its held slots and its block, the mask broadcast over its group
-        keys, values = (torch.cat((x[:, :, :start].expand(batch, heads, start, -1), own), dim=2).flatten(0, 1)[:, None]
-                        for x, own in ((key, own_keys), (value, own_values)))
-        mask = torch.cat((held_mask, own_mask[:, None].expand(batch, heads, q, q)), dim=-1).flatten(0, 1)[:, None]
-        out = F.scaled_dot_product_attention(query.reshape(batch * heads, group, q, -1), keys, values,
-                                             attn_mask=mask, scale=scaling, enable_gqa=True)
-        out = out.view(batch, q_heads, q, -1)
-        held_mask, own_mask, index, real = (held_mask[:, :, -observed:], own_mask[:, -observed:],
-                                            index[:, -observed:], real[:, -observed:])
-        held_probs, own_probs = _block_probs(query[:, :, -observed:], key[:, :, :start], own_keys, held_mask,
-                                             own_mask, scaling)
-    if layer.attention is not None:
-        rows = held_probs.shape[3]
-        visible = (held_mask.sum(-1) + own_mask.sum(-1)[:, None])[:, :, None, :, None]  # [B, heads, 1, rows, 1]
-        real = real[:, None, None, :, None]
-        observe(layer.policy, layer.attention[:, :, :start], held_probs.reshape(batch, 1, q_heads, rows, start),
-                visible.expand(-1, -1, group, -1, -1).reshape(batch, 1, q_heads, rows, 1), real, index)
-        own_attention = layer.attention[:, 0, start:start + heads * q]
-        observe(layer.policy, own_attention.view(batch, heads, q, *own_attention.shape[2:]), own_probs, visible,
-                real, index)
-    return out
-
-
-def _block_probs(query, held_keys, own_keys, held_mask: torch.Tensor, own_mask: torch.Tensor,
-                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention probabilities of ``query`` ``[B, q_heads, rows, D]`` over the held slots (one shared row,
-    ``held_mask`` ``[B, heads, rows, start]``) and its head's own block (``own_keys`` ``[B, heads, q, D]``,
-    ``own_mask`` ``[B, rows, q]``), one softmax over both: ``[B, heads, group, rows, start]`` and ``[..., q]``."""
-    batch, q_heads, rows, _ = query.shape
-    heads, start = own_keys.shape[1], held_mask.shape[-1]
-    logits = torch.cat([
-        _scores(query, held_keys, scaling).view(batch, heads, q_heads // heads, rows, start).masked_fill(
-            ~held_mask[:, :, None], -torch.inf),
-        _scores(query, own_keys, scaling).masked_fill(~own_mask[:, None, None], -torch.inf)], dim=-1)
-    return torch.softmax(logits, dim=-1).split([start, own_keys.shape[2]], dim=-1)
-
-
-def _check_unpadded(cache) -> None:
-    if cache.padded:
-        raise ValueError("stepwise eviction over a multi-token call needs unpadded rows; feed padded batches one "
-                         "token per call")
-
-
-def _attend(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``[B, heads, group, q, T]`` attention over one shared row of values ``[B, 1, T, D]``: ``[B, q_heads, q, D]``."""
-    batch, heads, group, q, total = probs.shape
-    return (probs.to(value.dtype).view(batch, 1, heads * group * q, total) @ value).view(batch, heads * group, q, -1)
 
 
 def _make_attention(backend: str):

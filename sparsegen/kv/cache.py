@@ -40,7 +40,8 @@ _BY_VALUE = frozenset({int, float, str, bool, type(None), torch.dtype, torch.dev
 
 
 class EvictionCache(Cache):
-    """Pass to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it) as its cache: ``**cache_kwargs(cache)``."""
+    """Pass to a model prepared by ``sparsegen.kv.prepare`` (the constructor does it) as its cache:
+    ``**cache_kwargs(cache)``."""
 
     evicting = True  # how the prepared model's attention tells this cache from transformers' own caches
 

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from sparsegen.kv.policy import Policy, TokenView
 from sparsegen.kv.quantized import TINY, HeldCodes, KVQuantization, dequantize, quantize
 from sparsegen.kv.rotary import memoized
+
 # per-slot state, all [batch, kv_heads, slots, ...]; keys and values are byte codes when the cache is quantized
 BUFFERS = ("keys", "values", "key_scale", "key_zero", "value_scale", "value_zero", "index", "valid", "attention",
            "memo", "head")  # memo: the policy's own numbers (``Policy.memo_width``); head: each slot's KV head,

@@ -25,8 +25,8 @@ class TokenView:
     # (or as the policy's ``attention_statistic`` says), over the KV head's query heads
     keys: torch.Tensor | None = None  # the held keys [batch, kv_head, slot, head_dim]: rotated at their original
     # position, or not rotated at all under rolling positions (norms and dot products between keys agree)
-    values: torch.Tensor | None = None  # the held values [batch, kv_head, slot, head_dim] (policies that set needs_values)
-    head: torch.Tensor | None = None  # where a layer's heads share slots (``shares_slots``): each slot's KV head, and the
+    values: torch.Tensor | None = None  # the held values [batch, kv_head, slot, head_dim] (where needs_values)
+    head: torch.Tensor | None = None  # where a layer's heads share slots (``shares_slots``): each slot's KV head, the
     heads: int = 1  # number of them; every tensor above is then [batch, 1, slot, ...]
     memo: torch.Tensor | None = None  # float64 [batch, kv_head, slot, memo_width]: the policy's own numbers per token
     # (policies that set memo_width), NaN until ``memorize`` writes them; the cache moves them with the tokens

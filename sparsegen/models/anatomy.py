@@ -8,7 +8,6 @@ from torch import nn
 from sparsegen.models.families import FAMILIES, family
 
 
-
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
@@ -23,7 +22,7 @@ def linears(layer: nn.Module) -> dict[str, nn.Linear]:
 
 
 def weights_of(model: nn.Module) -> str:
-    """The kind of weights ``model`` runs (``sparsegen.quant.fast.quantize_weights`` records it): fp32 (as loaded)
+    """The kind of weights ``model`` runs (``sparsegen.quant.restore.quantize_weights`` records it): fp32 (as loaded)
     unless re-stored."""
     return getattr(model.config, "sparsegen_weights", "fp32")
 

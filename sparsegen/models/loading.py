@@ -4,7 +4,6 @@ model, with clear errors."""
 from __future__ import annotations
 
 import json
-
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -80,7 +79,8 @@ def load_config(name_or_path: str | Path, **kwargs) -> PretrainedConfig:
     source = resolve(name_or_path)
     if Path(source).exists():
         if not (Path(source) / "config.json").exists():
-            raise ModelLoadError(f"{source} is a local path but has no config.json; point at a saved HF checkpoint folder")
+            raise ModelLoadError(f"{source} is a local path but has no config.json; point at a saved HF checkpoint "
+                                 f"folder")
         return AutoConfig.from_pretrained(source, **kwargs)
     try:
         return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
@@ -180,7 +180,8 @@ def load(
         if "Unrecognized configuration class" in str(err):
             raise ModelLoadError(
                 f"{source!r} ({config.model_type}) is not a causal language model that transformers can load "
-                f"with AutoModelForCausalLM; sparsegen works on decoder-only LMs (Llama, Mistral, Qwen, GPT-NeoX, OPT, ...)"
+                f"with AutoModelForCausalLM; sparsegen works on decoder-only LMs (Llama, Mistral, Qwen, GPT-NeoX, "
+                f"OPT, ...)"
             ) from None
         raise
     except (OSError, RuntimeError, SafetensorError) as err:

@@ -78,7 +78,8 @@ def spec_from_config(config: PretrainedConfig, name: str, dtype: str | None = No
     _, kv_heads, head_dim = kv_shape(config)
     dtype_name = _dtype_name(text, dtype)
     element = torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None) or getattr(text, "rotary_pct", None)
+    rope = (getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None)
+            or getattr(text, "rotary_pct", None))
     return ModelSpec(
         name=name,
         architecture=(config.architectures or [type(config).__name__])[0],

@@ -126,7 +126,8 @@ def _before(decoder: nn.Module, args: tuple, kwargs: dict):
     mask = kwargs.get("attention_mask")
     if mask is not None:
         if mask.dim() != 2:
-            raise ValueError("a prompt prefix needs a 2D padding mask (batch, length); custom 4D masks are not supported")
+            raise ValueError("a prompt prefix needs a 2D padding mask (batch, length); custom 4D masks are not "
+                             "supported")
         kwargs["attention_mask"] = torch.cat([mask.new_ones(batch, k), mask], dim=1)
     for key in ("position_ids", "cache_position"):
         if kwargs.get(key) is not None:

@@ -45,7 +45,8 @@ PRUNING_METHODS: dict[str, type[PruningMethod]] = {}
 def register_pruning_method(cls: type[PruningMethod]) -> type[PruningMethod]:
     """Class decorator: make a pruning method available by its ``name`` (``PruneConfig``, ``sparsegen prune
     --method``)."""
-    if not (isinstance(cls, type) and issubclass(cls, PruningMethod)) or not isinstance(getattr(cls, "name", None), str):
+    if not (isinstance(cls, type) and issubclass(cls, PruningMethod)) \
+            or not isinstance(getattr(cls, "name", None), str):
         raise TypeError("register_pruning_method takes a PruningMethod subclass with a name")
     if cls.statistic not in (None, "norms", "hessian"):
         raise ValueError(f"{cls.__name__}.statistic must be None, 'norms' or 'hessian', got {cls.statistic!r}")

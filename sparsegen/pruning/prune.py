@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from sparsegen.models.calibration import Statistics, calibrated_layers
-from sparsegen.pruning.masks import check_sparsity, parse_pattern
 from sparsegen.pruning import structured
+from sparsegen.pruning.masks import check_sparsity, parse_pattern
 from sparsegen.pruning.methods import PRUNING_METHODS, PruningMethod, pruning_method
 
 METHODS = PRUNING_METHODS  # name -> class, every registered method
@@ -107,7 +107,8 @@ def prune_model(model: torch.nn.Module, config: PruneConfig, ids: torch.Tensor |
 
 
 def save_pruned(model, tokenizer, out: str | Path, report: dict, report_name: str = "sparsity.json",
-                dtype: torch.dtype | None = None, overwrite: bool = False, extra: dict[str, dict] | None = None) -> Path:
+                dtype: torch.dtype | None = None, overwrite: bool = False,
+                extra: dict[str, dict] | None = None) -> Path:
     """A loadable checkpoint (weights, config, tokenizer) plus the report of what was done to it (``extra``: more
     JSON reports by file name; the reports of the checkpoint the model was loaded from, e.g. a pruned model's
     ``sparsity.json`` under quantization, travel with it unless replaced), written all at once

@@ -71,7 +71,8 @@ def sparsegpt_prune(
                 score = block.pow(2) / u_block.diagonal().pow(2)[None, :]
                 k = int(score.numel() * sparsity)
                 drop = score.flatten().topk(k, largest=False).indices
-                mask = torch.zeros(score.numel(), dtype=torch.bool, device=w.device).scatter_(0, drop, True).view_as(score)
+                mask = torch.zeros(score.numel(), dtype=torch.bool, device=w.device)
+                mask = mask.scatter_(0, drop, True).view_as(score)
             else:
                 mask = torch.zeros_like(block, dtype=torch.bool)
         else:

@@ -14,8 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sparsegen.models.anatomy import (head_families, attention_heads, decoder_layers, group_count, mlp_layout,
-                                      neuron_count)
+from sparsegen.models.anatomy import (
+    attention_heads,
+    decoder_layers,
+    group_count,
+    head_families,
+    mlp_layout,
+    neuron_count,
+)
 from sparsegen.models.calibration import calibrated_layers
 from sparsegen.models.families import family
 from sparsegen.pruning.methods import pruning_method

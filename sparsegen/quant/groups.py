@@ -20,7 +20,8 @@ def check_bits(bits: int, group_size: int) -> None:
     if bits not in BITS:
         raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits}")
     if group_size < 0:
-        raise ValueError(f"group size must be a positive number of columns (or 0 for one group per row), got {group_size}")
+        raise ValueError(f"group size must be a positive number of columns (or 0 for one group per row), got "
+                         f"{group_size}")
 
 
 def check_groups(columns: int, group_size: int) -> None:

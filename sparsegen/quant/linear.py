@@ -4,10 +4,11 @@ as compressed-tensors' ``pack-quantized`` format (the one llm-compressor writes 
 non-negative), ``weight_scale`` (``[out, groups]``) and ``weight_shape``. A model's ``state_dict`` is therefore
 already the checkpoint other tools read.
 
-On CPU, 4-bit layers running in bfloat16 (groups of 32, 64, 128 or 256) use PyTorch's packed int4 matmul (``_weight_int4pack_mm_for_cpu``, the
-kernel torchao's int4 weight-only path calls), which reads a quarter of the bytes of a bfloat16 weight: decode,
-bound by weight reads, gets faster. Elsewhere (float32, float16, 8 bits, CUDA) the weight is dequantized at each
-forward and ``F.linear`` runs in the input's dtype: the model is smaller, not faster.
+On CPU, 4-bit layers running in bfloat16 (groups of 32, 64, 128 or 256) use PyTorch's packed int4 matmul
+(``_weight_int4pack_mm_for_cpu``, the kernel torchao's int4 weight-only path calls), which reads a quarter of the
+bytes of a bfloat16 weight: decode, bound by weight reads, gets faster. Elsewhere (float32, float16, 8 bits, CUDA)
+the weight is dequantized at each forward and ``F.linear`` runs in the input's dtype: the model is smaller, not
+faster.
 
 ``DynamicInputQuantLinear`` is compressed-tensors' ``int-quantized`` format with dynamic int8 activations (W4A8,
 W8A8): one signed code per int8 (``weight``), and each token's input rounded to an int8 grid of its own at run time.

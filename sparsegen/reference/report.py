@@ -1,4 +1,5 @@
-"""The numbers docs/reference-model.md gives for a reference model: held-out perplexity and its attention-sink statistics."""
+"""The numbers docs/reference-model.md gives for a reference model: held-out perplexity and its attention-sink
+statistics."""
 
 from __future__ import annotations
 

@@ -1,6 +1,2 @@
-"""Serving conversations from bounded caches: the engine, a terminal chat, and an OpenAI-compatible HTTP server."""
-
-from sparsegen.serve.engine import Engine, Job, Sampling, Session
-from sparsegen.serve.template import ChatTemplate
-
-__all__ = ["ChatTemplate", "Engine", "Job", "Sampling", "Session"]
+"""Serving over HTTP and in a terminal: the OpenAI-compatible server (``server``, its connections in ``protocol``) and
+``chat``, both front ends of ``sparsegen.engine``'s scheduler."""

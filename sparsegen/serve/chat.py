@@ -7,8 +7,9 @@ import time
 from collections.abc import Iterable
 from typing import TextIO
 
-from sparsegen.bench.memory import current_rss
-from sparsegen.serve.engine import Engine, Sampling, Session
+from sparsegen.engine.scheduler import Engine
+from sparsegen.engine.session import Sampling, Session
+from sparsegen.memory import current_rss
 
 HELP = "/reset starts over, /stats shows the cache, /quit leaves (Ctrl-D too); Ctrl-C stops a reply"
 
@@ -50,7 +51,8 @@ def chat(engine: Engine, sampling: Sampling, turns: Iterable[str] | None = None,
             continue
         if line.strip() == "/stats":
             last = history[-1] if history else {}
-            print(f"[{session.turns} turns, {session.cache.length:,} tokens seen, {engine.kv_tokens(session):,} KV tokens "
+            print(f"[{session.turns} turns, {session.cache.length:,} tokens seen, {engine.kv_tokens(session):,} KV "
+                  f"tokens "
                   f"held ({session.cache.held_bytes() / 2**20:.2f} MiB), RSS {current_rss() / 2**20:.0f} MiB, last "
                   f"turn {last.get('tokens_per_s')} tokens/s]", file=out)
             continue

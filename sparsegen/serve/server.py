@@ -16,695 +16,55 @@ tokenizer could not take. Every 5xx logs one line naming the request's id (``X-R
 from __future__ import annotations
 
 import asyncio
-import collections
-import copy
 import hashlib
 import hmac
 import itertools
 import json
 import logging
-import re
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from sparsegen.bench.memory import current_rss
-from sparsegen.decoding import COMPILES
-from sparsegen.serve.engine import MOST_LOGPROBS, Engine, Job, Prepared, Sampling, SessionsBusy, TokenLogprob
+from sparsegen.engine.scheduler import Engine
+from sparsegen.engine.session import Job, Sampling, TokenLogprob
+from sparsegen.engine.step import COMPILES
+from sparsegen.memory import current_rss
+from sparsegen.serve.inspector import Inspector, route_inspection
+from sparsegen.serve.schemas import (
+    REFUSED,
+    SESSION_ID,
+    SESSION_ID_RULE,
+    ApiError,
+    ChatChoice,
+    ChatCompletion,
+    ChatRequest,
+    ClientGone,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ErrorReply,
+    GenerationRequest,
+    Limits,
+    ModelCard,
+    ModelList,
+    ReplyMessage,
+    Usage,
+    documented,
+    log_5xx,
+    refused_field,
+)
+from sparsegen.serve.worker import Pending, Worker, kv_bound, texts_of
 
 log = logging.getLogger("sparsegen.serve")
-SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
-SESSION_ID_RULE = "1-128 characters from A-Z a-z 0-9 . _ : @ -"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one server accepts. Every count must be at least 1, every timeout above 0."""
-
-    max_sessions: int = 64
-    max_batch: int = 16  # replies decoded together
-    max_queue: int = 64  # requests waiting beyond that: 429
-    max_tokens: int = 1024  # per reply
-    max_prompt_tokens: int = 8192  # new tokens one request may ask the server to encode
-    max_messages: int = 256
-    max_stops: int = 4
-    max_stop_chars: int = 256
-    max_request_bytes: int = 1 << 20
-    max_inspections: int = 2  # /v1/inspect calls running or waiting beyond which: 429
-    header_timeout: float = 10.0  # seconds a client has to send a request's headers, once it starts them
-    body_timeout: float = 30.0  # seconds a client has to send a request's whole body, once its headers are in
-    api_keys: tuple[str, ...] = ()  # none: no authentication
-
-    def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name.endswith("_timeout"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                    raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
-            elif f.name != "api_keys" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
-        if any(not isinstance(key, str) or not key.strip() or not key.isprintable() for key in self.api_keys):
-            raise ValueError("API keys must be non-empty printable strings")
-
-
-MOST_NESTING = 32  # levels of JSON arrays and objects a request body may nest (a real request nests five at most)
-
-
-def _readable_json(value):
-    """A body the server can read, checked without recursion (a body nested 960 deep would otherwise raise a
-    ``RecursionError`` here): at most ``MOST_NESTING`` levels, and text the tokenizer can take (JSON may carry lone
-    UTF-16 surrogates, "\\ud800", that no UTF-8 text has)."""
-    pending = [(value, 0)]
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(f"a string holds a lone surrogate at character {err.start}; send valid "
-                                 "Unicode") from None
-        elif isinstance(item, (dict, list)):
-            if depth >= MOST_NESTING:
-                raise ValueError(f"the body nests arrays and objects more than {MOST_NESTING} levels deep; send "
-                                 "the request's fields as the API documents them")
-            pending += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
-    return value
-
-
-def _content_text(content) -> str | None:
-    """A message's content as one string: a string, a list of text parts (joined), or None. Parts of any other
-    type (images, audio, files) are refused by name: this server serves text models."""
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError("content must be a string, a list of content parts, or null")
-    texts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ValueError(f"content part {i} has type {kind!r}: this server serves a text-only model and reads "
-                             f'only {{"type": "text", "text": ...}} parts')
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f'content part {i} needs a string "text"')
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-class TextPart(BaseModel):
-    """A part of a message's content (what the schema documents; ``_content_text`` reads them)."""
-
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    """A chat message as OpenAI clients send it: ``content`` a string, a list of text parts (joined), or null on an
-    assistant turn; the ``developer`` role is the system role of newer models."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # read as one string (``_content_text``)
-    name: str | None = None
-    tool_calls: list[dict] | None = None
-    tool_call_id: str | None = None
-    refusal: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content(cls, value):
-        return _content_text(value)
-
-    @model_validator(mode="after")
-    def _readable(self):
-        if self.role == "tool" or self.tool_calls or self.tool_call_id is not None:
-            raise ValueError("tool messages and tool calls are not supported: this server calls no tools")
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content (only an assistant turn may have null content)")
-        return self
-
-    def as_engine(self) -> dict:
-        """``{"role", "content"}`` as the chat template takes them."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-
-
-class _Request(BaseModel):
-    """Fields both endpoints take; unset sampling fields take the server's defaults."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # any 64-bit seed, as OpenAI takes
-    n: int = Field(default=1, ge=1)
-    user: str | None = None
-    session_id: str | None = Field(default=None, pattern=f"^{SESSION_ID.pattern}$")
-    ignore_eos: bool = False  # vLLM's extension: decode max_tokens whatever the model says (fixed-length benchmarks)
-    context: str | None = Field(default=None, max_length=128)  # sparsegen's: continue a compressed context (--context)
-    # sent by OpenAI clients; neutral values are accepted, others are refused (REFUSED says why)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        return _readable_json(data)
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value):
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stops
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
-class ChatRequest(_Request):
-    messages: list[Message] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MOST_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-
-
-class InspectRequest(BaseModel):
-    """``POST /v1/inspect``: what each policy keeps of a text (``sparsegen.inspect``)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    text: str = Field(min_length=1)
-    policies: str | list[str] = "window,streaming,h2o,snapkv"
-    budget: int | float | str = 256
-    question: str | None = None
-    answer: str | None = None
-    protocol: Literal["stream", "context"] = "stream"
-    kv_bits: Literal[16, 8, 4, 2] | None = None
-    max_new_tokens: int = Field(default=16, ge=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        return _readable_json(data)
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[str] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompts(cls, value):
-        if any(not prompt for prompt in ([value] if isinstance(value, str) else value)):
-            raise ValueError("a prompt must be a non-empty string")
-        return value
-
-
-# What this server refuses of OpenAI's request fields, and why (docs/serving.md lists the same): field -> (the values
-# accepted, the reason any other is refused).
-REFUSED = {
-    "n": ("1", "one reply per request: send several requests (each with its own seed) for several samples"),
-    "best_of": ("1", "one reply per request"),
-    "echo": ("false", "the prompt is not returned with the reply"),
-    "suffix": ("null", "no fill-in-the-middle"),
-    "frequency_penalty": ("0", "no repetition penalties: sampling is temperature and top_p"),
-    "presence_penalty": ("0", "no repetition penalties: sampling is temperature and top_p"),
-    "logit_bias": ("{}", "no logit biases"),
-    "tools": ("[]", "this server calls no tools"),
-    "tool_choice": ('"none"', "this server calls no tools"),
-    "response_format": ('{"type": "text"}', "no constrained decoding (JSON modes and schemas)"),
-}
-
-
-def refused_field(parsed: _Request) -> str | None:
-    """The first field of ``parsed`` set to a value this server does not honour (see ``REFUSED``), if any."""
-    checks = {
-        "n": parsed.n != 1,
-        "best_of": getattr(parsed, "best_of", None) not in (None, 1),
-        "echo": getattr(parsed, "echo", False),
-        "suffix": getattr(parsed, "suffix", None) is not None,
-        "frequency_penalty": bool(parsed.frequency_penalty),
-        "presence_penalty": bool(parsed.presence_penalty),
-        "logit_bias": bool(parsed.logit_bias),
-        "tools": bool(getattr(parsed, "tools", None)),
-        "tool_choice": getattr(parsed, "tool_choice", None) not in (None, "none"),
-        "response_format": getattr(parsed, "response_format", None) is not None
-        and parsed.response_format.type != "text",
-    }
-    return next((name for name, refused in checks.items() if refused), None)
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ReplyMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ReplyMessage
-    logprobs: dict | None = None
-    finish_reason: Literal["stop", "length"]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: dict | None = None
-    finish_reason: Literal["stop", "length"]
-
-
-class _Reply(BaseModel):
-    id: str
-    created: int
-    model: str
-    usage: Usage
-    session_id: str | None = Field(description="the conversation this reply extends, if any (no key's prefix)")
-
-
-class ChatCompletion(_Reply):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class Completion(_Reply):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorReply(BaseModel):
-    error: ErrorDetail
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "sparsegen"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def _documented(reply: type[BaseModel]) -> dict:
-    """The OpenAPI responses of a generation endpoint: the reply, its event stream, and the error shape."""
-    errors = {status: {"model": ErrorReply, "description": about} for status, about in [
-        (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-        (413, "body too large"), (415, "not JSON"), (429, "queue full"), (500, "the reply failed"),
-        (503, "shutting down")]}
-    stream = {"schema": {"type": "string", "description": "with `stream`: `data: {chunk}` events, then "
-                                                          "`data: [DONE]`"}}
-    return {200: {"model": reply, "content": {"text/event-stream": stream}}, **errors}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def shutting_down(what: str = "the server is shutting down") -> ApiError:
-    """The 503 every request gets that a stopping server will not answer."""
-    return ApiError(503, f"{what}; retry on another server or later", "server_error", "shutting_down")
-
-
-def log_5xx(request_id: str, err: ApiError) -> None:
-    """The one log line a 5xx answer gets, wherever it was raised (``X-Request-Id`` names the same request)."""
-    if err.status >= 500:
-        log.log(logging.ERROR if err.status == 500 else logging.WARNING, "request %s: %d %s", request_id,
-                err.status, err.message)
-
-
-class ClientGone(Exception):
-    """The client closed its connection: its reply was cancelled, and nobody is left to answer."""
-
-
-@dataclass
-class Pending:
-    """A request (one choice of it) on its way through the worker: what it asks, and the channel its text comes back
-    on, shared by the request's choices: events are ``(index, kind, payload)``."""
-
-    kind: str  # "chat" or "completion"
-    request: _Request
-    text: dict  # ``messages=`` or ``prompt=``, as the engine takes them
-    session_id: str | None  # namespaced by API key
-    sampling: Sampling
-    prepared: Prepared
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    index: int = 0
-    job: Job | None = None
-    cancelled: bool = False
-    sent_logprobs: int = 0  # the reply's token log-probabilities already sent with its text
-    request_id: str = ""  # what the server's log lines and the X-Request-Id header call the request
-    waits_for: str | None = None  # held in the line for "memory" or a "session"
-
-    def send(self, kind: str, payload=None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
-        except RuntimeError:  # the handler's event loop is closed (shutdown): nobody is waiting
-            pass
-
-    def new_logprobs(self) -> list[TokenLogprob]:
-        """The reply's token log-probabilities not sent yet (marked sent)."""
-        job = self.job
-        new, self.sent_logprobs = job.logprobs[self.sent_logprobs:], len(job.logprobs)
-        return new
-
-
-class WaitingLine:
-    """Requests not started yet, oldest first: ``new`` ones, and ``held`` ones that wait for a place (K/V memory
-    under ``--kv-memory``, or a session when every one is busy). Bounded by ``limit`` together (a full line answers
-    429); a request whose client left is withdrawn at once, so it holds no place while it waits."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.new: collections.deque[Pending] = collections.deque()
-        self.held: collections.deque[Pending] = collections.deque()
-        self.lock = threading.Lock()
-        self.arrived = threading.Condition(self.lock)
-        self.left = 0  # requests withdrawn because their clients left
-
-    def put(self, pending: Pending) -> None:
-        with self.lock:
-            if len(self.new) + len(self.held) >= self.limit:
-                raise ApiError(429, f"{self.limit} requests are already waiting; retry later", "rate_limit_error",
-                               "overloaded")
-            self.new.append(pending)
-            self.arrived.notify()
-
-    def take(self, timeout: float) -> Pending | None:
-        """The oldest new request, waiting up to ``timeout`` seconds for one; None if none came."""
-        with self.lock:
-            if not self.new and timeout > 0:
-                self.arrived.wait(timeout)
-            return self.new.popleft() if self.new else None
-
-    def hold(self, pending: Pending, reason: str) -> None:
-        """``pending`` (taken, or held already) waits for a place: kept in order, behind those held before it."""
-        with self.lock:
-            pending.waits_for = reason
-            if not any(p is pending for p in self.held):
-                self.held.append(pending)
-
-    def holding(self) -> list[Pending]:
-        with self.lock:
-            return list(self.held)
-
-    def withdraw(self, pending: Pending, client_left: bool = False) -> None:
-        """``pending`` leaves the line, wherever it is in it (nowhere: nothing to do)."""
-        with self.lock:
-            for line in (self.new, self.held):
-                for i, queued in enumerate(line):
-                    if queued is pending:
-                        del line[i]
-                        self.left += client_left
-                        return
-
-    def drain(self) -> list[Pending]:
-        """Every request still waiting, taken out."""
-        with self.lock:
-            waiting = list(self.held) + list(self.new)
-            self.held.clear()
-            self.new.clear()
-            return waiting
-
-    def counts(self) -> dict:
-        with self.lock:
-            held = [p.waits_for for p in self.held]
-        return {"queued_requests": len(self.new) + len(held), "waiting_for_memory": held.count("memory"),
-                "waiting_for_session": held.count("session")}
-
-
-class Worker(threading.Thread):
-    """Owns the engine: admits queued requests between steps, cancels those whose clients left, steps. It never dies
-    of an error: one in a reply fails that reply (the engine's own guard), one anywhere else fails the replies in
-    flight, whose sessions start over (``rebuilds``, logged once each). If it dies anyway (a ``BaseException``), it
-    fails everything waiting and calls ``on_death``: the server then reports it and exits. ``drain``: a graceful
-    stop (SIGTERM) — nothing new starts, the replies in flight finish within a grace, then fail with a 503."""
-
-    def __init__(self, engine: Engine, limits: Limits):
-        super().__init__(name="sparsegen-engine", daemon=True)
-        self.engine, self.limits = engine, limits
-        self.line = WaitingLine(limits.max_queue)
-        self.active: list[Pending] = []
-        self.stopping = threading.Event()
-        self.deadline: float | None = None  # draining: when the replies still in flight are ended (monotonic)
-        self.lock = threading.Lock()
-        self.errors = 0
-        self.cancelled = 0
-        self.rebuilds = 0
-        self.last_rebuild: str | None = None
-        self.died: str | None = None
-        self.on_death: Callable[[], None] | None = None
-        self.snapshot: dict = {}
-        self._publish()
-
-    @property
-    def draining(self) -> bool:
-        return self.deadline is not None
-
-    def submit(self, pending: Pending) -> None:
-        if self.stopping.is_set() or self.draining or self.died is not None:
-            raise shutting_down()
-        self.line.put(pending)
-
-    def withdraw(self, pending: Pending) -> None:
-        """The client of a request left: it stops holding a place in the line (if it is still in it)."""
-        pending.cancelled = True
-        self.line.withdraw(pending, client_left=True)
-
-    def drain(self, grace: float) -> None:
-        """Stop starting requests (those waiting get a 503 now) and end the replies in flight that have not finished
-        ``grace`` seconds from now. Safe from any thread (a signal handler's)."""
-        if self.deadline is None:
-            self.deadline = time.monotonic() + grace
-
-    def run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                try:
-                    self._tick()
-                except Exception as err:  # noqa: BLE001  outside any one reply: the state is in doubt
-                    self._rebuild(err)
-                self._publish()
-        except BaseException as err:
-            self.died = f"{type(err).__name__}: {err}"
-            log.critical("the engine thread died (%s); the server stops", self.died, exc_info=True)
-            raise
-        finally:
-            self._fail_all()
-            if self.died is not None and self.on_death is not None:
-                self.on_death()
-
-    def _tick(self) -> None:
-        if self.draining:
-            self._refuse_waiting()
-            if time.monotonic() >= self.deadline:
-                self._end_in_flight()
-        else:
-            self._admit()
-        for pending in self.active:
-            if pending.cancelled and not pending.job.done:
-                self.engine.cancel(pending.job)
-                self.cancelled += 1
-        self._retire()
-        if self.active:
-            self.engine.step([p.job for p in self.active])
-            self._retire()
-        elif self.draining:
-            time.sleep(0.02)  # nothing left to do but answer what arrives until the server stops
-
-    def _refuse_waiting(self) -> None:
-        for pending in self.line.drain():
-            pending.send("error", shutting_down())
-
-    def _end_in_flight(self) -> None:
-        """The grace is over: every reply still in flight ends now with a 503 (a stream: an error event)."""
-        for pending in self.active:
-            if not pending.job.done:
-                pending.cancelled = True  # (answered here: ``_retire`` sends nothing more)
-                self.engine.cancel(pending.job)
-                pending.send("error", shutting_down("the server shut down before the reply finished"))
-
-    def _rebuild(self, err: Exception) -> None:
-        """Fail the replies in flight, start their sessions over and forget the stacked batch: the engine is as if
-        they had never come."""
-        self.rebuilds += 1
-        self.last_rebuild = f"{type(err).__name__}: {err}"
-        log.error("engine error outside any one reply; %d replies in flight fail and the engine's batch is rebuilt",
-                  len(self.active), exc_info=True)
-        self.engine.recover([p.job for p in self.active if p.job is not None], err)
-        self._retire()
-
-    def _fail_all(self) -> None:
-        """The worker stops: every reply in flight or queued gets a 503."""
-        gone = shutting_down("the server shut down before the reply finished")
-        for pending in list(self.active) + self.line.drain():
-            pending.send("error", gone)
-        self.active = []
-
-    def _retire(self) -> None:
-        for pending in self.active:
-            job = pending.job
-            if job.done:
-                self.engine.settle(job)
-            if job.done and not pending.cancelled:
-                if job.finish_reason == "error":
-                    self.errors += 1
-                    pending.send("error", ApiError(500, f"the reply failed: {job.error}", "server_error"))
-                else:
-                    pending.send("done", job)
-        self.active = [p for p in self.active if not p.job.done]
-
-    def _admit(self) -> None:
-        """Start waiting requests while the batch has room: first those held for a place (oldest first), then new
-        ones; a request that cannot start yet (no K/V memory, or every session busy) is held, in order."""
-        held = self.line.holding()
-        while len(self.active) < self.limits.max_batch:
-            if held:
-                pending = held.pop(0)
-                if pending.cancelled:  # (its handler withdrew it, and counted it)
-                    continue
-            else:
-                # nothing decoding: wait a little for a request (those held wait meanwhile too)
-                pending = self.line.take(timeout=0.05 if not self.active else 0)
-                if pending is None:
-                    break
-                if pending.cancelled:  # its client left as it was taken from the line
-                    self.cancelled += 1
-                    continue
-            try:
-                reason = self._begin(pending)
-            except ApiError as err:
-                self.line.withdraw(pending)
-                pending.send("error", err)
-                continue
-            except Exception as err:  # noqa: BLE001
-                self.line.withdraw(pending)
-                self.errors += 1
-                pending.send("error", ApiError(500, f"the request failed: {type(err).__name__}: {err}",
-                                               "server_error"))
-                continue
-            if reason is not None:
-                self.line.hold(pending, reason)
-            else:
-                self.line.withdraw(pending)
-                self.active.append(pending)
-
-    def _begin(self, pending: Pending) -> str | None:
-        """Start the request (``pending.job``); or what it waits for ("memory" or "session") if it cannot start yet.
-        A request that fails to start gives back any K/V memory it reserved."""
-        engine, request = self.engine, pending.request
-        session = engine.sessions.get(pending.session_id) if pending.session_id else None
-        if session is not None and session.busy:
-            raise ApiError(409, "this session is already answering another request", code="busy")
-        try:
-            session = engine.session(pending.session_id)
-        except SessionsBusy:
-            return "session"
-        if not engine.admit(session):
-            return "memory"
-        # a streamed reply's text goes out as it comes (with its tokens' log-probabilities, when asked); an
-        # unstreamed one's handler waits quietly for the end (and notices a disconnected client meanwhile)
-        on_text = (lambda job, text: pending.send("text", (text, pending.new_logprobs()))) \
-            if request.stream else None  # noqa: E731
-        try:
-            pending.job = engine.begin(session, pending.sampling, on_text=on_text, prepared=pending.prepared,
-                                       **pending.text)
-        except ValueError as err:
-            engine.unbegun(session, in_doubt=False)
-            raise ApiError(400, str(err)) from None
-        except BaseException:
-            engine.unbegun(session, in_doubt=True)
-            raise
-        return None
-
-    def _publish(self) -> None:
-        engine = self.engine
-        snapshot = {**{f"{k}_total": v for k, v in engine.counters.items()}, "errors_total": self.errors,
-                    "cancelled_total": self.cancelled + self.line.left,
-                    "engine_rebuilds_total": self.rebuilds,
-                    "sessions": len(engine.sessions), "active_replies": len(self.active),
-                    **self.line.counts(), "kv_bytes": engine.kv_bytes(),
-                    **(engine.memory.metrics() if engine.memory is not None else {})}
-        with self.lock:
-            self.snapshot = snapshot
-
-
-def _texts_of(request: _Request) -> list[dict]:
-    """``messages=`` or ``prompt=`` for each choice the request asks, as the engine takes them."""
-    context = {"context": request.context} if request.context is not None else {}
-    if isinstance(request, ChatRequest):
-        return [{"messages": [m.as_engine() for m in request.messages], **context}]
-    return [{"prompt": prompt, **context}
-            for prompt in ([request.prompt] if isinstance(request.prompt, str) else request.prompt)]
-
-
-def kv_bound(engine: Engine, limits: Limits) -> int:
-    """Worst-case K/V bytes: every stored session and every in-flight reply at its full allocation, plus the
-    stacked copy of a full decode batch; under ``--kv-memory``, its cap."""
-    if engine.memory is not None:
-        return engine.memory.cap
-    per_token, per_row = engine.kv_costs()
-    budget = engine.make_policy().budget
-    per_session = (budget + engine.chunk_size) * per_token + per_row
-    return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * ((budget + 1) * per_token
-                                                                                         + per_row)
-
-
 OPEN_PATHS = ("/health", "/inspect")  # answered without an API key: a health check, and a page with no data (the
 # data it asks for, /v1/inspect, takes the key, which the page's form sends)
 
@@ -740,7 +100,8 @@ class Guard:
         namespace = ""
         if self.keys and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
-            match = [ns for key, ns in self.keys.items() if hmac.compare_digest(given.encode(), f"Bearer {key}".encode())]
+            match = [ns for key, ns in self.keys.items() if hmac.compare_digest(given.encode(), f"Bearer "
+                                                                                                f"{key}".encode())]
             if not match:
                 return await _reply(tagged, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
                                                      "authentication_error", "invalid_api_key"))
@@ -829,7 +190,7 @@ def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Samplin
     app.state.limits = limits
     _answer_errors(app)
     _route_generation(app, api)
-    _route_inspection(app, inspector)
+    route_inspection(app, inspector)
     _route_operations(app, worker, app.state.kv_bound)
     return app
 
@@ -891,7 +252,7 @@ class Api:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def check(self, parsed: _Request, request: Request) -> tuple[str | None, Sampling]:
+    def check(self, parsed: GenerationRequest, request: Request) -> tuple[str | None, Sampling]:
         """The server's own limits on a well-formed request; its session id (namespaced) and sampling."""
         limits, defaults = self.limits, self.defaults
         if parsed.model is not None:
@@ -926,7 +287,7 @@ class Api:
         namespace = request.scope.get("state", {}).get("namespace", "")
         return (None if session_id is None else f"{namespace}/{session_id}"), self.sampling(parsed, wanted)
 
-    def sampling(self, parsed: _Request, max_tokens: int) -> Sampling:
+    def sampling(self, parsed: GenerationRequest, max_tokens: int) -> Sampling:
         """The request's sampling, with the server's defaults for what it leaves out."""
         defaults = self.defaults
         if isinstance(parsed, ChatRequest):
@@ -942,13 +303,13 @@ class Api:
             seed=defaults.seed if parsed.seed is None else parsed.seed % 2**63,  # a negative seed is a seed too
             stop=tuple(parsed.stop), logprobs=logprobs, ignore_eos=parsed.ignore_eos)
 
-    async def serve(self, request: Request, kind: str, parsed: _Request):
+    async def serve(self, request: Request, kind: str, parsed: GenerationRequest):
         session_id, sampling = self.check(parsed, request)
         session = self.engine.sessions.get(session_id) if session_id else None
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         pendings: list[Pending] = []
         try:
-            for index, text in enumerate(_texts_of(parsed)):
+            for index, text in enumerate(texts_of(parsed)):
                 try:  # tokenized beside the worker: a long text costs its sender, not the replies decoding
                     prepared = await loop.run_in_executor(
                         self.preparer, partial(self.engine.prepare, session, elsewhere=True, **text))
@@ -1104,11 +465,11 @@ async def _stream(request: Request, reply: Reply, event: tuple, usage: bool):
 
 
 def _route_generation(app: FastAPI, api: Api) -> None:
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_documented(ChatCompletion))
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=documented(ChatCompletion))
     async def chat_completions(body: ChatRequest, request: Request):
         return await api.serve(request, "chat", body)
 
-    @app.post("/v1/completions", response_model=Completion, responses=_documented(Completion))
+    @app.post("/v1/completions", response_model=Completion, responses=documented(Completion))
     async def completions(body: CompletionRequest, request: Request):
         return await api.serve(request, "completion", body)
 
@@ -1120,102 +481,6 @@ def _route_generation(app: FastAPI, api: Api) -> None:
     async def model(model_id: str) -> ModelCard:
         api.served(model_id)
         return ModelCard(id=api.model_name, created=api.started)
-
-
-class InspectionCancelled(Exception):
-    """Raised inside an inspection between two chunks: its client left, or the server is stopping."""
-
-
-class Inspector:
-    """The cache inspector's work: one inspection at a time, beside the engine (it runs the model over a whole text
-    once per policy), with its own tokenizer (a fast tokenizer refuses concurrent calls). At most
-    ``max_inspections`` are running or waiting (429 beyond); each is sized before it waits (by its text's length,
-    then its tokens, counted off the event loop), and stops at its next chunk when its client leaves or the server
-    stops."""
-
-    def __init__(self, engine: Engine, limits: Limits, model_name: str):
-        self.engine, self.limits, self.model_name = engine, limits, model_name
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sparsegen-inspect")
-        self.tokenizer = None  # copied at the first inspection
-        self.taken = 0  # inspections running or waiting (changed on the event loop only)
-        self.stops: set[threading.Event] = set()  # one per inspection taken
-        self.closed = False
-
-    async def inspect(self, body: InspectRequest, request: Request) -> JSONResponse:
-        from sparsegen.eval.inspect import inspect
-
-        limits = self.limits
-        if self.closed:
-            raise shutting_down()
-        if body.max_new_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_new_tokens is over this server's limit of {limits.max_tokens}",
-                           param="max_new_tokens")
-        if self.taken >= limits.max_inspections:
-            raise ApiError(429, f"{limits.max_inspections} inspections are already running or waiting "
-                                "(--max-inspections); retry later", "rate_limit_error", "overloaded")
-        stop = threading.Event()
-        self.taken += 1
-        self.stops.add(stop)
-        try:
-            try:
-                await asyncio.to_thread(self.engine.tokenize, body.text + (body.question or ""), True, True)
-            except ValueError as err:
-                raise ApiError(400, f"{err} (--max-prompt-tokens)", param="text") from None
-
-            if self.tokenizer is None:
-                self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-
-            def interrupt() -> None:
-                if stop.is_set():
-                    raise InspectionCancelled
-
-            run = partial(inspect, self.engine.model, self.tokenizer, body.text, body.policies, body.budget,
-                          question=body.question, answer=body.answer, protocol=body.protocol,
-                          kv_bits=body.kv_bits, chunk_size=self.engine.chunk_size,
-                          max_new_tokens=body.max_new_tokens, model_name=self.model_name, after_chunk=interrupt)
-            work = asyncio.get_running_loop().run_in_executor(self.pool, run)
-            while True:
-                done, _ = await asyncio.wait([work], timeout=0.25)
-                if done:
-                    break
-                if self.closed or await request.is_disconnected():
-                    stop.set()  # a running inspection stops at its next chunk; a waiting one never starts
-                    work.cancel()
-                    if self.closed:
-                        raise shutting_down()
-                    raise ClientGone
-            try:
-                return JSONResponse(work.result())
-            except ValueError as err:
-                raise ApiError(400, str(err)) from None
-            except InspectionCancelled:
-                raise shutting_down() from None
-        finally:
-            self.taken -= 1
-            self.stops.discard(stop)
-
-    def stop_all(self) -> None:
-        """Stop every inspection (each at its next chunk) and take no more. Safe in a signal handler."""
-        self.closed = True
-        for stop in list(self.stops):
-            stop.set()
-
-    def close(self) -> None:
-        self.stop_all()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _route_inspection(app: FastAPI, inspector: Inspector) -> None:
-    @app.get("/inspect", response_class=HTMLResponse)
-    async def inspect_page():
-        """The cache inspector: a form that asks ``/v1/inspect`` (which takes the API key, if the server has one)."""
-        from sparsegen.eval.inspect import page
-
-        return HTMLResponse(page(api=True))
-
-    @app.post("/v1/inspect")
-    async def inspect_kept(body: InspectRequest, request: Request):
-        return await inspector.inspect(body, request)
 
 
 def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from sparsegen.bench import decode
+from sparsegen.bench.fill import fill_random
 from sparsegen.cli import main
-from sparsegen.decoding import DecodeStep
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, KVQuantization, make_policy
 from sparsegen.models import load
 from sparsegen.models.spec import kv_bytes_per_token
-from sparsegen.bench.fill import fill_random
 
 REQUIRED = {"policy", "context", "batch", "ms_per_token", "tokens_per_s", "peak_kv_bytes", "prefill_seconds",
             "ms_per_token_p90", "peak_memory_bytes", "roofline_fraction", "torch", "transformers", "dtype", "threads"}

@@ -3,8 +3,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparsegen.contextual import attach, detach
-from sparsegen.contextual.dejavu import (DejaVuConfig, default_rank, fit_dejavu, measure, needed, recall_curve,
-                                         train_predictor)
+from sparsegen.contextual.dejavu import (
+    DejaVuConfig,
+    default_rank,
+    fit_dejavu,
+    measure,
+    needed,
+    recall_curve,
+    train_predictor,
+)
 from sparsegen.contextual.teal import fit_teal, thresholds_for
 from tests.kv.families import VOCAB, tiny_model
 

@@ -7,9 +7,9 @@ from transformers import DynamicCache
 
 from sparsegen.contextual import Contextual, attach, detach
 from sparsegen.contextual.runtime import LowRankPredictor, model_info, predictor_name
-from sparsegen.generation import generate_tokens
+from sparsegen.engine.generate import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.models.anatomy import head_families, decoder_layers, mlp_layout
+from sparsegen.models.anatomy import decoder_layers, head_families, mlp_layout
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
@@ -212,8 +212,8 @@ def test_suspended_runs_dense_and_fidelity_compares_with_the_dense_model():
         with suspended(model):
             torch.testing.assert_close(model(IDS).logits, dense, rtol=1e-5, atol=1e-5)
             suspended_steps = _decode_logits(model, IDS, DynamicCache(config=model.config))
-        torch.testing.assert_close(suspended_steps, _decode_logits(detach(model), IDS, DynamicCache(config=model.config)),
-                                   rtol=1e-5, atol=1e-5)
+        detached_steps = _decode_logits(detach(model), IDS, DynamicCache(config=model.config))
+        torch.testing.assert_close(suspended_steps, detached_steps, rtol=1e-5, atol=1e-5)
         attach(model, teal_plan(model, 0.5))
         assert (model(IDS).logits - dense).abs().max() > 1e-3  # back on after the block
 
@@ -247,7 +247,7 @@ def test_a_model_packed_for_the_low_bit_kernels_is_refused(weights):
     from transformers import LlamaForCausalLM
 
     from sparsegen.contextual.teal import fit_teal
-    from sparsegen.quant.fast import quantize_weights
+    from sparsegen.quant.restore import quantize_weights
     from tests.conftest import tiny_llama_config
 
     model = quantize_weights(LlamaForCausalLM(tiny_llama_config(320)).eval(), weights)

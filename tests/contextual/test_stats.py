@@ -30,13 +30,14 @@ def test_relu_gate_leaves_exact_zeros_that_are_counted():
     for layer in stats["layers"]:
         assert layer["mlp_sparsity"] >= layer["mlp_zero_fraction"] - 1e-6  # zeros never carry mass
         assert 0 <= layer["head_sparsity"] < 1
-    assert [l["residual_cosine"] is None for l in stats["layers"]] == [False, False, True]
+    assert [layer["residual_cosine"] is None for layer in stats["layers"]] == [False, False, True]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family(family):
     stats = contextual_statistics(tiny_model(family), IDS, progress=False)
-    assert len(stats["layers"]) == tiny_model(family).config.num_hidden_layers and all(0 <= l["mlp_sparsity"] < 1 for l in stats["layers"])
+    assert len(stats["layers"]) == tiny_model(family).config.num_hidden_layers
+    assert all(0 <= layer["mlp_sparsity"] < 1 for layer in stats["layers"])
     assert -1 <= stats["layers"][0]["residual_cosine"] <= 1
 
 

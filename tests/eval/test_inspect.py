@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen.decoding import prefill
+from sparsegen.engine.prefill import prefill
 from sparsegen.eval.inspect import answer_tokens, inspect, page, write_html
 from sparsegen.kv import POLICIES, EvictionCache, make_policy
 
@@ -110,9 +110,8 @@ def test_a_browser_renders_the_served_inspector(reference, tmp_path):
     """Headless Chromium loads /inspect from a running server (with an API key), submits a text, and the page
     shows each policy's tokens with the library's kept counts; a screenshot is kept for the docs."""
     playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra has it)")
+    from sparsegen.serve.schemas import Limits
     from tests.serve.test_server import Running
-
-    from sparsegen.serve.server import Limits
 
     model, tokenizer = reference
     expected = inspect(model, tokenizer, TEXT, "window,streaming,h2o,snapkv", budget=48, question=QUESTION,
@@ -132,7 +131,8 @@ def test_a_browser_renders_the_served_inspector(reference, tmp_path):
             tab.click("#f-run")
             tab.wait_for_selector("#out[data-ready='1']", timeout=60_000)
             for name, row in expected["policies"].items():
-                counts = tab.eval_on_selector_all(f".text[data-policy='{name}'] .tok", "s => s.map(x => +x.dataset.count)")
+                counts = tab.eval_on_selector_all(f".text[data-policy='{name}'] .tok", "s => s.map(x => "
+                                                                                       "+x.dataset.count)")
                 assert counts == row["count"], name
                 shown = tab.inner_text(f"#policies tr[data-policy='{name}'] .kv-tokens")
                 assert int(shown) == row["kv_tokens"]

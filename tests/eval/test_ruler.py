@@ -8,8 +8,8 @@ import torch
 import sparsegen
 from sparsegen.cli import main
 from sparsegen.data import data_dir
+from sparsegen.engine.generate import generate_tokens
 from sparsegen.eval import ruler
-from sparsegen.generation import generate_tokens
 from sparsegen.kv import make_policy
 
 BOOK = data_dir() / "books" / "test" / "great_expectations.txt"
@@ -77,15 +77,27 @@ def test_bad_requests(haystack, tiny_tokenizer):
         ruler.Haystack(tiny_tokenizer, "only a few words here")
 
 
+def _count_forwards(monkeypatch) -> list[int]:
+    """The tokens of every forward into a cache, prefill chunks and decode steps alike, in order."""
+    import sparsegen.engine.prefill
+    import sparsegen.engine.step
+
+    fed, forward = [], sparsegen.engine.step.forward
+
+    def counted(model, cache, ids, *args, **kwargs):
+        fed.append(ids.shape[1])
+        return forward(model, cache, ids, *args, **kwargs)
+
+    for module in (sparsegen.engine.step, sparsegen.engine.prefill):
+        monkeypatch.setattr(module, "forward", counted)
+    return fed
+
+
 def test_the_context_protocol_encodes_the_context_in_one_pass_and_keeps_the_full_caches_answer(
         tiny_checkpoint, monkeypatch):
     model, _ = sparsegen.load(tiny_checkpoint)
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
-    import sparsegen.decoding as decoding
-
-    fed, forward = [], decoding.forward
-    monkeypatch.setattr(decoding, "forward", lambda model, cache, ids, *a, **k: fed.append(ids.shape[1]) or
-                        forward(model, cache, ids, *a, **k))
+    fed = _count_forwards(monkeypatch)
     outputs = [generate_tokens(model, ids, torch.ones_like(ids), make_policy("full"), max_new_tokens=6,
                                chunk_size=64, first_chunk=first)[0] for first in (None, 250)]
     assert fed[:5] == [64, 64, 64, 64, 44] and fed[5 + 5:][:2] == [250, 50]  # (5 decode steps between)
@@ -95,13 +107,9 @@ def test_the_context_protocol_encodes_the_context_in_one_pass_and_keeps_the_full
 def test_query_aware_encodes_the_whole_prompt_question_included_in_one_pass(tiny_checkpoint, monkeypatch):
     """SnapKV's own setting: the compression's scores see the question, so the first pass is the whole prompt (the
     context protocol's is the context alone); a budget of a share of the context keeps as many tokens either way."""
-    import sparsegen.decoding as decoding
-
     model, tokenizer = sparsegen.load(tiny_checkpoint)
     sample = ruler.make_samples(ruler.Haystack(tokenizer, BOOK.read_text()[:60_000]), "niah_single_1", 600, 1)[0]
-    fed, forward = [], decoding.forward
-    monkeypatch.setattr(decoding, "forward", lambda model, cache, ids, *a, **k: fed.append(ids.shape[1]) or
-                        forward(model, cache, ids, *a, **k))
+    fed = _count_forwards(monkeypatch)
     answers = {}
     for protocol in ("context", "query-aware", "stream"):
         fed.clear()
@@ -148,7 +156,7 @@ def test_cli_compile_answers_through_the_compiled_step_as_eager_does(tiny_checkp
                                                                       monkeypatch):
     """``--compile``: every answer token through the compiled decode step (one graph with the eviction), the eager
     answers."""
-    import sparsegen.decoding as decoding
+    import sparsegen.engine.step as decoding
 
     compiled = []
     step = decoding.DecodeStep.__call__
@@ -172,7 +180,7 @@ def test_context_once_holds_the_question_and_answer(tiny_checkpoint):
     import torch
 
     import sparsegen
-    from sparsegen.generation import generate_tokens
+    from sparsegen.engine.generate import generate_tokens
     from sparsegen.kv import make_policy
 
     model, tokenizer = sparsegen.load(tiny_checkpoint)
@@ -197,8 +205,8 @@ def test_query_aware_once_compresses_the_whole_prompt_once_then_holds(tiny_check
     import torch
 
     import sparsegen
+    from sparsegen.engine.generate import generate_tokens
     from sparsegen.eval.protocols import protocol_feed
-    from sparsegen.generation import generate_tokens
     from sparsegen.kv import make_policy
 
     model, tokenizer = sparsegen.load(tiny_checkpoint)

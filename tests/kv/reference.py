@@ -3,18 +3,19 @@
 It never evicts: keys and values stay in transformers' own DynamicCache, and eviction is simulated with
 per-(sequence, KV head) Python sets of kept token ordinals, chosen by the policy rules written out in
 plain Python. Window and streaming tokens each see their own window (first sinks + last budget-sinks
-before them), as if fed one at a time; H2O tokens see the kept set plus their chunk so far. Attention is computed per head with an explicit mask over the dense keys; rolling positions
-re-rotate each visible key by (rank in the kept set - original position) with RoPE written out here.
+before them), as if fed one at a time; H2O tokens see the kept set plus their chunk so far. Attention is computed
+per head with an explicit mask over the dense keys; rolling positions re-rotate each visible key by (rank in the
+kept set - original position) with RoPE written out here.
 No padding: batch rows are independent sequences of equal length.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-import math
 
 from sparsegen.kv.policies.knorm import RESOLUTION
 from sparsegen.kv.policies.lagkv import FLOOR
@@ -95,7 +96,7 @@ def vote_across_layers(state: dict, seen: int) -> None:
             best = {t: max(best.get(t, 0.0), mean.get(t, 0.0)) for t in set(best) | set(mean)}
         voted = state["voted"][b]
         for layer in layers:
-            for h, kept in enumerate(state["kept"][layer][b]):
+            for kept in state["kept"][layer][b]:
                 voted.update({t: best.get(t, 0.0) for t in kept})
         for layer in layers:
             state["kept"][layer][b] = [keep_rule(policy, kept, scores, seen, voted) for kept, scores in
@@ -252,7 +253,8 @@ class ReferenceRun:
         """``policy``: one rule for every layer, or one per layer (policies that size layers differently)."""
         self.model = model
         config = model.config.get_text_config()
-        layers, kv_heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        layers = config.num_hidden_layers
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         rotary = getattr(model.get_decoder(), "rotary_emb", None)
         # a sliding-window layer of a model that mixes them with global ones keeps its window (sliding_window - 1
         # tokens before the query) whatever the policy, and has its own RoPE frequencies

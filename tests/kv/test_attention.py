@@ -2,7 +2,8 @@ import pytest
 import torch
 
 import sparsegen.kv.attention as attention
-from sparsegen.decoding import DecodeStep, prefill
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from tests.kv.families import VOCAB, tiny_model
 

@@ -5,7 +5,8 @@ Python-side updates). Compiled with dynamo only (backend "eager"): what is check
 import pytest
 import torch
 
-from sparsegen.decoding import DecodeStep, prefill
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
 from sparsegen.models.compat import cache_kwargs

@@ -5,11 +5,11 @@ import torch
 from transformers import DynamicCache
 
 from sparsegen.kv import POLICIES, EvictionCache, make_policy
+from sparsegen.kv.rollback import forget_last
+from sparsegen.kv.rows import remove_row, stack
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, ROPE_FAMILIES, VOCAB, tiny_model
 from tests.kv.reference import ReferenceRun
-from sparsegen.kv.rollback import forget_last
-from sparsegen.kv.rows import remove_row, stack
 
 TOL = 1e-5
 POLICY_NAMES = list(POLICIES)  # every registered policy: a new one is tested by being registered
@@ -91,7 +91,8 @@ SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streami
          "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
          "adakv": {"recent": 4}, "ada-snapkv": {"window": 2},
          "scissorhands-history": {"recent": 4, "history": 3}, "tova-each": {"heads": "each"},
-         "pyramid-snapkv": {"window": 1}, "snapkv-layers": {}}  # (2 layers at a mean of 10: 19 and 1, which holds a window of 1)
+         # (snapkv-layers: 2 layers at a mean of 10, 19 and 1, which holds a window of 1)
+         "pyramid-snapkv": {"window": 1}, "snapkv-layers": {}}
 
 
 def _rules(cache):
@@ -273,8 +274,8 @@ def test_an_announced_length_past_the_budget_takes_the_sinks_frame_from_the_star
 
 def test_a_stacked_row_that_evicted_keeps_the_sinks_frame():
     """A row that evicted and then forgot tokens (a speculative rollback) holds no more than its budget, but its
-    ranks are no longer its ordinals: the stacked batch it joins keeps both frames, and so does every cache a row of that
-    batch goes back to."""
+    ranks are no longer its ordinals: the stacked batch it joins keeps both frames, and so does every cache a row of
+    that batch goes back to."""
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -6,9 +6,9 @@ import torch
 from transformers import DynamicCache
 
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv.rollback import forget_last
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
-from sparsegen.kv.rollback import forget_last
 
 TOL = 1e-5
 

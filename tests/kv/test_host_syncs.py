@@ -8,9 +8,9 @@ import torch
 from sparsegen.bench.syncs import HostSyncs
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.policies import POLICIES
+from sparsegen.kv.rows import stack
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
-from sparsegen.kv.rows import stack
 
 # heads share a row of slots and hold different counts: their step still reads counts (Ada-KV)
 SHARED_SLOTS = {name for name, cls in POLICIES.items() if cls.shares_slots}

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from sparsegen.decoding import DecodeStep, prefill
-from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv import native_attention
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.step import DecodeStep
+from sparsegen.kv import EvictionCache, make_policy, native_attention
 from tests.kv.families import VOCAB
 
 pytestmark = pytest.mark.skipif(not native_attention.ready(), reason="sparsegen's C++ kernels could not be built")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sparsegen.decoding import forward
+from sparsegen.engine.step import forward
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.packed import PackedStep
 from tests.kv.families import FAMILIES, VOCAB, tiny_model

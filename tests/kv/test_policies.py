@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.policy import TokenView
 from sparsegen.kv.policies.pyramid import pyramid_budgets
 from sparsegen.kv.policies.snapkv_layers import SnapKVLayers
+from sparsegen.kv.policy import TokenView
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import VOCAB, tiny_model
 

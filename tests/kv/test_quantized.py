@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from sparsegen.decoding import DecodeStep, forward
+from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.layer import EvictionLayer
 from sparsegen.kv.quantized import HeldCodes, KVQuantization, dequantize, pack, quantize, unpack
+from sparsegen.kv.rows import remove_row, stack
 from sparsegen.models.compat import cache_kwargs
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 from tests.kv.test_exactness import CHUNKS, _padded_batch, _run_chunks
-from sparsegen.kv.rows import remove_row, stack
 
 
 def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from sparsegen.models.compat import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models.compat import cache_kwargs
 from sparsegen.models.gguf import PACKAGED
 
 TEXT = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled "
@@ -84,7 +84,7 @@ def test_by_default_a_gguf_model_decodes_compiled_at_its_own_bit_width(name):
     """What a user gets with no flags: the GGUF's own widths in the integer kernels, through the compiled step. (Not
     the eager step's tokens to the last: inputs quantized to 8 bits a block turn float noise of 1e-6 between two
     orders of summation into rounding flips, 0.4-0.6 in the logits after 30 layers, the fixed step uncompiled too;
-    in fp32 the two steps agree to 2e-5, tested in tests/test_decoding.py.)"""
+    in fp32 the two steps agree to 2e-5, tested in tests/engine/test_step.py.)"""
     from sparsegen.models.anatomy import weights_of
 
     model, tokenizer = sparsegen.load(name)

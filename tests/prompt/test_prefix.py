@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from sparsegen.generation import generate_tokens
+from sparsegen.engine.generate import generate_tokens
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.compat import cache_kwargs
 from sparsegen.prompt import PromptPrefix, attach, detach
@@ -28,7 +28,8 @@ def test_prefix_logits_equal_the_plain_model_fed_the_embeddings_first(family):
         attach(model, prefix)
         assert torch.allclose(model(input_ids=ids).logits, reference, atol=1e-5)
         detach(model)
-        assert torch.allclose(model(input_ids=ids).logits, model(inputs_embeds=model.get_input_embeddings()(ids)).logits)
+        embedded = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
+        assert torch.allclose(model(input_ids=ids).logits, embedded)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

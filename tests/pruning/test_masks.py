@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from sparsegen.pruning.masks import (check_sparsity, magnitude_scores, n_m_mask, parse_pattern, unstructured_mask,
-                                     wanda_scores)
+from sparsegen.pruning.masks import (
+    check_sparsity,
+    magnitude_scores,
+    n_m_mask,
+    parse_pattern,
+    unstructured_mask,
+    wanda_scores,
+)
 
 
 @pytest.fixture

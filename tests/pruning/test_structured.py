@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 import sparsegen
 from sparsegen.cli import main
-from sparsegen.models.anatomy import head_families, attention_heads, decoder_layers, mlp_layout
+from sparsegen.models.anatomy import attention_heads, decoder_layers, head_families, mlp_layout
 from sparsegen.pruning import PruneConfig, prune_model, save_pruned, structured
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 
@@ -97,7 +97,8 @@ def test_per_layer_sizes_load_in_sparsegen_and_plain_transformers_refuses_them(t
 @pytest.mark.parametrize("kwargs, message", [
     (dict(method="wanda", structured="neurons=1.0"), "in \\[0, 1\\)"),
     (dict(method="wanda", structured="rows=0.5"), "neurons=F and/or heads=F"),
-    (dict(method="sparsegpt", structured="neurons=0.5"), "\\(magnitude, wanda[^)]*\\); sparsegpt prunes single weights"),
+    (dict(method="sparsegpt", structured="neurons=0.5"), "\\(magnitude, wanda[^)]*\\); sparsegpt prunes single "
+                                                         "weights"),
 ])
 def test_bad_structured_configs(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,18 +1,19 @@
 """Runtime low-bit weights (``--weights int8|int4|w8a8|w4a8|w5a8``): each kernel computes what its stored weight says
-(and, w8a8, w4a8 and w5a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a decode
-step reads drop to a quarter / an eighth."""
+(and, w8a8, w4a8 and w5a8, its input quantized as it says), the model's logits stay close to fp32's, and the bytes a
+decode step reads drop to a quarter / an eighth."""
 
 import sys
 
 import pytest
 import torch
 
+from sparsegen.allocator import page_out, release_freed_memory
 from sparsegen.bench import roofline
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
-from sparsegen.quant import fast
-from sparsegen.quant.fast import (BlockEmbedding, Int4Linear, Int8Linear, SharedInput, TiedHead, W4A8Linear,
-                                  W5A8Linear, W8A8Linear, dequantized, page_out, quantize_weights)
+from sparsegen.quant import fast, restore
+from sparsegen.quant.fast import BlockEmbedding, Int4Linear, Int8Linear, TiedHead, W4A8Linear, W5A8Linear, W8A8Linear
+from sparsegen.quant.restore import SharedInput, dequantized, quantize_weights
 from tests.conftest import tiny_llama_config
 from tests.kv.families import tiny_model
 from tests.models.test_real_models import _installed
@@ -291,7 +292,7 @@ def test_a_quantized_models_table_is_in_blocks_and_not_counted_as_read_each_step
 def _gguf_plan(model) -> dict[str, str]:
     """A Q4 GGUF's plan for ``model``: its decoder linears at w4a8, its head and table (tied) at 8 bits."""
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
-    return {**dict.fromkeys(linears, "w4a8"), "lm_head": "w8a8", fast.TABLE: "w8a8"}
+    return {**dict.fromkeys(linears, "w4a8"), "lm_head": "w8a8", restore.TABLE: "w8a8"}
 
 
 @pytest.mark.heavy
@@ -407,7 +408,7 @@ def test_linears_that_read_one_input_are_one_matmul_with_each_ones_own_output(we
     model = _model()
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with monkeypatch.context() as patch:
-        patch.setattr(fast, "_input_sharers", lambda kinds: [])
+        patch.setattr(restore, "_input_sharers", lambda kinds: [])
         alone = quantize_weights(_model(), weights)
     quantize_weights(model, weights)
     namespace, op = KERNEL_OPS[weights]
@@ -439,13 +440,14 @@ def test_only_linears_stored_alike_share_a_matmul():
     """A GGUF mixes bit widths within a block (Q4_K_M: v at Q6_K): only the alike are stacked."""
     kinds = {"b.self_attn.q_proj": "int4", "b.self_attn.k_proj": "int4", "b.self_attn.v_proj": "int8",
              "b.self_attn.o_proj": "int4", "b.mlp.gate_proj": "int8", "b.mlp.up_proj": "int4", "lm_head": "int8"}
-    assert fast._input_sharers(kinds) == [["b.self_attn.q_proj", "b.self_attn.k_proj"]]
+    assert restore._input_sharers(kinds) == [["b.self_attn.q_proj", "b.self_attn.k_proj"]]
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("weights", ["int4", "w8a8", "w4a8", "w5a8", "gguf"])
 def test_a_decode_step_over_shared_matmuls_is_one_graph(weights):
-    from sparsegen.decoding import DecodeStep, prefill
+    from sparsegen.engine.prefill import prefill
+    from sparsegen.engine.step import DecodeStep
     from sparsegen.kv import EvictionCache, make_policy
 
     torch._dynamo.reset()
@@ -518,11 +520,11 @@ def test_freed_heap_memory_goes_back_to_the_kernel_after_packing(monkeypatch):
     for block in blocks[:-1]:  # (the last one pins the heap's top: no plain shrink)
         libc.free(block)
     before = anonymous()
-    assert fast.release_freed_memory()
+    assert release_freed_memory()
     assert before - anonymous() > 32 << 20
     libc.free(blocks[-1])
     calls = []
-    monkeypatch.setattr(fast, "release_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(restore, "release_freed_memory", lambda: calls.append(1))
     quantize_weights(_model(), "w8a8")
     assert calls == [1]
 
@@ -541,7 +543,8 @@ def test_generate_and_bench_take_weights(capsys, tmp_path):
     assert main(["generate", "--model", "reference", "--prompt", "Once upon a time", "--max-new-tokens", "4",
                  "--weights", "int8"]) == 0
     assert main(["bench", "--model", "reference", "--policies", "full", "--contexts", "32", "--new-tokens", "2",
-                 "--warmup", "1", "--weights", "fp32,int8,int4,w8a8", "--no-compile", "--json", str(tmp_path / "b.json")]) == 0
+                 "--warmup", "1", "--weights", "fp32,int8,int4,w8a8", "--no-compile",
+                 "--json", str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert "speed-up of reference [int8] over reference [fp32]" in out and "reference [int4]" in out
     assert "reference [w8a8]" in out
@@ -551,10 +554,10 @@ def test_generate_and_bench_take_weights(capsys, tmp_path):
 @pytest.mark.skipif(not all(_installed(m) for m in ("smollm2", "gemma3-270m")), reason="the GGUF packages are absent")
 def test_gguf_weights_follow_each_tensors_stored_type():
     from sparsegen.models.gguf import gguf_file
-    from sparsegen.quant.fast import gguf_plan
+    from sparsegen.quant.restore import gguf_plan
 
     smollm2 = gguf_plan(gguf_file("smollm2"))  # Q4_1 blocks, a Q8_0 embedding tied to the head
-    assert len(smollm2) == 30 * 7 + 2 and fast.TABLE in smollm2
+    assert len(smollm2) == 30 * 7 + 2 and restore.TABLE in smollm2
     assert smollm2["lm_head"] == "w8a8"  # (llama.cpp's integer arithmetic, on x86)
     assert {smollm2[f"model.layers.{i}.mlp.down_proj"] for i in range(30)} == {"w4a8"}
     gemma = gguf_plan(gguf_file("gemma3-270m"))  # Q4_K_M: Q4_K beside Q5_0, Q6_K and Q8_0
@@ -565,3 +568,55 @@ def test_gguf_weights_follow_each_tensors_stored_type():
 def test_gguf_weights_need_a_gguf_model(capsys):
     assert main(["generate", "--model", "reference", "--prompt", "Hi", "--weights", "gguf"]) == 2
     assert "not a GGUF model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", [W8A8Linear, W4A8Linear, W5A8Linear])
+def test_a_prompt_chunk_multiplies_by_the_dequantized_weights_and_a_decode_step_keeps_the_integer_kernel(kind):
+    """Inside ``prompt_matmuls`` a packed linear given a prompt chunk's rows computes ``x W^T + b`` with ``W`` its own
+    dequantized weights (the reference: ``F.linear``); fewer rows, or outside it, the integer kernel as before."""
+    from sparsegen.quant.fast import PROMPT_ROWS, prompt_matmuls
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96)
+    packed = kind(linear)
+    chunk, few = torch.randn(2, PROMPT_ROWS // 2, 128), torch.randn(3, 128)
+    kernel_chunk, kernel_few = packed(chunk), packed(few)
+    with prompt_matmuls():
+        torch.testing.assert_close(packed(chunk), torch.nn.functional.linear(chunk, packed.dequantized(), linear.bias),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(packed(few), kernel_few)
+    assert torch.equal(packed(chunk), kernel_chunk)
+    assert not torch.allclose(kernel_chunk, torch.nn.functional.linear(chunk, packed.dequantized(), linear.bias),
+                              rtol=1e-5, atol=1e-5)  # (the kernel's 8-bit inputs: what the chunk no longer pays)
+
+
+def test_prefill_runs_the_prompt_through_the_dequantized_weights(monkeypatch):
+    """``prefill`` (every command's prompt) is a ``prompt_matmuls`` block: a packed model's prefill logits are those
+    of the same model with every decoder linear an ``nn.Linear`` of its dequantized weights."""
+    import copy
+
+    from sparsegen.engine.prefill import prefill
+    from sparsegen.kv import EvictionCache, make_policy
+    from sparsegen.quant.restore import PACKED_LINEARS
+
+    model = quantize_weights(_model(), "w4a8")
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.model.layers.named_modules()):
+        if isinstance(module, (*PACKED_LINEARS, SharedInput)):
+            parent, _, child = name.rpartition(".")
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=False) \
+                if not isinstance(module, SharedInput) else None
+            if dense is None:
+                continue
+            dense.weight.data = module.dequantized()
+            if module.bias is not None:
+                dense.bias = torch.nn.Parameter(module.bias.clone())
+            setattr(reference.model.layers.get_submodule(parent), child, dense)
+    ids = torch.randint(3, VOCAB, (1, 96), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        ours = prefill(model, EvictionCache(model, make_policy("full")), ids, mask, chunk_size=96)
+        theirs = prefill(reference, EvictionCache(reference, make_policy("full")), ids, mask, chunk_size=96)
+        kernels = model(input_ids=ids).logits[:, -1]  # (outside prefill: the integer kernels, 8-bit inputs)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(kernels, theirs, rtol=1e-4, atol=1e-4)

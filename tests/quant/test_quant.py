@@ -90,7 +90,8 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs_and_keeps_pruned_zeros
     gptq, _ = sparsegpt_prune(weight, hessian, quantizer=quantizer, keep_zeros=True)
     rtn = round_to_nearest(weight, 4, 64)
     rtn_weight = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), weight, rtn).dequantized(torch.float32)
-    gptq_weight = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), gptq, quantizer).dequantized(torch.float32)
+    gptq_linear = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), gptq, quantizer)
+    gptq_weight = gptq_linear.dequantized(torch.float32)
     assert torch.allclose(gptq_weight, gptq, atol=1e-5)  # GPTQ's output lies on its grids
     assert (gptq_weight[weight == 0] == 0).all()
     error = lambda w: (x @ (w - weight).T).pow(2).mean().item()  # noqa: E731

@@ -63,7 +63,8 @@ def test_every_sample_starts_with_bos(data_env, tmp_path):
 def test_changed_settings_refuse_to_resume(data_env, tmp_path):
     _train(tmp_path, "a", steps=2)
     with pytest.raises(ValueError, match="other settings"):
-        train_reference(tmp_path / "a-out", work_dir=tmp_path / "a-work", compile=False, **{**TINY, "steps": 2, "lr": 1e-4})
+        train_reference(tmp_path / "a-out", work_dir=tmp_path / "a-work", compile=False,
+                        **{**TINY, "steps": 2, "lr": 1e-4})
 
 
 def test_schedule_and_presets():

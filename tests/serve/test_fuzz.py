@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sparsegen.serve.server import REFUSED, ChatCompletion, Completion, ErrorReply, Limits
+from sparsegen.serve.schemas import REFUSED, ChatCompletion, Completion, ErrorReply, Limits
 from tests.serve.test_server import Running
 
 hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema")

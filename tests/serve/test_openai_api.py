@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from sparsegen.serve.server import REFUSED, Limits
+from sparsegen.serve.schemas import REFUSED, Limits
 from tests.serve.test_server import Running, reference  # noqa: F401  (the fixture)
 
 openai = pytest.importorskip("openai")
@@ -105,7 +105,7 @@ def test_log_probabilities_are_the_models_own(server, client, reference):
     assert len(entries) == reply.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
     assert "".join(e.token for e in entries).strip() == reply.choices[0].message.content.strip()
     # the first token's log-probability, recomputed from the model's logits over the rendered prompt
-    from sparsegen.serve import ChatTemplate
+    from sparsegen.engine import ChatTemplate
 
     ids = tokenizer(ChatTemplate(tokenizer).render([{"role": "user", "content": QUESTION}]),
                     return_tensors="pt")["input_ids"]

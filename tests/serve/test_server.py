@@ -10,11 +10,12 @@ import httpx
 import pytest
 
 import sparsegen
-from sparsegen.generation import generate
 from sparsegen.bench.spawn import free_port as _free_port
+from sparsegen.engine import Engine
+from sparsegen.engine.generate import generate
 from sparsegen.kv import make_policy
-from sparsegen.serve import Engine
-from sparsegen.serve.server import Limits, build_app, make_server
+from sparsegen.serve.schemas import Limits
+from sparsegen.serve.server import build_app, make_server
 
 BUDGET = 48
 
@@ -227,7 +228,8 @@ def test_bounded_load_32_sessions_by_5_turns(reference):
             messages, statuses = [], []
             for turn in range(5):
                 messages.append({"role": "user", "content": f"Question {turn} from reader {index}?"})
-                response = await client.post(f"{running.url}/v1/chat/completions", headers={"X-Session-Id": f"r{index}"},
+                response = await client.post(f"{running.url}/v1/chat/completions",
+                                             headers={"X-Session-Id": f"r{index}"},
                                              json={"messages": messages, "max_tokens": 8})
                 statuses.append(response.status_code)
                 messages.append(response.json()["choices"][0]["message"])
@@ -344,8 +346,10 @@ def test_a_tiny_temperature_neither_fails_nor_poisons_other_replies(server):
         thread.join()
     for status, lines in results.values():
         assert status == 200 and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
-    assert _post(server, "/v1/completions", {"prompt": "Once", "temperature": 5e-324, "max_tokens": 4}).status_code == 200
-    nan = httpx.post(url, content=b'{"prompt": "Once", "temperature": NaN}', headers={"content-type": "application/json"})
+    tiny = {"prompt": "Once", "temperature": 5e-324, "max_tokens": 4}
+    assert _post(server, "/v1/completions", tiny).status_code == 200
+    nan = httpx.post(url, content=b'{"prompt": "Once", "temperature": '
+                                  b'NaN}', headers={"content-type": "application/json"})
     assert nan.status_code == 400 and "temperature" in nan.json()["error"]["message"]
 
 
@@ -441,7 +445,7 @@ def test_a_disconnected_client_cancels_its_unstreamed_reply(reference):
 
 def test_server_defaults_apply_to_requests_that_leave_them_out(reference):
     """Row 9: serve's --max-new-tokens, --temperature, --top-p and --seed were ignored."""
-    from sparsegen.serve import Sampling
+    from sparsegen.engine import Sampling
 
     running = Running(*reference, Limits(max_tokens=64), defaults=Sampling(max_tokens=5, temperature=0.9, seed=3))
     try:
@@ -511,12 +515,15 @@ def test_openai_shapes_usage_chunks_models_and_the_schema(server):
     assert status == 200 and usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
     wrong = _post(server, "/v1/completions", {"prompt": "Once", "model": "gpt-4"})
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
-    assert _post(server, "/v1/completions", {"prompt": "Once", "model": "reference", "max_tokens": 1}).status_code == 200
-    for reply, status in ((httpx.get(f"{server.url}/v1/nothing"), 404), (httpx.get(f"{server.url}/v1/completions"), 405)):
+    named = {"prompt": "Once", "model": "reference", "max_tokens": 1}
+    assert _post(server, "/v1/completions", named).status_code == 200
+    for reply, status in ((httpx.get(f"{server.url}/v1/nothing"), 404),
+                          (httpx.get(f"{server.url}/v1/completions"), 405)):
         assert reply.status_code == status and reply.json()["error"]["message"]
     schema = httpx.get(f"{server.url}/openapi.json").json()
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert body["$ref"].endswith("ChatRequest") and "messages" in schema["components"]["schemas"]["ChatRequest"]["properties"]
+    assert body["$ref"].endswith("ChatRequest")
+    assert "messages" in schema["components"]["schemas"]["ChatRequest"]["properties"]
     responses = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Completion")
     assert "text/event-stream" in responses["200"]["content"]
@@ -577,8 +584,8 @@ def test_bench_serve_exits_non_zero_when_a_good_reply_fails(reference, monkeypat
 
 def test_the_memory_bound_counts_quantized_caches_as_they_are_stored(reference):
     """With --kv-bits the printed bound shrinks with the storage and still holds a session filled to its peak."""
-    from sparsegen.serve.server import kv_bound
-    from sparsegen.serve import Sampling
+    from sparsegen.engine import Sampling
+    from sparsegen.serve.worker import kv_bound
 
     model, tokenizer = reference
     limits = Limits(max_sessions=1, max_batch=1)
@@ -598,7 +605,8 @@ def test_a_compressed_context_is_served_by_name(reference):
     model, tokenizer = reference
     document = "It was late in the evening when the old man came back to the house by the river. " * 6
     compressed = sparsegen.compress(model, tokenizer, document, policy="streaming", budget=BUDGET)
-    running = Running(model, tokenizer, Limits(max_sessions=4, max_batch=4, max_tokens=64), contexts={"doc": compressed})
+    running = Running(model, tokenizer, Limits(max_sessions=4, max_batch=4, max_tokens=64),
+                      contexts={"doc": compressed})
     try:
         question = " The old man said that"
         expected = generate(model, tokenizer, context=compressed, question=question, max_new_tokens=12)

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from sparsegen.serve.server import Limits, build_app, run_server
+from sparsegen.serve.schemas import Limits
+from sparsegen.serve.server import build_app, run_server
 from tests.serve.test_server import Running, _free_port, reference, wait_healthy  # noqa: F401  (the fixture)
 
 PROMPTS = [f"Story {i}: once upon a time, in a town by the sea," for i in range(8)]
@@ -124,7 +125,8 @@ def test_an_engine_error_outside_any_reply_fails_those_in_flight_and_the_server_
         async def load():
             async with httpx.AsyncClient(timeout=60) as client:
                 others = [asyncio.create_task(client.post(f"{running.url}/v1/completions",
-                                                          json={"prompt": p, "max_tokens": 2000})) for p in PROMPTS[1:3]]
+                                                          json={"prompt": p, "max_tokens": 2000}))
+                          for p in PROMPTS[1:3]]
                 await asyncio.sleep(0.2)
                 await _streamed(client, running.url, PROMPTS[0], 2000, hang_up_after=2)  # its cancel fails
                 return await asyncio.gather(*others)
@@ -143,8 +145,8 @@ def test_an_engine_error_outside_any_reply_fails_those_in_flight_and_the_server_
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
 def test_a_dead_engine_thread_fails_what_waits_reports_down_and_exits_non_zero(reference, monkeypatch):
+    from sparsegen.engine import Engine
     from sparsegen.kv import make_policy
-    from sparsegen.serve import Engine
 
     class Fatal(BaseException):
         pass

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from sparsegen.kv import POLICIES
-from sparsegen.serve.server import Limits
+from sparsegen.serve.schemas import Limits
 from tests.serve.test_server import Running, reference  # noqa: F401  (the fixture)
 from tests.serve.test_server_chaos import _settle
 
@@ -93,8 +93,8 @@ def test_loose_types_are_refused_not_coerced(server, body):
 def test_every_policy_at_budgets_1_to_4_inspects_and_generates_or_names_the_fix(reference):
     """snapkv, pyramid-snapkv and snapkv-layers at budgets under 4 had an observation window of 0 queries, which
     observed every query: a size mismatch (500 on /v1/inspect)."""
+    from sparsegen.engine.generate import generate
     from sparsegen.eval.inspect import inspect
-    from sparsegen.generation import generate
 
     model, tokenizer = reference
     for name in POLICIES:

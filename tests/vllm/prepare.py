@@ -11,7 +11,7 @@ import torch
 
 from sparsegen.cli import main as sparsegen
 from sparsegen.data import data_dir, read_texts
-from sparsegen.generation import generate_tokens
+from sparsegen.engine.generate import generate_tokens
 from sparsegen.kv import make_policy
 from sparsegen.kv.policies.full import Full
 from sparsegen.models import load

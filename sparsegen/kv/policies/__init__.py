@@ -2,12 +2,28 @@
 itself the same way, in a file of its own, or from an installed package through the ``sparsegen.policies`` entry
 point group."""
 
+# imported for their registration, in the order the CLI lists them
+from sparsegen.kv.policies import (  # noqa: F401  # noqa: F401  # noqa: F401
+    ada_snapkv,
+    adakv,
+    full,
+    h2o,
+    keydiff,
+    knorm,
+    lagkv,
+    pyramid,
+    pyramid_snapkv,
+    random,
+    scissorhands,
+    snapkv,
+    snapkv_layers,
+    streaming,
+    streaming_h2o,
+    tova,
+    window,
+)
 from sparsegen.kv.policy import POLICIES, Policy, policy_options, register_policy
 from sparsegen.plugins import from_entry_points
-# imported for their registration, in the order the CLI lists them
-from sparsegen.kv.policies import full, window, streaming, h2o, streaming_h2o, tova, scissorhands  # noqa: F401
-from sparsegen.kv.policies import snapkv, knorm, keydiff, lagkv, random, pyramid, adakv, ada_snapkv  # noqa: F401
-from sparsegen.kv.policies import pyramid_snapkv, snapkv_layers  # noqa: F401
 
 ENTRY_POINTS = "sparsegen.policies"
 

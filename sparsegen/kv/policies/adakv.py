@@ -22,7 +22,8 @@ class AdaKV(H2O):
                  floor: float = 0.2):
         super().__init__(budget, recent=recent, heavy=heavy, sinks=sinks)
         if not 0 <= floor <= 1:
-            raise ValueError(f"floor (the share of its heavy budget a head always keeps) must be in [0, 1], got {floor}")
+            raise ValueError(f"floor (the share of its heavy budget a head always keeps) must be in [0, 1], got "
+                             f"{floor}")
         self.floor = floor
 
     def priority(self, view: TokenView) -> torch.Tensor:

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-import sparsegen.speculative as speculative
-from sparsegen.decoding import sampling_probs
-from sparsegen.generation import generate_tokens
+import sparsegen.engine.speculative as speculative
+from sparsegen.engine.generate import generate_tokens
+from sparsegen.engine.sampling import sampling_probs
+from sparsegen.engine.speculative import Speculation, best_draft_length, draft_length, draft_policy, speculative_tokens
 from sparsegen.kv import make_policy
-from sparsegen.speculative import Speculation, best_draft_length, draft_length, draft_policy, speculative_tokens
 from tests.kv.families import FAMILIES, VOCAB, tiny_model
 from tests.kv.test_exactness import _padded_batch
 
@@ -235,7 +235,7 @@ def test_bench_cli_speculative_rows(tiny_checkpoint, tmp_path, capsys, corpus, c
 
 def test_rounds_count_the_rows_still_generating():
     """A batch runs rounds until its slowest row is done; the report says how many rows a round served."""
-    from sparsegen.speculative import _Counters
+    from sparsegen.engine.speculative import _Counters
 
     counters = _Counters()
     counters.add(torch.tensor([4, 1]), 4, [True, True], 0.1, 0.2)

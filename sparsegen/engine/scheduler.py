@@ -27,189 +27,41 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decoding import COMPILES, DecodeStep, check_sampling, forward, next_token
 from sparsegen.detokenize import Detokenizer
+from sparsegen.engine.context import CompressedContext
+from sparsegen.engine.memory import KVMemory
+from sparsegen.engine.prefill import PrefillBudget
+from sparsegen.engine.sampling import next_token
+from sparsegen.engine.session import (
+    Job,
+    Prepared,
+    Sampling,
+    Session,
+    SessionsBusy,
+    held_back,
+    template_space,
+    token_logprob,
+)
+from sparsegen.engine.speculative import Speculation, accept, draft_length, draft_token
+from sparsegen.engine.step import COMPILES, DecodeStep, forward
+from sparsegen.engine.template import ChatTemplate
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
-from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.quantized import as_quantization
-from sparsegen.serve.memory import KVMemory
-from sparsegen.serve.template import ChatTemplate
-from sparsegen.speculative import Speculation, accept, draft_length, draft_token
 from sparsegen.kv.rollback import forget_last
 from sparsegen.kv.rows import add_row, park, remove_row, stack
-
-
-@dataclass
-class Sampling:
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # return each reply token's log-probability and this many top alternatives
-    ignore_eos: bool = False  # decode max_tokens even past an end-of-sequence token (fixed-length benchmarks)
-
-    def __post_init__(self):
-        check_sampling(self.temperature, self.top_p, self.seed)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MOST_LOGPROBS):
-            raise ValueError(f"logprobs takes 0 to {MOST_LOGPROBS} alternatives per token, got {self.logprobs!r}")
-
-
-MOST_LOGPROBS = 20  # OpenAI's own limit on top_logprobs
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A reply token's log-probability under the model (before temperature and top-p) and the ``top`` most likely
-    tokens at its place, as ``(token id, log-probability)``."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request's text, tokenized against what its session held: ``ids`` are the tokens of ``text`` past ``base``
-    (the session's text it extends, or "" to start over)."""
-
-    text: str
-    base: str
-    ids: list[int]
-    several_messages: bool
-
-
-class SessionsBusy(RuntimeError):
-    """Every one of ``max_sessions`` sessions is answering a request: a new one must wait for one to finish."""
-
-
-class Session:
-    """One conversation: its cache, and the text that cache holds (plus ``pending``, the last reply token, fed with
-    the next turn)."""
-
-    def __init__(self, session_id: str | None, cache: EvictionCache, draft: EvictionCache | None = None):
-        self.id, self.cache, self.draft = session_id, cache, draft
-        self.context: str | None = None  # the compressed context it starts from (restored when it starts over)
-        self.draft_lag: list[int] = []  # tokens in ``cache`` that the draft cache has not been fed yet
-        self.text = ""
-        self.pending: list[int] = []
-        self.turns = 0
-        self.busy = False
-        self.idle_since = 0.0  # time.monotonic() when its last reply ended
-
-    def release(self) -> None:
-        """Give the caches' memory back now (the session is dropped or starts over)."""
-        for cache in (self.cache, self.draft):
-            if cache is not None:
-                cache.reset()
-
-
-@dataclass
-class Job:
-    session: Session
-    sampling: Sampling
-    prompt_tokens: int  # tokens fed for this turn (the new text only, unless the history was re-encoded)
-    reencoded: bool  # the session's history had to be encoded again (new, evicted, or the messages changed)
-    strip_leading: bool  # a base model's reply starts with the space after "Assistant:": not part of the content
-    generator: torch.Generator | None
-    on_text: Callable[[Job, str], None] | None = None
-    text: Detokenizer | None = None  # the reply's raw text (a base model's template space included)
-    stops: tuple[str, ...] = ()
-    feed: list[int] = field(default_factory=list)  # prompt tokens not encoded yet
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per reply token, when the sampling asks
-    shown: list[str] = field(default_factory=list)  # the reply as returned so far, in the pieces sent
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
-    error: str | None = None
-    cancelled: bool = False
-    lead: int | None = None  # characters of the raw text before the reply (None: not known yet)
-    searched: int = 0  # characters of the raw text already searched for stop strings
-    emitted: int = 0  # characters of the raw text already shown (``lead`` included)
-    served: int = 0  # the engine step that last encoded a chunk of its prompt (or began it)
-    forget: int = 0  # reply tokens in the cache past a stop string: dropped when the row is back in its session
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def content(self) -> str:
-        """The reply as returned: stop strings and what follows them removed."""
-        return "".join(self.shown)
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of ``text`` that may be the start of a stop string (not shown until known)."""
-    held = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), held, -1):  # only lengths that would hold back more
-            if stop.startswith(text[-n:]):
-                held = n
-                break
-    return held
-
-
-def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """``token``'s log-probability under ``logits`` (one row) and the ``top`` likeliest tokens'."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    best = logprobs.topk(top) if top else None
-    pairs = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
-    return TokenLogprob(token, float(logprobs[token]), pairs)
-
-
-def _template_space(reply: str) -> int:
-    """Characters at the start of a base model's reply that are the template's space after "Assistant:", not the
-    reply: that space, unless more whitespace follows (the template renders a reply that starts with whitespace
-    without adding one, and what a client sends back must render as the text the cache holds)."""
-    return 1 if reply.startswith(" ") and not reply[1:2].isspace() else 0
-
+from sparsegen.quant.fast import prompt_matmuls
 
 AUTO = "auto"
 
 
-class PrefillBudget:
-    """``prefill_budget="auto"``: the prompt tokens a step may encode while others decode, kept at what costs about one
-    decode step (Sarathi-Serve's rule: a step with a chunk then takes at most about twice one without, so a long
-    prompt arriving at most doubles the others' inter-token latency). Measured, not modelled: a chunk's cost (its
-    own forward's time, or what it adds to the step it rides in) is ``fixed + per_token × n`` with both unknown and
-    changing with the batch, so after each chunk the size is scaled by (decode step time / chunk cost), at most
-    halved or doubled at once; it settles where a chunk costs a step. When chunks ride in the decode steps, every
-    ``REFRESH``-th step decodes alone, so that the step time aimed at is the present batch's (a long run of prompts
-    would otherwise leave it at a batch long gone)."""
-
-    START = 16
-    REFRESH = 8
-
-    def __init__(self, chunk_size: int):
-        self.chunk_size, self.tokens = chunk_size, min(self.START, chunk_size)
-        self.step_seconds: float | None = None  # a moving average of the decode step's time
-        self.packed = 0  # steps that carried a chunk since the last that decoded alone
-
-    def may_pack(self) -> bool:
-        return self.packed < self.REFRESH
-
-    def decoded(self, seconds: float) -> None:
-        self.step_seconds = seconds if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * seconds
-        self.packed = 0
-
-    def encoded(self, tokens: int, seconds: float) -> None:
-        if self.step_seconds is None or seconds <= 0:
-            return
-        scale = min(2.0, max(0.5, self.step_seconds / seconds))
-        self.tokens = max(1, min(self.chunk_size, round(tokens * scale)))
-
-
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy], positions: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64, max_batch: int = 16,
+    def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy],
+                 positions: str | None = None, chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64,
+                 max_batch: int = 16,
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
                  speculation: Callable[[], Speculation] | None = None,
                  kv_bits: int | KVQuantization | None = None, compile: bool | None = None, kv_memory: int | None = None,
@@ -293,7 +145,7 @@ class Engine:
                              "the context's --policy/--budget/--kv-bits, or compress it under the server's")
 
     def _plan_memory(self, cap: int, idle_grace: float) -> None:
-        """``--kv-memory``: every live session reserves its cache's whole allocation (``sparsegen.serve.memory``)."""
+        """``--kv-memory``: every live session reserves its cache's whole allocation (``sparsegen.engine.memory``)."""
         if self.speculation is not None:
             raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
         config = self.model.config.get_text_config()
@@ -602,7 +454,8 @@ class Engine:
         start = cache.length - (self.offset if cache.length else 0)
         positions = torch.arange(start, start + len(chunk), device=self.device)[None]
         started = time.perf_counter()
-        logits = forward(self.model, cache, torch.tensor([chunk], device=self.device), positions, last=True)
+        with prompt_matmuls():
+            logits = forward(self.model, cache, torch.tensor([chunk], device=self.device), positions, last=True)
         if budget is not None and len(chunk) == tokens:
             budget.encoded(tokens, time.perf_counter() - started)
         self._encoded(job, chunk, logits[0])
@@ -779,7 +632,7 @@ class Engine:
         if job.lead is None:  # a base model's reply starts after the template's space: known from two characters
             if raw.length < 2 and not last:
                 return
-            job.lead = _template_space(raw.text[:2]) if job.strip_leading else 0
+            job.lead = template_space(raw.text[:2]) if job.strip_leading else 0
             job.searched = job.emitted = job.lead
         longest = max(map(len, job.stops), default=0)
         start = max(job.lead, job.searched - longest + 1)  # a match may begin in text searched before
@@ -790,7 +643,7 @@ class Engine:
             self._emit(job, cut)
             self._finish(job, "stop", shown=raw.text[:cut])
             return
-        self._emit(job, raw.length if last else raw.length - _held_back(window, job.stops))
+        self._emit(job, raw.length if last else raw.length - held_back(window, job.stops))
         if last:
             self._finish(job, "stop" if eos else "length")
 

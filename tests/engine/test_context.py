@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import sparsegen
-from sparsegen.decoding import DecodeStep, prefill
+from sparsegen.engine.context import CompressedContext, model_fingerprint
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.context import CompressedContext, model_fingerprint
 from tests.kv.families import VOCAB, tiny_model
 
 CONTEXT = " ".join(["it was the best of times, it was the worst of times, it was the age of wisdom"] * 4)

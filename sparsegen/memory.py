@@ -1,4 +1,5 @@
-"""Peak memory over a block of work: the allocator's peak on CUDA, the process's resident high-water mark on CPU."""
+"""Memory a process holds: its resident size now and at its peak, a device's free memory, and the peak over a block
+of work (the allocator's on CUDA, the resident high-water mark on CPU): what bench, eval and serve report."""
 
 from __future__ import annotations
 

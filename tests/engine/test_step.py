@@ -10,11 +10,12 @@ from functools import partial
 import pytest
 import torch
 
-from sparsegen import decoding
-from sparsegen.decoding import DecodeStep, _step, prefill
+from sparsegen.engine import graph_calls
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.step import DecodeStep, _step
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.quantized import KVQuantization
 from sparsegen.kv.policies import POLICIES
+from sparsegen.kv.quantized import KVQuantization
 from tests.kv.families import VOCAB, tiny_model
 
 BUDGET, PROMPT, STEPS = 10, 6, 8  # the budget fills at the 4th step: steps before and after
@@ -59,6 +60,7 @@ def _through_dynamo(model) -> DecodeStep:
     step = _fixed_as_compiled(model)
     compiled = torch.compile(_step, fullgraph=True, backend="eager", isolate_recompiles=True)
     step._run, step._region = partial(compiled, model), compiled._isolate_recompiles_id
+    step.direct_calls = graph_calls.available(compiled)
     return step
 
 
@@ -344,6 +346,25 @@ def test_a_steady_step_runs_its_graph_without_dynamo_and_gives_the_eager_logits(
     assert step.unguarded_steps == STEPS - 2 * states and len(through_dynamo) == states + 2
 
 
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_without_direct_calls_every_step_goes_through_dynamo_to_the_same_logits(name):
+    """Where this PyTorch lacks what ``graph_calls`` reads, the step keeps to ``torch.compile``'s public path: every
+    step through dynamo (its guards each time), none called directly, the same logits."""
+    assert graph_calls.available(torch.compile(_step, isolate_recompiles=True))  # (this PyTorch: the fast path)
+    assert not graph_calls.available(lambda *args: None)
+    torch._dynamo.reset()
+    budget, room = _sizes(name)
+    model, reference, token, position = _prefilled(name, budget=budget, **room)
+    _, cache, _, _ = _prefilled(name, budget=budget, **room)
+    step = _through_dynamo(model)
+    step.direct_calls = False
+    through_dynamo, run = [], step._run
+    step._run = lambda *args: through_dynamo.append(1) or run(*args)
+    expected = _decode(DecodeStep(model), model, reference, token, position)
+    torch.testing.assert_close(_decode(step, model, cache, token, position), expected, rtol=1e-5, atol=1e-5)
+    assert step.compiled_steps == len(through_dynamo) == STEPS and step.unguarded_steps == 0
+
+
 def _python_state(cache) -> list[dict]:
     """The cache's and its layers' attributes, tensors by value."""
     return [{name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in vars(obj).items()}
@@ -360,7 +381,7 @@ def test_a_steady_step_calls_its_graph_on_recorded_inputs_and_makes_the_recorded
     results = []
     for replay in (True, False):
         if not replay:
-            monkeypatch.setattr(decoding._GraphCall, "_record", lambda self, *args: self.function(*args))
+            monkeypatch.setattr(graph_calls.GraphCall, "_record", lambda self, *args: self.function(*args))
         torch._dynamo.reset()
         budget, room = _sizes(name)
         model, cache, token, position = _prefilled(name, budget=budget, **room)
@@ -489,7 +510,7 @@ def test_a_changed_state_passes_the_guards_again_and_takes_its_own_graph():
 def test_the_compiled_step_builds_on_a_torch_without_a_per_function_recompile_limit(monkeypatch):
     """torch before 2.13 has no ``recompile_limit`` keyword on ``torch.compile`` (an H200 run on torch 2.11 failed on
     it): the step is compiled without it, and dynamo's global limit is raised to the step's instead."""
-    import sparsegen.decoding as decoding
+    import sparsegen.engine.step as decoding
 
     def old_compile(model, *, fullgraph=False, options=None):  # torch.compile's signature before the keyword
         return ("compiled", model, fullgraph, options)

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from sparsegen.models.compat import cache_kwargs
 import sparsegen
 from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.models.compat import cache_kwargs
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,7 @@ class CompressedContext:
     def _check_tensors(self, path: Path, model: torch.nn.Module) -> None:
         """Every tensor as a cache of this model under the saved policy holds it: the names, dtypes and shapes of a
         probe cache fed one token (slot counts as the metadata says), finite values, token ordinals in the context."""
-        from sparsegen.decoding import forward
+        from sparsegen.engine.step import forward
 
         meta, tensors = self.meta, self.tensors
         quant = meta["kv_quantization"]

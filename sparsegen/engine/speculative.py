@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsegen.decoding import GREEDY_BELOW, DecodeStep, check_sampling, forward, next_token, prefill, sampling_probs
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.sampling import GREEDY_BELOW, check_sampling, next_token, sampling_probs
+from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.kv import EvictionCache, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.policies.full import Full

@@ -8,9 +8,9 @@ import weakref
 import pytest
 import torch
 
+from sparsegen.engine import Engine, Sampling, scheduler
+from sparsegen.engine.speculative import Speculation, draft_policy
 from sparsegen.kv import make_policy
-from sparsegen.serve import Engine, Sampling
-from sparsegen.speculative import Speculation, draft_policy
 from tests.kv.families import VOCAB, tiny_model
 from tests.serve.ids import IdTokenizer
 
@@ -112,7 +112,7 @@ def test_an_error_between_steps_is_recovered_without_a_tensor_touched(model, mon
     for _ in range(6):
         engine.step(jobs)
     assert engine._batch is not None
-    monkeypatch.setattr(type(engine._batch), "remove_row", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
+    monkeypatch.setattr(scheduler, "remove_row", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
     engine.recover(jobs, RuntimeError("the worker failed"))
     assert all(job.finish_reason == "error" for job in jobs) and engine._batch is None
     assert all(not s.busy and s.cache.length == 0 and s.text == "" for s in engine.sessions.values())

@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 
+from sparsegen.engine import Engine, Sampling
 from sparsegen.kv import make_policy
 from sparsegen.models.spec import kv_bytes_per_token
-from sparsegen.serve import Engine, Sampling
-from sparsegen.serve.server import Limits
+from sparsegen.serve.schemas import Limits
 from tests.kv.families import tiny_model
 from tests.serve.ids import IdTokenizer
 from tests.serve.test_server import Running, reference  # noqa: F401  (the fixture)

@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsegen.decoding import GREEDY_BELOW, DecodeStep, check_sampling, next_token, prefill
 from sparsegen.detokenize import Detokenizer
+from sparsegen.engine.context import CompressedContext
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.sampling import GREEDY_BELOW, check_sampling, next_token
+from sparsegen.engine.speculative import Speculation, draft_policy, speculative_tokens
+from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
-from sparsegen.kv.context import CompressedContext
 from sparsegen.kv.quantized import policy_and_bits
 from sparsegen.models.anatomy import weights_of
-from sparsegen.speculative import Speculation, draft_policy, speculative_tokens
 
 
 @dataclass

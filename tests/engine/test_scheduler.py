@@ -1,15 +1,15 @@
 import pytest
 import torch
 
-from sparsegen.models.compat import cache_kwargs
 import sparsegen
-from sparsegen.generation import generate
+from sparsegen.engine import ChatTemplate, Engine, Sampling
+from sparsegen.engine.generate import generate
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.serve import ChatTemplate, Engine, Sampling
+from sparsegen.kv.rows import stack
+from sparsegen.models.compat import cache_kwargs
 from sparsegen.serve.chat import chat
 from tests.kv.families import VOCAB, tiny_model
 from tests.serve.ids import IdTokenizer
-from sparsegen.kv.rows import stack
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_sampling_settings_are_checked(bad):
 
 
 def test_one_failing_reply_in_a_batched_step_fails_only_itself(reference, monkeypatch):
-    import sparsegen.serve.engine as engine_module
+    import sparsegen.engine.scheduler as engine_module
 
     model, tokenizer = reference
     engine = Engine(model, tokenizer, lambda: make_policy("window", 64))
@@ -277,25 +277,25 @@ def test_a_reply_cut_at_a_stop_string_leaves_the_session_extendable(reference):
 
 
 def test_stop_strings_are_searched_only_in_new_text():
-    from sparsegen.serve.engine import _held_back
+    from sparsegen.engine.session import held_back
 
-    assert _held_back("the end is nea", ("near", "x")) == 3 and _held_back("abc", ("zzz",)) == 0
-    assert _held_back("ab", ("abab",)) == 2 and _held_back("aba", ("abab",)) == 3
+    assert held_back("the end is nea", ("near", "x")) == 3 and held_back("abc", ("zzz",)) == 0
+    assert held_back("ab", ("abab",)) == 2 and held_back("aba", ("abab",)) == 3
 
 
 
 @pytest.mark.parametrize("reply", [" plain", "  two spaces", " \nnewline", "\nno space", " "])
 def test_a_reply_sent_back_renders_as_the_text_the_cache_holds(reference, reply):
-    from sparsegen.serve.engine import _template_space
+    from sparsegen.engine.session import template_space
 
-    content = reply[_template_space(reply):]
+    content = reply[template_space(reply):]
     rendered = ChatTemplate(reference[1]).render([{"role": "user", "content": "hi"},
                                                   {"role": "assistant", "content": content}])
     assert rendered.startswith("User: hi\nAssistant:" + reply + "\n")
 
 
 def _speculating(model, tokenizer, draft="window:6", k=3, **kw):
-    from sparsegen.speculative import Speculation, draft_policy
+    from sparsegen.engine.speculative import Speculation, draft_policy
 
     return Engine(model, tokenizer, lambda: make_policy("full"), chunk_size=kw.pop("chunk_size", 16),
                   speculation=lambda: Speculation(draft_policy(draft), k), **kw)
@@ -347,7 +347,7 @@ def test_a_speculative_reply_cut_at_a_stop_string_forgets_what_follows(reference
 
 
 def test_speculation_needs_the_full_cache_and_a_fixed_draft_length(reference):
-    from sparsegen.speculative import Speculation
+    from sparsegen.engine.speculative import Speculation
 
     model, tokenizer = reference
     with pytest.raises(ValueError, match="--policy full"):
@@ -453,7 +453,7 @@ def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_
 
 
 def test_an_auto_prefill_budget_settles_where_a_chunk_costs_one_decode_step():
-    from sparsegen.serve.engine import PrefillBudget
+    from sparsegen.engine.prefill import PrefillBudget
 
     budget = PrefillBudget(chunk_size=256)
     assert budget.tokens == 16
@@ -521,7 +521,7 @@ def test_a_warm_up_compiles_every_graph_that_traffic_then_meets(policy, monkeypa
     """``serve`` warms up before ``/health`` says ok: afterwards, replies alone and stacked at every batch size up to
     ``max_batch`` (joining and leaving) compile nothing more, and the warm-up leaves no session and no count. (An
     unbounded policy's slots are one shape with ``max_context``.)"""
-    import sparsegen.decoding as decoding
+    import sparsegen.engine.step as decoding
 
     graphs = []
 
