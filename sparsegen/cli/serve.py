@@ -120,10 +120,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args)
     engine = _engine(args, model, tokenizer)
     if engine.decode.compiled:  # (before /health answers: no request waits on a compile)
+        from sparsegen.engine.warmup import warm_up
         from sparsegen.models.anatomy import weights_of
 
         started = time.perf_counter()
-        warm = engine.warm_up(rows=min(3, args.max_batch))
+        warm = warm_up(engine, rows=min(3, args.max_batch))
         print(f"sparsegen serve: decode step ready in {time.perf_counter() - started:.1f} s ({warm['compiles']} "
               f"compiles, {warm['seconds']:.1f} s; {weights_of(model)} weights)", flush=True)
     app = build_app(engine, limits, args.model, defaults)

@@ -236,6 +236,18 @@ class CompressedContext:
             context._check_tensors(path, model)
         return context
 
+    def check_served(self, name: str, model: torch.nn.Module, cache: EvictionCache) -> None:
+        """Refuse to serve this context from a model that did not compress it, or beside sessions whose caches
+        (``cache``: an empty one of the server's) hold another policy: a server's sessions decode batched, under one
+        policy."""
+        self.check(model)
+        ours = {**cache.policy.describe(), **(cache.quantization.describe() if cache.quantization else {}),
+                "positions": cache.positions}
+        theirs = {**self.meta["policy"], **(self.meta["kv_quantization"] or {}), "positions": self.meta["positions"]}
+        if ours != theirs:
+            raise ValueError(f"context {name!r} was compressed under {theirs}, this server runs {ours}: serve with "
+                             "the context's --policy/--budget/--kv-bits, or compress it under the server's")
+
     def _check_tensors(self, path: Path, model: torch.nn.Module) -> None:
         """Every tensor as a cache of this model under the saved policy holds it: the names, dtypes and shapes of a
         probe cache fed one token (slot counts as the metadata says), finite values, token ordinals in the context."""

@@ -19,7 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sparsegen.kv import EvictionCache
+import torch
+
+from sparsegen.kv import EvictionCache, KVQuantization
 
 
 @dataclass
@@ -80,3 +82,13 @@ class KVMemory:
         return {"kv_memory_bytes": self.cap, "kv_bytes_reserved": self.reserved,
                 "kv_bytes_free": self.cap - self.reserved, "live_sessions": len(self.live),
                 "most_live_sessions": self.most_live}
+
+
+def kv_costs(model: torch.nn.Module, quantization: KVQuantization | None) -> tuple[int, int]:
+    """K/V bytes of one token over all layers, and of one sequence besides its tokens (a quantized cache's scales and
+    residual), at the model's dtype and ``quantization``."""
+    from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
+
+    element = next(model.parameters()).element_size()
+    return (kv_bytes_per_token(model.config, element, quantization),
+            kv_bytes_per_sequence(model.config, element, quantization))

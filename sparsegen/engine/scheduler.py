@@ -32,7 +32,7 @@ import torch
 
 from sparsegen.detokenize import Detokenizer
 from sparsegen.engine.context import CompressedContext
-from sparsegen.engine.memory import KVMemory
+from sparsegen.engine.memory import KVMemory, kv_costs
 from sparsegen.engine.prefill import PrefillBudget
 from sparsegen.engine.sampling import next_token
 from sparsegen.engine.session import (
@@ -45,8 +45,8 @@ from sparsegen.engine.session import (
     template_space,
     token_logprob,
 )
-from sparsegen.engine.speculative import Speculation, accept, draft_length, draft_token
-from sparsegen.engine.step import COMPILES, DecodeStep, forward
+from sparsegen.engine.speculative import ConversationDrafts, Speculation
+from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.engine.template import ChatTemplate
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
@@ -104,20 +104,16 @@ class Engine:
         self._rows: list[Job] = []  # whose reply each row of it is
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
         self.make_policy()  # a bad policy or budget fails here, before any request
-        self.speculation, self.drafter = speculation, model
+        self.speculation = speculation
         self.quantization = as_quantization(kv_bits)
         if speculation is not None and kv_bits is not None:
             raise ValueError("speculative decoding verifies with the model's own full cache: drop --kv-bits")
-        if speculation is not None:
-            self.drafter = speculation().model or model
-            if make_policy().budget is not None:
-                raise ValueError("speculative decoding verifies with the full cache: use --policy full (the draft "
-                                 "cache takes --speculative's policy)")
-            self.draft_tokens = draft_length(speculation().draft_tokens)
-            if self.draft_tokens == "auto":
-                raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
+        if speculation is not None and make_policy().budget is not None:
+            raise ValueError("speculative decoding verifies with the full cache: use --policy full (the draft "
+                             "cache takes --speculative's policy)")
+        self.drafts = None if speculation is None else ConversationDrafts(model, speculation, chunk_size, compile)
         self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
-        self.decode, self.draft_step = DecodeStep(model, compile), DecodeStep(self.drafter, compile)
+        self.decode = DecodeStep(model, compile)
         self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0,
                               # steps that carried a prompt chunk, their decode tokens and seconds (within the above)
                               "packed_steps": 0, "packed_decode_tokens": 0, "packed_seconds": 0.0})
@@ -126,23 +122,10 @@ class Engine:
             self._plan_memory(kv_memory, idle_grace)
         self.contexts = dict(contexts or {})
         for name, context in self.contexts.items():
-            self._check_context(name, context)
-
-    def _check_context(self, name: str, context: CompressedContext) -> None:
-        """A compressed context is served only by the model that compressed it, under this engine's own policy
-        (its sessions decode batched with the others, which needs one policy)."""
-        if self.speculation is not None:
-            raise ValueError("--context starts sessions from a compressed cache; speculative decoding would need "
-                             "its draft cache too: drop --speculative")
-        context.check(self.model)
-        cache = self.new_cache()
-        ours = {**cache.policy.describe(), **(cache.quantization.describe() if cache.quantization else {}),
-                "positions": cache.positions}
-        theirs = {**context.meta["policy"], **(context.meta["kv_quantization"] or {}),
-                  "positions": context.meta["positions"]}
-        if ours != theirs:
-            raise ValueError(f"context {name!r} was compressed under {theirs}, this server runs {ours}: serve with "
-                             "the context's --policy/--budget/--kv-bits, or compress it under the server's")
+            if self.speculation is not None:
+                raise ValueError("--context starts sessions from a compressed cache; speculative decoding would "
+                                 "need its draft cache too: drop --speculative")
+            context.check_served(name, model, self.new_cache())
 
     def _plan_memory(self, cap: int, idle_grace: float) -> None:
         """``--kv-memory``: every live session reserves its cache's whole allocation (``sparsegen.engine.memory``)."""
@@ -153,16 +136,7 @@ class Engine:
             self.max_context = getattr(config, "max_position_embeddings", None)
             if self.max_context is None:
                 raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
-        self.memory = KVMemory.plan(self.new_cache(), *self.kv_costs(), cap, idle_grace)
-
-    def kv_costs(self) -> tuple[int, int]:
-        """K/V bytes of one token over all layers, and of one sequence besides its tokens (a quantized cache's
-        scales and residual), at this engine's dtype and ``--kv-bits``."""
-        from sparsegen.models.spec import kv_bytes_per_sequence, kv_bytes_per_token
-
-        element = next(self.model.parameters()).element_size()
-        return (kv_bytes_per_token(self.model.config, element, self.quantization),
-                kv_bytes_per_sequence(self.model.config, element, self.quantization))
+        self.memory = KVMemory.plan(self.new_cache(), *kv_costs(self.model, self.quantization), cap, idle_grace)
 
     def _drop(self, session: Session) -> None:
         """A live session dropped for memory: its cache freed; its next request re-encodes its history."""
@@ -179,7 +153,7 @@ class Engine:
         policy = self.make_policy()
         one_shape = self.decode.compiled and policy.budget is None  # (a bounded policy's slots are its budget)
         cache = EvictionCache(self.model, policy, positions=self.positions, chunk_size=self.chunk_size,
-                              rollback=self.draft_tokens if self.speculation is not None else 0,
+                              rollback=self.drafts.tokens if self.drafts is not None else 0,
                               kv_bits=self.quantization, max_length=self.max_context,
                               expected_length=self.max_context if self.memory is not None or one_shape else None)
         if self.decode.compiled:
@@ -187,11 +161,7 @@ class Engine:
         return cache
 
     def _new_draft(self) -> EvictionCache | None:
-        if self.speculation is None:
-            return None
-        spec = self.speculation()
-        return EvictionCache(self.drafter, spec.policy, positions=spec.positions,
-                             chunk_size=self.chunk_size, rollback=self.draft_tokens)
+        return None if self.drafts is None else self.drafts.new_cache()
 
     def session(self, session_id: str | None) -> Session:
         """The session with this id (created if new; the least recently used idle one is dropped beyond
@@ -322,34 +292,6 @@ class Engine:
                    on_text=on_text, text=Detokenizer(self.tokenizer), feed=ids, served=self._ticks,
                    stops=tuple(sampling.stop) + tuple(self.template.stop if strip else ()))
 
-    def warm_up(self, rows: int = 3, tokens: int = 4) -> dict:
-        """Compile, before any request, the decode step's graphs that traffic meets, so that no reply waits on a
-        compile: throwaway replies of one prompt decode alone (a session's own cache), then ``rows`` of them
-        stacked, finishing one after another (the batched cache at ``rows`` down to 1 rows: at its second batch size
-        dynamo compiles a graph whose batch size is a variable, which every later size takes). An unbounded policy's
-        slots are fixed only with ``max_context`` (its sessions then allocate it at once); without, each larger
-        allocation of a growing conversation is a graph of its own, compiled when first met. Their caches and the
-        counters are given back; returns ``{"compiles", "seconds"}`` (``COMPILES``' count and seconds it added)."""
-        if not self.decode.compiled:
-            return {"compiles": 0, "seconds": 0.0}
-        counters, (count, seconds) = dict(self.counters), (COMPILES.count, COMPILES.seconds)
-        rows = max(1, min(rows, self.max_batch))
-        vocab = self.model.config.vocab_size  # (any text: ordinary tokens from the middle of the vocabulary)
-        prompt = self.tokenizer.decode([(vocab // 2 + i) % vocab for i in range(8)])
-        for group in ([tokens], [tokens + 2 * row for row in range(rows)] if rows > 1 else []):
-            jobs = [self.begin(self.session(None), Sampling(max_tokens=n, ignore_eos=True), prompt=prompt)
-                    for n in group]
-            while not all(job.done for job in jobs):
-                self.step(jobs)
-            for job in jobs:
-                self.settle(job)
-            failed = next((job.error for job in jobs if job.error), None)
-            if failed is not None:
-                raise RuntimeError(f"the decode step failed while warming up: {failed}")
-        self.counters.clear()
-        self.counters.update(counters)
-        return {"compiles": COMPILES.count - count, "seconds": COMPILES.seconds - seconds}
-
     def unbegun(self, session: Session, in_doubt: bool) -> None:
         """After ``begin`` failed in ``session``: a session-less request gives back the K/V memory it reserved; a
         failure other than bad input (``in_doubt``: the session may be half set up) starts the session over, its
@@ -472,49 +414,7 @@ class Engine:
                 self._close(job)
 
     def _speculate(self, job: Job) -> None:
-        """One speculative round for a reply decoding alone: the draft cache catches up (the tokens it missed and the
-        last sampled one), drafts ``K`` tokens, the session's full cache checks them in one forward; both caches keep
-        what was accepted, and every accepted token goes through ``_take`` as a decoded one would."""
-        session, sampling = job.session, job.sampling
-        target, draft, drafter = session.cache, session.draft, self.drafter
-        k = min(self.draft_tokens, sampling.max_tokens - len(job.tokens) - 1)
-        catch_up, session.draft_lag = session.draft_lag + job.tokens[-1:], []
-        start = draft.length - (self.offset if draft.length else 0)
-        for i in range(0, len(catch_up), self.chunk_size):  # the missed tokens, a chunk at a time
-            chunk = catch_up[i:i + self.chunk_size]
-            logits = forward(drafter, draft, torch.tensor([chunk], device=self.device),
-                             torch.arange(start + i, start + i + len(chunk), device=self.device)[None], last=True)[0]
-        drafts, probs = [], []
-        position = start + len(catch_up)
-        for i in range(k):
-            if i:
-                logits = self.draft_step(draft, torch.tensor([drafts[-1]], device=self.device),
-                                         torch.tensor([position + i - 1], device=self.device))[0]
-            token, distribution = draft_token(logits, sampling.temperature, sampling.top_p, job.generator)
-            drafts.append(int(token))
-            if distribution is not None:
-                probs.append(distribution)
-        first = target.length - self.offset
-        verify = torch.tensor([job.tokens[-1:] + drafts], device=self.device)
-        logits = forward(self.model, target, verify, torch.arange(first, first + k + 1, device=self.device)[None])
-        accepted, bonus = accept(torch.tensor([drafts], device=self.device),
-                                 torch.stack(probs)[None] if probs else None, logits, sampling.temperature,
-                                 sampling.top_p, job.generator)
-        n = int(accepted)
-        forget_last(target, k - n)
-        if n < k:
-            forget_last(draft, k - 1 - n)
-        else:
-            session.draft_lag = drafts[-1:]
-        self.counters["drafted_tokens"] += k
-        self.counters["accepted_tokens"] += n
-        kept = drafts[:n] + [int(bonus)]
-        for taken, token in enumerate(kept, 1):
-            self.counters["decode_tokens"] += 1
-            self._take(job, token, logits[0, taken - 1])
-            if job.done:  # the caches hold every reply token but the last: drop the accepted ones after it
-                self._forget(session, len(kept) - taken)
-                return
+        self.drafts.round(self.model, job, self.offset, self._take, self._forget, self.counters)
 
     def _forget(self, session: Session, tokens: int) -> None:
         """Drop the newest ``tokens`` from the session's cache and, where it has them, its draft cache."""

@@ -23,6 +23,7 @@ import torch
 
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.sampling import GREEDY_BELOW, check_sampling, next_token, sampling_probs
+from sparsegen.engine.session import Job
 from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.kv import EvictionCache, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
@@ -349,3 +350,71 @@ def _check_vocabularies(model: torch.nn.Module, drafter: torch.nn.Module) -> Non
     if sizes[0] != sizes[1]:
         raise ValueError(f"the draft model's vocabulary ({sizes[1]} tokens) is not the model's ({sizes[0]}): draft "
                          "with a compressed copy of the same model (same tokenizer)")
+
+
+class ConversationDrafts:
+    """Speculation for a server's conversations (``sparsegen.engine.scheduler``): each session's draft cache under
+    the draft policy, and a round for a reply decoding alone. Replies decoding together step one token at a time;
+    what their draft caches missed meanwhile is fed with the next round, so no draft cache re-reads the history."""
+
+    def __init__(self, model: torch.nn.Module, speculation: Callable[[], Speculation], chunk_size: int,
+                 compile: bool | None):
+        self.speculation, self.chunk_size = speculation, chunk_size
+        self.drafter = speculation().model or model
+        self.tokens = draft_length(speculation().draft_tokens)
+        if self.tokens == "auto":
+            raise ValueError("the engine drafts a fixed number of tokens per round: give --draft-tokens K")
+        self.step = DecodeStep(self.drafter, compile)
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> EvictionCache:
+        spec = self.speculation()
+        return EvictionCache(self.drafter, spec.policy, positions=spec.positions, chunk_size=self.chunk_size,
+                             rollback=self.tokens)
+
+    def round(self, model: torch.nn.Module, job: Job, offset: int, take: Callable, forget: Callable,
+              counters: dict) -> None:
+        """One speculative round for a reply decoding alone: the draft cache catches up (the tokens it missed and the
+        last sampled one), drafts ``K`` tokens, the session's full cache checks them in one forward; both caches keep
+        what was accepted, and every accepted token goes through ``take`` as a decoded one would (``forget``: the
+        accepted tokens past a reply's end)."""
+        session, sampling = job.session, job.sampling
+        target, draft, drafter = session.cache, session.draft, self.drafter
+        k = min(self.tokens, sampling.max_tokens - len(job.tokens) - 1)
+        catch_up, session.draft_lag = session.draft_lag + job.tokens[-1:], []
+        start = draft.length - (offset if draft.length else 0)
+        for i in range(0, len(catch_up), self.chunk_size):  # the missed tokens, a chunk at a time
+            chunk = catch_up[i:i + self.chunk_size]
+            logits = forward(drafter, draft, torch.tensor([chunk], device=self.device),
+                             torch.arange(start + i, start + i + len(chunk), device=self.device)[None], last=True)[0]
+        drafts, probs = [], []
+        position = start + len(catch_up)
+        for i in range(k):
+            if i:
+                logits = self.step(draft, torch.tensor([drafts[-1]], device=self.device),
+                                         torch.tensor([position + i - 1], device=self.device))[0]
+            token, distribution = draft_token(logits, sampling.temperature, sampling.top_p, job.generator)
+            drafts.append(int(token))
+            if distribution is not None:
+                probs.append(distribution)
+        first = target.length - offset
+        verify = torch.tensor([job.tokens[-1:] + drafts], device=self.device)
+        logits = forward(model, target, verify, torch.arange(first, first + k + 1, device=self.device)[None])
+        accepted, bonus = accept(torch.tensor([drafts], device=self.device),
+                                 torch.stack(probs)[None] if probs else None, logits, sampling.temperature,
+                                 sampling.top_p, job.generator)
+        n = int(accepted)
+        forget_last(target, k - n)
+        if n < k:
+            forget_last(draft, k - 1 - n)
+        else:
+            session.draft_lag = drafts[-1:]
+        counters["drafted_tokens"] += k
+        counters["accepted_tokens"] += n
+        kept = drafts[:n] + [int(bonus)]
+        for taken, token in enumerate(kept, 1):
+            counters["decode_tokens"] += 1
+            take(job, token, logits[0, taken - 1])
+            if job.done:  # the caches hold every reply token but the last: drop the accepted ones after it
+                forget(session, len(kept) - taken)
+                return

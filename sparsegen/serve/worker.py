@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sparsegen.engine.memory import kv_costs
 from sparsegen.engine.scheduler import Engine
 from sparsegen.engine.session import Job, Prepared, Sampling, SessionsBusy, TokenLogprob
 from sparsegen.serve.schemas import ApiError, ChatRequest, GenerationRequest, Limits, shutting_down
@@ -325,7 +326,7 @@ def kv_bound(engine: Engine, limits: Limits) -> int:
     stacked copy of a full decode batch; under ``--kv-memory``, its cap."""
     if engine.memory is not None:
         return engine.memory.cap
-    per_token, per_row = engine.kv_costs()
+    per_token, per_row = kv_costs(engine.model, engine.quantization)
     budget = engine.make_policy().budget
     per_session = (budget + engine.chunk_size) * per_token + per_row
     return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * ((budget + 1) * per_token

@@ -4,6 +4,7 @@ import torch
 import sparsegen
 from sparsegen.engine import ChatTemplate, Engine, Sampling
 from sparsegen.engine.generate import generate
+from sparsegen.engine.warmup import warm_up
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.rows import stack
 from sparsegen.models.compat import cache_kwargs
@@ -534,7 +535,7 @@ def test_a_warm_up_compiles_every_graph_that_traffic_then_meets(policy, monkeypa
     monkeypatch.setattr(decoding, "_compiled_step", lambda cuda_graphs: compiled)
     engine = Engine(tiny_model("llama"), IdTokenizer(), lambda: make_policy(policy, None if policy == "full" else 12),
                     chunk_size=5, max_batch=4, compile=True, max_context=64 if policy == "full" else None)
-    engine.warm_up(rows=3)
+    warm_up(engine, rows=3)
     warmed = len(graphs)
     assert warmed >= 2 and engine.counters["requests"] == 0 and not engine.sessions and engine.kv_bytes() == 0
     generator = torch.Generator().manual_seed(1)
