@@ -392,7 +392,7 @@ class ConversationDrafts:
         for i in range(k):
             if i:
                 logits = self.step(draft, torch.tensor([drafts[-1]], device=self.device),
-                                         torch.tensor([position + i - 1], device=self.device))[0]
+                                   torch.tensor([position + i - 1], device=self.device))[0]
             token, distribution = draft_token(logits, sampling.temperature, sampling.top_p, job.generator)
             drafts.append(int(token))
             if distribution is not None:
