@@ -21,6 +21,7 @@ import hmac
 import itertools
 import json
 import logging
+import signal
 import sys
 import time
 import uuid
@@ -515,9 +516,10 @@ def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "warning", shutdown_grace: float = 30.0):
     """A uvicorn server of ``app`` on this server's HTTP protocol (``sparsegen.serve.protocol``) that drains on
-    SIGTERM or Ctrl-C: no new connection or request is taken (queued ones get 503), the replies in flight have
-    ``shutdown_grace`` seconds to finish, then each ends with a 503 (a stream: an error event and ``[DONE]``), and
-    ``run`` returns (no re-raised signal: the process exits 0). A second Ctrl-C stops at once."""
+    SIGTERM or Ctrl-C: no new request starts (it and the queued ones get 503, ``/health`` says ``draining``), the
+    replies in flight have ``shutdown_grace`` seconds to finish, then each ends with a 503 (a stream: an error event
+    and ``[DONE]``). Only when none is left does the server stop listening, and ``run`` returns (no re-raised signal:
+    the process exits 0). A second Ctrl-C stops at once."""
     import uvicorn
 
     from sparsegen.serve.protocol import protocol
@@ -527,14 +529,16 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "warning", 
         raise ValueError(f"the shutdown grace is a number of seconds >= 0, got {shutdown_grace!r}")
     drain = app.state.drain
 
+    worker: Worker = app.state.worker
+
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
+        def handle_exit(self, sig, frame) -> None:  # (uvicorn's own would re-raise the signal after its stop)
+            if not (worker.draining or self.should_exit):
+                # uvicorn's stop closes the listener and the idle connections: it waits until every reply is answered
+                worker.on_drained = lambda: setattr(self, "should_exit", True)
                 drain(shutdown_grace)
-            super().handle_exit(sig, frame)
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):  # uvicorn re-raises the signal after a shutdown; a drained one exits 0
-                captured.clear()
+            elif sig == signal.SIGINT:  # a second Ctrl-C
+                self.should_exit = self.force_exit = True
 
     # uvicorn's own wait for open connections outlasts the drain, which answers every request by its end
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol(

@@ -121,7 +121,8 @@ class Worker(threading.Thread):
     of an error: one in a reply fails that reply (the engine's own guard), one anywhere else fails the replies in
     flight, whose sessions start over (``rebuilds``, logged once each). If it dies anyway (a ``BaseException``), it
     fails everything waiting and calls ``on_death``: the server then reports it and exits. ``drain``: a graceful
-    stop (SIGTERM) — nothing new starts, the replies in flight finish within a grace, then fail with a 503."""
+    stop (SIGTERM) — nothing new starts, the replies in flight finish within a grace, then fail with a 503; once none
+    is left it calls ``on_drained`` (the server then stops listening)."""
 
     def __init__(self, engine: Engine, limits: Limits):
         super().__init__(name="sparsegen-engine", daemon=True)
@@ -137,6 +138,7 @@ class Worker(threading.Thread):
         self.last_rebuild: str | None = None
         self.died: str | None = None
         self.on_death: Callable[[], None] | None = None
+        self.on_drained: Callable[[], None] | None = None
         self.snapshot: dict = {}
         self._publish()
 
@@ -193,6 +195,9 @@ class Worker(threading.Thread):
             self.engine.step([p.job for p in self.active])
             self._retire()
         elif self.draining:
+            if self.on_drained is not None:  # every reply is answered: the server may stop listening
+                self.on_drained()
+                self.on_drained = None
             time.sleep(0.02)  # nothing left to do but answer what arrives until the server stops
 
     def _refuse_waiting(self) -> None:
