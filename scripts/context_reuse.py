@@ -39,9 +39,9 @@ def main() -> None:
           "(per question) | speedup over the questions | same answers |")
     print("|---|---|---|---|---|---|---|")
     for name in args.policies.split(","):
-        options = dict(policy=name, budget=None if name == "full" else float(args.budget))
+        spec = sparsegen.PolicySpec.sharing(name, float(args.budget))
         t0 = time.perf_counter()
-        context = sparsegen.compress(model, tokenizer, document, **options)
+        context = sparsegen.compress(model, tokenizer, document, spec)
         with tempfile.TemporaryDirectory() as folder:
             path = context.save(Path(folder) / "doc.safetensors")
             size = path.stat().st_size
@@ -52,8 +52,8 @@ def main() -> None:
                                    stop_at_eos=False).text for q in QUESTIONS]
         reuse_seconds = (time.perf_counter() - t0) / len(QUESTIONS)
         t0 = time.perf_counter()
-        each = [sparsegen.generate(model, tokenizer, context=document, question=q, max_new_tokens=args.max_new_tokens,
-                                   stop_at_eos=False, **options).text for q in QUESTIONS]
+        each = [sparsegen.generate(model, tokenizer, policy=spec, context=document, question=q,
+                                   max_new_tokens=args.max_new_tokens, stop_at_eos=False).text for q in QUESTIONS]
         each_seconds = (time.perf_counter() - t0) / len(QUESTIONS)
         total_once = compress_seconds + reuse_seconds * len(QUESTIONS)
         print(f"| {name} | {compress_seconds:.2f} | {size / 2**20:.1f} | {reuse_seconds:.2f} | {each_seconds:.2f} | "

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 import sparsegen
 from sparsegen.data import data_dir
 from sparsegen.eval import ruler
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 from sparsegen.kv.policies import policy_class, policy_options
 
 PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress", "tova": "TOVAPress",
@@ -206,7 +206,7 @@ def main() -> None:
             t0 = time.perf_counter()
             options = {"window": args.window} if "window" in policy_options(policy_class(method)) else {}
             results = ruler.evaluate(model, tokenizer, samples,
-                                     lambda n, m=method: make_policy(m, args.budget, n, **options),
+                                     PolicySpec(method, args.budget, options),
                                      protocol=protocols[library], progress=False)
             for r, sample in zip(results, samples):
                 r["kv_tokens"] = round(args.budget * sample.context_tokens)  # after the context

@@ -19,7 +19,7 @@ import sparsegen
 import sparsegen.kv.attention as attention
 from sparsegen.data import data_dir
 from sparsegen.eval import ruler
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 
 
 def main() -> None:
@@ -41,16 +41,13 @@ def main() -> None:
     decide = attention._first_pass_band
     rows = []
     for name in args.policies.split(","):
-        def make(context: int, name=name):
-            return make_policy(name, None if name == "full" else args.budget, input_length=context)
-
         runs = {"masked": [], "banded": []}
         for _ in range(args.repeats):
             for way in runs:
                 attention._first_pass_band = decide if way == "banded" else (lambda *a: None)
                 started = time.perf_counter()
-                result = ruler.evaluate(model, tokenizer, [sample], make, args.protocol, progress=False,
-                                        compile=args.compile)[0]
+                result = ruler.evaluate(model, tokenizer, [sample], PolicySpec.sharing(name, args.budget),
+                                        args.protocol, progress=False, compile=args.compile)[0]
                 runs[way].append((time.perf_counter() - started, result["answer"], result["score"]))
         attention._first_pass_band = decide
         best = {way: min(r[0] for r in runs[way]) for way in runs}

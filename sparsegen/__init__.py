@@ -15,7 +15,7 @@ from sparsegen.engine.context import CompressedContext
 from sparsegen.engine.generate import Generation, compare, compress, generate
 from sparsegen.engine.speculative import Speculation
 from sparsegen.eval.inspect import inspect
-from sparsegen.kv import EvictionCache, Policy, TokenView, make_policy, patched
+from sparsegen.kv import EvictionCache, Policy, PolicySpec, TokenView, make_policy, patched
 from sparsegen.models import ModelLoadError, ModelSpec, model_spec
 from sparsegen.models.compat import cache_kwargs
 from sparsegen.prompt import PromptPrefix, TuneConfig, tune_prompt
@@ -24,7 +24,7 @@ from sparsegen.quant import QuantizeConfig, quantize_model
 
 __version__ = "0.1.0"
 __all__ = ["CompressedContext", "Contextual", "DejaVuConfig", "EvictionCache", "Generation", "ModelLoadError",
-           "ModelSpec", "Policy", "PromptPrefix", "PruneConfig", "QuantizeConfig", "Speculation", "TokenView",
-           "TuneConfig", "cache_kwargs", "compare", "compress", "fit_dejavu", "fit_teal", "generate", "inspect",
-           "load", "make_policy", "model_spec", "patched", "prune_model", "quantize_model", "save_pruned",
+           "ModelSpec", "Policy", "PolicySpec", "PromptPrefix", "PruneConfig", "QuantizeConfig", "Speculation",
+           "TokenView", "TuneConfig", "cache_kwargs", "compare", "compress", "fit_dejavu", "fit_teal", "generate",
+           "inspect", "load", "make_policy", "model_spec", "patched", "prune_model", "quantize_model", "save_pruned",
            "tune_prompt", "__version__"]

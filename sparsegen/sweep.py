@@ -161,16 +161,14 @@ def run_cell(cell: dict) -> dict:
     import torch
 
     from sparsegen.data import data_dir, leading_bos
-    from sparsegen.kv import make_policy
+    from sparsegen.kv import PolicySpec
     from sparsegen.models import load
 
     torch.set_num_threads(cell["threads"])
     t0 = time.perf_counter()
     model, tokenizer = load(cell["model"])
-    length, budget = cell["length"], cell["budget"]
-
-    def make(input_length: int = length):  # (ruler: a fractional budget is of each prompt's context, as the command's)
-        return make_policy(cell["policy"], budget, input_length=input_length, **cell.get("policy_options", {}))
+    length = cell["length"]
+    policy = PolicySpec(cell["policy"], cell["budget"], cell.get("policy_options", {}), kv_bits=cell["kv_bits"])
 
     text = data_dir() / "books" / "test"
     if cell["task"] == "ppl":
@@ -178,12 +176,12 @@ def run_cell(cell: dict) -> dict:
 
         streams = cell["options"]["streams"]
         data = make_streams(text, tokenizer, streams * length, streams, leading_bos(tokenizer))
-        summary = stream_nll(model, data, make(), progress=False, kv_bits=cell["kv_bits"]).summary(length)
+        summary = stream_nll(model, data, policy, progress=False).summary(length)
         metrics = {"ppl": summary["ppl"], "tokens": summary["tokens"], "kv_tokens_peak": summary["kv_tokens_peak"]}
     elif cell["task"] == "fidelity":
-        metrics = _fidelity(model, tokenizer, cell, make)
+        metrics = _fidelity(model, tokenizer, cell, policy)
     elif cell["task"] == "ruler":
-        metrics = _ruler(model, tokenizer, cell, make)
+        metrics = _ruler(model, tokenizer, cell, policy)
     else:
         from sparsegen.eval.passkey import passkey_accuracy
         from sparsegen.eval.stream import read_tokens
@@ -191,14 +189,14 @@ def run_cell(cell: dict) -> dict:
         options = cell["options"]
         filler = read_tokens(text / "great_expectations.txt", tokenizer, 4 * length)
         chat = _chat(options, tokenizer)
-        result = passkey_accuracy(model, tokenizer, filler, [length], options["depths"], make, options["trials"],
-                                  progress=False, chat=chat, kv_bits=cell["kv_bits"])
+        result = passkey_accuracy(model, tokenizer, filler, [length], options["depths"], policy, options["trials"],
+                                  progress=False, chat=chat)
         metrics = {"accuracy": result["accuracy"]}
     return {**cell, "status": "done", "metrics": metrics, "seconds": round(time.perf_counter() - t0, 2),
             "host": os.uname().nodename}
 
 
-def _fidelity(model, tokenizer, cell: dict, make) -> dict:
+def _fidelity(model, tokenizer, cell: dict, policy) -> dict:
     """``sparsegen fidelity``'s measure: ``prompts`` prompts of ``length`` tokens, ``new_tokens`` greedy tokens."""
     from sparsegen.data import data_dir, leading_bos
     from sparsegen.eval.fidelity import cut_prompts, fidelity
@@ -209,8 +207,7 @@ def _fidelity(model, tokenizer, cell: dict, make) -> dict:
     tokens = read_tokens(options.get("text", data_dir() / "books" / "test" / "dracula.txt"), tokenizer,
                          max(200_000, count * length))
     prompts = cut_prompts(tokens, count, length, leading_bos(tokenizer))
-    result = fidelity(model, tokenizer, prompts, make, options["new_tokens"], progress=False,
-                      kv_bits=cell["kv_bits"])
+    result = fidelity(model, tokenizer, prompts, policy, options["new_tokens"], progress=False)
     return {key: result[key] for key in ("rouge_l", "tokens_to_divergence", "kl")}
 
 
@@ -220,7 +217,7 @@ def _chat(options: dict, tokenizer) -> bool:
     return options.get("chat", bool(getattr(tokenizer, "chat_template", None)))
 
 
-def _ruler(model, tokenizer, cell: dict, make) -> dict:
+def _ruler(model, tokenizer, cell: dict, policy) -> dict:
     """``sparsegen ruler``'s measure for one policy and length: each task's score and their average."""
     from sparsegen.data import data_dir
     from sparsegen.eval import ruler
@@ -229,10 +226,9 @@ def _ruler(model, tokenizer, cell: dict, make) -> dict:
     haystack = Path(options["haystack"])
     haystack = haystack if haystack.is_absolute() else data_dir() / haystack
     report = ruler.run(model, tokenizer, haystack.read_text(encoding="utf-8", errors="replace"),
-                       {cell["policy"]: make}, [cell["length"]], options["tasks"], options["samples"],
+                       {cell["policy"]: policy}, [cell["length"]], options["tasks"], options["samples"],
                        (options["protocol"],), _chat(options, tokenizer), options["depths"], options["seed"],
-                       options["chunk_size"],
-                       kv_bits=cell["kv_bits"], max_new_tokens=options["max_new_tokens"], progress=False)
+                       options["chunk_size"], max_new_tokens=options["max_new_tokens"], progress=False)
     scores = {row["task"]: row["score"] for row in report["rows"]}
     return {"average": sum(scores.values()) / len(scores), "tasks": scores,
             "kv_tokens_peak": max(row["kv_tokens_peak"] for row in report["rows"])}

@@ -11,7 +11,7 @@ from sparsegen.cli.common import (
     kv_quantization,
     model_args,
     parse_bytes,
-    policy_factories,
+    policy_specs,
     prompt_args,
     speculative_args,
     weights_arg,
@@ -93,7 +93,7 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
     # (a POLICY+kvBITS row is POLICY's, its K/V held in BITS bits: ``decode.row_kv_bits``)
     args.policy = list(dict.fromkeys(policy_and_bits(n)[0] for n in names
                                      if n not in decode.BASELINES and not n.startswith("speculative:")))
-    factories = dict(policy_factories(args)) if args.policy else {}
+    specs = policy_specs(args) if args.policy else {}
     draft_tokens = draft_length(args.draft_tokens)
     policies = []
     for name in names:
@@ -105,7 +105,7 @@ def _bench_policies(args: argparse.Namespace, names: list[str]) -> list[tuple[st
             spec = name.removeprefix("speculative:")
             policies.append((name, lambda spec=spec: Speculation(draft_policy(spec), draft_tokens)))
         else:
-            policies.append((name, factories[policy_and_bits(name)[0]]))
+            policies.append((name, specs[policy_and_bits(name)[0]].build))
             decode.row_kv_bits(name, None)  # (bad bit widths fail here)
     for _, make in policies:
         make()  # bad budgets and splits fail here

@@ -167,21 +167,25 @@ def conversation_args(p: argparse.ArgumentParser, speculative: bool = True) -> N
     p.add_argument("--seed", type=int, default=0)
 
 
-def policy_factories(args: argparse.Namespace, input_length: int | None = None):
-    """``(name, factory)`` for each ``--policy``; with several, each takes only the splits that apply to it."""
-    from sparsegen.kv import make_policy
+def policy_spec(args: argparse.Namespace, name: str | None = None, several: bool = False):
+    """The cache settings the command's flags give, for ``--policy`` or ``name`` (one of ``several`` a command runs
+    at its one ``--budget``: each takes only the splits that apply to it)."""
+    from sparsegen.kv import PolicySpec
+    from sparsegen.kv.policies import policy_class
     from sparsegen.kv.policy import policy_options
 
+    name = name or args.policy
+    takes = policy_options(policy_class(name))
+    splits = {k: getattr(args, k, None) for k in ("sinks", "recent", "heavy", "history") if not several or k in takes}
+    return PolicySpec.sharing(name, args.budget, positions=getattr(args, "positions", None),
+                              kv_bits=kv_quantization(args) if hasattr(args, "kv_bits") else None, **splits)
+
+
+def policy_specs(args: argparse.Namespace, besides: tuple[str, ...] = ()) -> dict:
+    """Name -> ``policy_spec`` for each ``--policy`` (default full); a name in ``besides`` (ppl's ``recompute``) is no
+    policy but its command's own row: None."""
     names = args.policy or ["full"]
-    for name in names:  # (a name that is no policy, such as ppl's recompute, is its command's to read)
-        options = policy_options(POLICIES[name]) if name in POLICIES else ()
-        splits = {k: getattr(args, k) for k in ("sinks", "recent", "heavy", "history")
-                  if len(names) == 1 or k in options}
-
-        def make(length=input_length, name=name, splits=splits):
-            return make_policy(name, None if name == "full" else args.budget, input_length=length, **splits)
-
-        yield name, make
+    return {name: None if name in besides else policy_spec(args, name, several=len(names) > 1) for name in names}
 
 
 def load_model(args: argparse.Namespace):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sparsegen.cli.common import budget_args, kv_quantization, load_model, model_args, policy_factories
+from sparsegen.cli.common import budget_args, load_model, model_args, policy_specs
 from sparsegen.kv.policies import POLICIES
 
 
@@ -89,15 +89,13 @@ def _stream_report(args, model, tokenizer, text, bos, meta) -> dict:
 
     data = make_streams(text, tokenizer, args.max_tokens, args.streams, bos)
     results = []
-    for name, make in policy_factories(args, input_length=data.shape[1]):
+    for name, policy in policy_specs(args, besides=("recompute",)).items():
         if name == "recompute":
             if not isinstance(args.budget, int):
                 raise ValueError("recompute needs --budget as a token count (its window)")
             results.append(recompute_nll(model, data, args.budget, every=args.every))
             continue
-        policy = make()
-        results.append(stream_nll(model, data, policy, positions=args.positions, every=args.every, chunk=args.chunk,
-                                  kv_bits=kv_quantization(args)))
+        results.append(stream_nll(model, data, policy, every=args.every, chunk=args.chunk))
     summaries = [r.summary(args.segment) for r in results]
     print(f"{data.shape[0]} streams x {data.shape[1] - 1:,} predicted tokens")
     print(f"{'policy':<16}{'PPL':>10}{'KV peak':>9}{'tokens/s':>10}")
@@ -131,11 +129,10 @@ def cmd_fidelity(args: argparse.Namespace) -> None:
     report = {"model": args.model, "text": str(text), "policies": []}
     print(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(f"{'policy':<16}{'budget':>8}{'ROUGE-L':>9}{'tokens to divergence':>22}{'KL(full||policy)':>18}")
-    quantization = kv_quantization(args)
-    for name, make in policy_factories(args, input_length=args.prompt_tokens):
-        result = {**make().describe(), **(quantization.describe() if quantization else {}),
-                  **fidelity(model, tokenizer, prompts, make, args.new_tokens, args.positions, args.chunk_size,
-                             kv_bits=quantization)}
+    for name, policy in policy_specs(args).items():
+        result = {**policy.build(args.prompt_tokens).describe(),
+                  **(policy.kv_bits.describe() if policy.kv_bits else {}),
+                  **fidelity(model, tokenizer, prompts, policy, args.new_tokens, args.chunk_size)}
         report["policies"].append(result)
         print(f"{name:<16}{str(result['budget']):>8}{result['rouge_l']:>9.3f}{result['tokens_to_divergence']:>22.1f}"
               f"{result['kl']:>18.4f}")

@@ -12,11 +12,11 @@ from sparsegen.cli.common import (
     budget_arg,
     check_draft_model,
     compile_arg,
-    kv_quantization,
     load_draft_model,
     load_model,
     model_args,
     policy_args,
+    policy_spec,
     read_prompt,
     speculative_args,
 )
@@ -54,11 +54,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(prompt, end="", flush=True)
         stream = lambda text: print(text, end="", flush=True)  # noqa: E731
     result = generate(
-        model, tokenizer, None if context else prompt, policy=args.policy, budget=args.budget, sinks=args.sinks,
-        recent=args.recent, heavy=args.heavy, history=args.history, positions=args.positions,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        model, tokenizer, None if context else prompt, policy_spec(args), max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         chunk_size=args.chunk_size, on_text=stream, speculative=args.speculative, draft_tokens=draft_tokens,
-        draft_model=draft_model, kv_bits=kv_quantization(args), compile=args.compile, context=context,
+        draft_model=draft_model, compile=args.compile, context=context,
         question=prompt if context else None,
     )
     if args.json:
@@ -79,9 +78,7 @@ def cmd_compress(args: argparse.Namespace) -> None:
         text = f.read()
     model, tokenizer = load_model(args)
     t0 = time.perf_counter()
-    context = compress(model, tokenizer, text, policy=args.policy, budget=args.budget, sinks=args.sinks,
-                       recent=args.recent, heavy=args.heavy, history=args.history, positions=args.positions,
-                       kv_bits=kv_quantization(args), chunk_size=args.chunk_size)
+    context = compress(model, tokenizer, text, policy_spec(args), chunk_size=args.chunk_size)
     seconds = time.perf_counter() - t0
     path = context.save(args.out)
     summary = {**context.describe(), "seconds": round(seconds, 3), "file": str(path),

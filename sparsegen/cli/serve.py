@@ -10,22 +10,17 @@ from sparsegen.cli.common import (
     check_draft_model,
     compile_arg,
     conversation_args,
-    kv_quantization,
     load_draft_model,
     load_model,
     model_args,
     parse_bytes,
+    policy_spec,
     positive_int,
 )
 
 
 def _engine(args: argparse.Namespace, model, tokenizer):
     from sparsegen.engine import Engine
-    from sparsegen.kv import make_policy
-
-    def policy():
-        return make_policy(args.policy, None if args.policy == "full" else args.budget, sinks=args.sinks,
-                           recent=args.recent, heavy=args.heavy, history=args.history)
 
     speculation = None
     if getattr(args, "speculative", None) is not None:
@@ -36,9 +31,9 @@ def _engine(args: argparse.Namespace, model, tokenizer):
         def speculation():
             return Speculation(draft_policy(args.speculative), draft_tokens, model=draft_model)
     check_draft_model(args)
-    return Engine(model, tokenizer, policy, positions=args.positions, chunk_size=args.chunk_size,
+    return Engine(model, tokenizer, policy_spec(args), chunk_size=args.chunk_size,
                   max_sessions=getattr(args, "max_sessions", 1), max_batch=getattr(args, "max_batch", 1),
-                  speculation=speculation, kv_bits=kv_quantization(args), compile=args.compile,
+                  speculation=speculation, compile=args.compile,
                   kv_memory=parse_bytes(args.kv_memory) if getattr(args, "kv_memory", None) else None,
                   max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0),
                   prefill_budget=getattr(args, "prefill_budget", None), contexts=_contexts(args, model),
@@ -81,7 +76,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
               f"({last['kv_bytes'] / 2**20:.2f} MiB); last turn {last['seconds']:.2f} s]", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "policy": engine.make_policy().describe(), "turns": turns}, f, indent=2)
+            json.dump({"model": args.model, "policy": engine.policy.build().describe(), "turns": turns}, f, indent=2)
     if args.plot:
         from sparsegen.eval.plots import plot_turns
 
@@ -129,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
               f"compiles, {warm['seconds']:.1f} s; {weights_of(model)} weights)", flush=True)
     app = build_app(engine, limits, args.model, defaults)
     bound = kv_bound(engine, limits)
-    policy = engine.make_policy().describe()
+    policy = engine.policy.build().describe()
     memory = engine.memory
     held = (f"K/V memory capped at {bound / 2**20:,.1f} MiB: {memory.most_live} live sessions of "
             f"{memory.per_session / 2**20:,.1f} MiB each" if memory is not None else

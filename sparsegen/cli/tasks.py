@@ -10,11 +10,10 @@ from sparsegen.cli.common import (
     budget_args,
     check_draft_model,
     compile_arg,
-    kv_quantization,
     load_draft_model,
     load_model,
     model_args,
-    policy_factories,
+    policy_specs,
     speculative_args,
 )
 from sparsegen.eval.protocols import PROTOCOLS
@@ -39,12 +38,12 @@ def cmd_passkey(args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     filler = read_tokens(text, tokenizer, 4 * max(lengths))
-    quantization = kv_quantization(args)
     results = {}
-    for name, make in policy_factories(args):
-        results[name] = {**make().describe(), **(quantization.describe() if quantization else {}), **passkey_accuracy(
-            model, tokenizer, filler, lengths, depths, make, args.trials, args.seed, args.chunk_size, args.positions,
-            chat=chat, kv_bits=quantization, protocol=args.protocol)}
+    for name, policy in policy_specs(args).items():
+        results[name] = {**policy.build(max(lengths)).describe(), "budget": policy.budget,
+                         **(policy.kv_bits.describe() if policy.kv_bits else {}),
+                         **passkey_accuracy(model, tokenizer, filler, lengths, depths, policy, args.trials, args.seed,
+                                            args.chunk_size, chat=chat, protocol=args.protocol)}
         print(f"{name}: accuracy {results[name]['accuracy']:.1%}")
         for length in lengths:
             row = [c["accuracy"] for c in results[name]["cells"] if c["length"] == length]
@@ -114,8 +113,8 @@ def cmd_ruler(args: argparse.Namespace) -> None:
     if done:
         print(f"resuming {args.json}: {len(done)} rows done", flush=True)
     report = ruler.run(model, tokenizer, Path(haystack).read_text(encoding="utf-8", errors="replace"),
-                       dict(policy_factories(args)), lengths, tasks, args.samples, tuple(protocols), chat, depths,
-                       args.seed, args.chunk_size, args.positions, kv_quantization(args), args.max_new_tokens,
+                       policy_specs(args), lengths, tasks, args.samples, tuple(protocols), chat, depths,
+                       args.seed, args.chunk_size, args.max_new_tokens,
                        on_row=show, done=done, speculation=speculation, compile=args.compile)
     print()
     print(ruler.markdown(report["rows"]))

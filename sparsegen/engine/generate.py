@@ -14,9 +14,10 @@ from sparsegen.engine.prefill import prefill
 from sparsegen.engine.sampling import GREEDY_BELOW, check_sampling, next_token
 from sparsegen.engine.speculative import Speculation, draft_policy, speculative_tokens
 from sparsegen.engine.step import DecodeStep
-from sparsegen.kv import EvictionCache, KVQuantization, Policy, make_policy
+from sparsegen.kv import EvictionCache, Policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.quantized import policy_and_bits
+from sparsegen.kv.spec import PolicySpec, as_spec
 from sparsegen.models.anatomy import weights_of
 
 
@@ -56,8 +57,7 @@ def generate_tokens(
     model: torch.nn.Module,
     ids: torch.Tensor,
     mask: torch.Tensor,
-    policy: Policy,
-    positions: str | None = None,
+    policy: PolicySpec | Policy,
     max_new_tokens: int = 100,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -67,7 +67,6 @@ def generate_tokens(
     pad_id: int = 0,
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
-    kv_bits: int | KVQuantization | None = None,
     compile: bool | None = None,
     first_chunk: int | None = None,
     cache: EvictionCache | None = None,
@@ -75,11 +74,13 @@ def generate_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """The token-level loop: ``(new [B, n], counts [B], cache stats, prefill s, decode s)``.
 
-    ``ids``/``mask`` are left-padded. Rows stop at ``eos_id`` (when given) and are then fed ``pad_id``; checking
-    whether all have stopped is the loop's one host read per token, and only with ``eos_id``. ``compile``: the decode
+    ``policy``: the cache's settings (a bare ``Policy``: with its default positions, K/V unquantized; a fractional
+    budget is of the first chunk, else of the prompt). ``ids``/``mask`` are left-padded. Rows stop at ``eos_id``
+    (when given) and are then fed ``pad_id``; checking whether all have stopped is the loop's one host read per token,
+    and only with ``eos_id``. ``compile``: the decode
     step through ``torch.compile`` (``DecodeStep``; None: where the weights are low-bit or on CUDA). ``first_chunk``:
     prefill that many tokens in one pass first (``prefill``). ``cache``: a cache already holding a context
-    (``CompressedContext.cache``; then ``policy``, ``positions`` and ``kv_bits`` are its own) that ``ids`` continue.
+    (``CompressedContext.cache``; then ``policy`` is its own) that ``ids`` continue.
     ``hold_after_first``: after the first chunk the cache evicts nothing more (kvpress's exact protocol: the context
     compressed once, the question and the answer all held).
     """
@@ -90,8 +91,8 @@ def generate_tokens(
     batch, length = ids.shape
     start = 0
     if cache is None:
-        cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size,
-                              expected_length=length + max_new_tokens, kv_bits=kv_bits)
+        spec = policy if isinstance(policy, PolicySpec) else PolicySpec(policy)
+        cache = spec.cache(model, first_chunk or length, chunk_size=chunk_size, expected_length=length + max_new_tokens)
     elif cache.seen is not None:
         if cache.seen.shape[0] != batch:
             raise ValueError(f"the cache holds {cache.seen.shape[0]} sequences; ids has {batch}")
@@ -139,13 +140,8 @@ def generate(
     model: torch.nn.Module,
     tokenizer,
     prompts: str | list[str] | None = None,
-    policy: str | Policy = "full",
+    policy: str | Policy | PolicySpec = "full",
     budget: int | float | str | None = None,
-    sinks: int | None = None,
-    recent: int | None = None,
-    heavy: int | None = None,
-    history: int | None = None,
-    positions: str | None = None,
     max_new_tokens: int = 100,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -157,13 +153,16 @@ def generate(
     speculative: str | Policy | None = None,
     draft_tokens: int | str = 4,
     draft_model: torch.nn.Module | None = None,
-    kv_bits: int | KVQuantization | None = None,
     compile: bool | None = None,
     context: str | CompressedContext | None = None,
     question: str | None = None,
     evict_after_context: bool = True,
 ) -> Generation:
     """Continue ``prompts`` under a KV policy. Greedy when ``temperature`` is 0.
+
+    ``policy``: a name with ``budget`` beside it (``"h2o", 0.2``: a fraction is of the prompt), a ``Policy``, or a
+    ``PolicySpec`` with the policy's options, its positions and ``kv_bits`` (8, 4 or 2: the cache's keys and values
+    held quantized, KIVI-style, under any policy; 16: as float16 numbers).
 
     A prompt of any length is encoded in chunks of ``chunk_size`` tokens with eviction between chunks,
     so the cache never holds more than the budget plus one chunk. ``on_text`` receives the new text of
@@ -172,9 +171,6 @@ def generate(
     ``speculative`` (``"streaming:512"``, ``"h2o:0.1"`` or a ``Policy``): decode losslessly under the full cache,
     drafting ``draft_tokens`` tokens at a time (a count, or ``"auto"``) with the model (or ``draft_model``, same
     vocabulary) over a cache under that policy; ``policy`` must then be ``full``.
-
-    ``kv_bits`` (8, 4 or 2): hold the cache's keys and values quantized (KIVI-style, ``sparsegen.kv.quantized``),
-    under any policy; 16: as float16 numbers.
 
     ``compile``: run the decode step through ``torch.compile`` (one graph; the first call of a shape compiles, kept in
     sparsegen's cache folder); None (default): compiled where the weights are low-bit, as ``sparsegen.load`` gives a
@@ -187,25 +183,21 @@ def generate(
     ``evict_after_context=False``: nothing is evicted after the context (kvpress's exact protocol: the cache grows by
     the question and the answer); by default the budget holds through them.
 
-    (Over 80 lines for its 27 documented arguments; the work is in the helpers below and ``generate_tokens``.)
+    (Over 60 lines for its 21 documented arguments; the work is in the helpers below and ``generate_tokens``.)
     """
     device = next(model.parameters()).device
+    spec = as_spec(policy, budget)
     first_chunk, cache, context_tokens = None, None, 0
     if context is not None or question is not None:
         if speculative is not None:
             raise ValueError("speculative decoding takes prompts, not a context and a question")
-        given = {"policy": policy != "full", "budget": budget, "sinks": sinks, "recent": recent, "heavy": heavy,
-                 "history": history, "positions": positions, "kv_bits": kv_bits}
-        ids, prompts, first_chunk, cache = _context_inputs(model, tokenizer, prompts, context, question, given)
+        ids, prompts, first_chunk, cache = _context_inputs(model, tokenizer, prompts, context, question, spec)
         if cache is not None:
-            policy, context_tokens = cache.policy, context.tokens
+            context_tokens = context.tokens
         mask = torch.ones_like(ids)
     else:
         ids, mask, prompts = _prompt_inputs(tokenizer, prompts, device)
-    if not isinstance(policy, Policy):
-        policy = make_policy(policy, budget, input_length=first_chunk or ids.shape[1], sinks=sinks, recent=recent,
-                             heavy=heavy, history=history)
-    speculation = _speculation(speculative, policy, kv_bits, draft_tokens, positions, draft_model, ids.shape[1])
+    speculation = _speculation(speculative, spec, draft_tokens, draft_model, ids.shape[1])
     text = Detokenizer(tokenizer)
 
     def stream_text(new: torch.Tensor, counts: torch.Tensor) -> None:
@@ -224,8 +216,8 @@ def generate(
     else:
         hold = not evict_after_context and context is not None
         new, counts, stats, prefill_seconds, decode_seconds = generate_tokens(
-            model, ids, mask, policy, positions, kv_bits=kv_bits, compile=compile, first_chunk=first_chunk,
-            cache=cache, hold_after_first=hold, **common)
+            model, ids, mask, spec, compile=compile, first_chunk=first_chunk, cache=cache, hold_after_first=hold,
+            **common)
     if on_text is not None and (tail := text.flush()):
         on_text(tail)
     return Generation(
@@ -244,7 +236,7 @@ def _prompt_inputs(tokenizer, prompts, device: torch.device):
     return enc["input_ids"].to(device), enc["attention_mask"].to(device), list(prompts)
 
 
-def _context_inputs(model, tokenizer, prompts, context, question, given: dict):
+def _context_inputs(model, tokenizer, prompts, context, question, spec: PolicySpec):
     """kvpress's protocol's inputs: the ids to feed, the prompt as reported, where the context ends (None for a
     compressed context, whose cache is returned, holding it)."""
     compressed = isinstance(context, CompressedContext)
@@ -255,28 +247,26 @@ def _context_inputs(model, tokenizer, prompts, context, question, given: dict):
     device = next(model.parameters()).device
     question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
     if compressed:
-        if any(value not in (None, False) for value in given.values()):
-            raise ValueError("a compressed context carries its policy, budget, positions and kv_bits: drop "
-                             f"{', '.join(k for k, v in given.items() if v not in (None, False))}")
+        if spec != PolicySpec():
+            raise ValueError(f"a compressed context carries its policy, budget, positions and kv_bits: drop {spec}")
         return torch.tensor([question_ids], device=device), [question], None, context.cache(model)
     context_ids = tokenizer(context)["input_ids"]
     return torch.tensor([context_ids + question_ids], device=device), [context + question], len(context_ids), None
 
 
-def _speculation(speculative, policy: Policy, kv_bits, draft_tokens, positions, draft_model,
-                 length: int) -> Speculation | None:
+def _speculation(speculative, spec: PolicySpec, draft_tokens, draft_model, length: int) -> Speculation | None:
     """What speculative decoding was asked for, checked against the rest of the call."""
     if speculative is None:
         if draft_model is not None:
             raise ValueError("draft_model drafts for speculative decoding: give speculative too, e.g. "
                              "'streaming:512'")
         return None
-    if kv_bits is not None:
+    if spec.kv_bits is not None:
         raise ValueError("speculative decoding verifies with the model's own full cache: drop kv_bits")
-    if policy.budget is not None:
+    if spec.bounded:
         raise ValueError("speculative decoding verifies with the full cache: leave the policy at 'full' (the draft "
                          "cache takes its policy from speculative, e.g. 'streaming:512')")
-    return Speculation(draft_policy(speculative, length), draft_tokens, positions, draft_model)
+    return Speculation(draft_policy(speculative, length), draft_tokens, spec.positions, draft_model)
 
 
 @torch.inference_mode()
@@ -284,27 +274,19 @@ def compress(
     model: torch.nn.Module,
     tokenizer,
     context: str,
-    policy: str | Policy = "full",
+    policy: str | Policy | PolicySpec = "full",
     budget: int | float | str | None = None,
-    sinks: int | None = None,
-    recent: int | None = None,
-    heavy: int | None = None,
-    history: int | None = None,
-    positions: str | None = None,
-    kv_bits: int | KVQuantization | None = None,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> CompressedContext:
     """kvpress's first half, done once: ``context`` encoded in one pass and compressed to the budget (a fraction is
-    of the context) by the policy's scores. Ask it any number of questions with ``generate(context=..., question=...)``
-    or save it (``.save(path)``; ``CompressedContext.load(path, model)``)."""
+    of the context) by the policy's scores (``policy`` and ``budget`` as ``generate`` takes them). Ask it any number
+    of questions with ``generate(context=..., question=...)`` or save it (``.save(path)``;
+    ``CompressedContext.load(path, model)``)."""
     if not isinstance(context, str) or not context:
         raise ValueError("context must be a non-empty string")
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer(context)["input_ids"]], device=device)
-    if not isinstance(policy, Policy):
-        policy = make_policy(policy, budget, input_length=ids.shape[1], sinks=sinks, recent=recent, heavy=heavy,
-                             history=history)
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size, kv_bits=kv_bits)
+    cache = as_spec(policy, budget).cache(model, ids.shape[1], chunk_size=chunk_size)
     prefill(model, cache, ids, torch.ones_like(ids), chunk_size, first_chunk=ids.shape[1])
     return CompressedContext.of(model, cache, ids, context)
 
@@ -331,10 +313,9 @@ def compare(
         if draft is not None and ":" not in draft:
             draft = f"{draft}:{budget}"
         policy, bits = policy_and_bits(name)
+        spec = PolicySpec() if draft else PolicySpec.sharing(policy, budget, kv_bits=bits)
         rows[name] = generate(
-            model, tokenizer, prompt, policy="full" if draft else policy,
-            budget=None if policy == "full" or draft else budget, max_new_tokens=max_new_tokens,
-            chunk_size=chunk_size, stop_at_eos=False, speculative=draft, draft_tokens=draft_tokens,
-            draft_model=draft_model if draft else None, kv_bits=bits, compile=compile,
+            model, tokenizer, prompt, spec, max_new_tokens=max_new_tokens, chunk_size=chunk_size, stop_at_eos=False,
+            speculative=draft, draft_tokens=draft_tokens, draft_model=draft_model if draft else None, compile=compile,
         ).to_dict()
     return rows

@@ -48,9 +48,8 @@ from sparsegen.engine.session import (
 from sparsegen.engine.speculative import ConversationDrafts, Speculation
 from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.engine.template import ChatTemplate
-from sparsegen.kv import EvictionCache, KVQuantization, Policy
+from sparsegen.kv import EvictionCache, PolicySpec
 from sparsegen.kv.cache import DEFAULT_CHUNK
-from sparsegen.kv.quantized import as_quantization
 from sparsegen.kv.rollback import forget_last
 from sparsegen.kv.rows import add_row, park, remove_row, stack
 from sparsegen.quant.fast import prompt_matmuls
@@ -59,12 +58,11 @@ AUTO = "auto"
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer, make_policy: Callable[[], Policy],
-                 positions: str | None = None, chunk_size: int = DEFAULT_CHUNK, max_sessions: int = 64,
-                 max_batch: int = 16,
+    def __init__(self, model: torch.nn.Module, tokenizer, policy: PolicySpec, chunk_size: int = DEFAULT_CHUNK,
+                 max_sessions: int = 64, max_batch: int = 16,
                  template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
-                 speculation: Callable[[], Speculation] | None = None,
-                 kv_bits: int | KVQuantization | None = None, compile: bool | None = None, kv_memory: int | None = None,
+                 speculation: Callable[[], Speculation] | None = None, compile: bool | None = None,
+                 kv_memory: int | None = None,
                  max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | str | None = None,
                  contexts: dict[str, CompressedContext] | None = None, packed_prefill: bool = True):
         if max_sessions < 1 or max_batch < 1:
@@ -85,8 +83,10 @@ class Engine:
         # no token is longer than this many characters, so a text of more than limit x this has too many tokens
         vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self._longest_token = max(map(len, vocabulary), default=0)
-        self.model, self.tokenizer, self.make_policy = model, tokenizer, make_policy
-        self.positions, self.chunk_size, self.max_sessions = positions, chunk_size, max_sessions
+        if not isinstance(policy, PolicySpec):
+            raise ValueError(f"Engine takes every session's cache settings as a PolicySpec, got {policy!r}")
+        self.model, self.tokenizer, self.policy = model, tokenizer, policy
+        self.chunk_size, self.max_sessions = chunk_size, max_sessions
         self.template = template or ChatTemplate(tokenizer)
         self.device = next(model.parameters()).device
         from sparsegen.models.anatomy import pinned_tokens
@@ -103,12 +103,12 @@ class Engine:
         self._batch: EvictionCache | None = None  # the stacked caches of the replies decoding together
         self._rows: list[Job] = []  # whose reply each row of it is
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
-        self.make_policy()  # a bad policy or budget fails here, before any request
+        policy.build()  # a fractional budget fails here (a conversation's length is not known), before any request
         self.speculation = speculation
-        self.quantization = as_quantization(kv_bits)
-        if speculation is not None and kv_bits is not None:
+        self.quantization = policy.kv_bits
+        if speculation is not None and policy.kv_bits is not None:
             raise ValueError("speculative decoding verifies with the model's own full cache: drop --kv-bits")
-        if speculation is not None and make_policy().budget is not None:
+        if speculation is not None and policy.bounded:
             raise ValueError("speculative decoding verifies with the full cache: use --policy full (the draft "
                              "cache takes --speculative's policy)")
         self.drafts = None if speculation is None else ConversationDrafts(model, speculation, chunk_size, compile)
@@ -132,7 +132,7 @@ class Engine:
         if self.speculation is not None:
             raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
         config = self.model.config.get_text_config()
-        if self.make_policy().budget is None and self.max_context is None:
+        if not self.policy.bounded and self.max_context is None:
             self.max_context = getattr(config, "max_position_embeddings", None)
             if self.max_context is None:
                 raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
@@ -150,12 +150,11 @@ class Engine:
         frame is computed before eviction needs it, to the same result), so a conversation passing its budget
         meets no new graph mid-traffic, and an unbounded one allocates ``max_context`` at once (one shape of
         slots)."""
-        policy = self.make_policy()
-        one_shape = self.decode.compiled and policy.budget is None  # (a bounded policy's slots are its budget)
-        cache = EvictionCache(self.model, policy, positions=self.positions, chunk_size=self.chunk_size,
-                              rollback=self.drafts.tokens if self.drafts is not None else 0,
-                              kv_bits=self.quantization, max_length=self.max_context,
-                              expected_length=self.max_context if self.memory is not None or one_shape else None)
+        one_shape = self.decode.compiled and not self.policy.bounded  # (a bounded policy's slots are its budget)
+        cache = self.policy.cache(self.model, chunk_size=self.chunk_size,
+                                  rollback=self.drafts.tokens if self.drafts is not None else 0,
+                                  max_length=self.max_context,
+                                  expected_length=self.max_context if self.memory is not None or one_shape else None)
         if self.decode.compiled:
             cache.mark_evicting(sys.maxsize)
         return cache
@@ -207,7 +206,7 @@ class Engine:
             compressed = self.contexts[session.context]
             session.release()
             # (checked against this model at start-up: not again on the engine thread for every session)
-            session.cache = compressed.cache(self.model, self.make_policy(), check=False, max_length=self.max_context)
+            session.cache = compressed.cache(self.model, self.policy.build(), check=False, max_length=self.max_context)
             session.text = compressed.text
 
     # --- running ---

@@ -6,8 +6,6 @@ so ``--policy full --contextual DIR`` measures what contextual sparsity alone ch
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 from rouge_score import rouge_scorer
@@ -17,7 +15,7 @@ from sparsegen.contextual.runtime import suspended
 from sparsegen.engine.generate import generate_tokens
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.step import DecodeStep
-from sparsegen.kv import EvictionCache, KVQuantization, Policy
+from sparsegen.kv import PolicySpec
 from sparsegen.kv.policies.full import Full
 
 
@@ -34,11 +32,11 @@ def cut_prompts(tokens: np.ndarray, count: int, length: int, bos_id: int | None)
 
 
 @torch.inference_mode()
-def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, policy: Policy, positions, chunk_size,
-                   kv_bits=None):
+def _policy_logits(model, prompts: torch.Tensor, continuation: torch.Tensor, policy: PolicySpec,
+                   chunk_size: int) -> torch.Tensor:
     """Next-token logits under ``policy`` for every continuation token, teacher-forced: [B, n, vocab]."""
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk_size, kv_bits=kv_bits)
     length = prompts.shape[1]
+    cache = policy.cache(model, length, chunk_size=chunk_size)
     logits = [prefill(model, cache, prompts, torch.ones_like(prompts), chunk_size, progress=False)]
     step, position = DecodeStep(model, compile=False), torch.full((len(prompts),), length, device=prompts.device)
     for i in range(continuation.shape[1] - 1):
@@ -51,16 +49,15 @@ def fidelity(
     model: torch.nn.Module,
     tokenizer,
     prompts: torch.Tensor,
-    make: Callable[[], Policy],
+    policy: PolicySpec,
     new_tokens: int = 64,
-    positions: str | None = None,
     chunk_size: int = 512,
     batch_size: int = 8,
     progress: bool = True,
-    kv_bits: int | KVQuantization | None = None,
 ) -> dict:
-    """ROUGE-L of greedy continuations, tokens until they first differ, and mean KL(full || policy) per token.
-    The reference (full cache) runs dense even when a contextual plan is attached."""
+    """ROUGE-L of greedy continuations, tokens until they first differ, and mean KL(full || policy) per token, the
+    cache under ``policy`` (a fractional budget is of the prompt). The reference (full cache) runs dense even when a
+    contextual plan is attached."""
     device = next(model.parameters()).device
     scorer = rouge_scorer.RougeScorer(["rougeL"])
     rouge, divergence, kl = [], [], []
@@ -72,14 +69,13 @@ def fidelity(
             # only the continuation's logits: a whole prompt's are GiBs under a large vocabulary (Gemma's 262K)
             dense = model(input_ids=torch.cat([ids, full[:, :-1]], dim=1),
                           logits_to_keep=full.shape[1]).logits.float()
-        ours, *_ = generate_tokens(model, ids, mask, make(), positions, max_new_tokens=new_tokens,
-                                   chunk_size=chunk_size, kv_bits=kv_bits)
+        ours, *_ = generate_tokens(model, ids, mask, policy, max_new_tokens=new_tokens, chunk_size=chunk_size)
         differs = full != ours
         divergence += torch.where(differs.any(1), differs.float().argmax(1), new_tokens).tolist()
         for a, b in zip(tokenizer.batch_decode(full, skip_special_tokens=True),
                         tokenizer.batch_decode(ours, skip_special_tokens=True)):
             rouge.append(scorer.score(a, b)["rougeL"].fmeasure if a.strip() or b.strip() else 1.0)
-        sparse = _policy_logits(model, ids, full, make(), positions, chunk_size, kv_bits)
+        sparse = _policy_logits(model, ids, full, policy, chunk_size)
         log_p, log_q = dense.log_softmax(-1), sparse.log_softmax(-1)
         kl += (log_p.exp() * (log_p - log_q)).sum(-1).mean(-1).clamp(min=0).tolist()
     return {

@@ -29,8 +29,7 @@ from tqdm.auto import tqdm
 from sparsegen.data import leading_bos
 from sparsegen.engine.generate import generate
 from sparsegen.engine.step import forward
-from sparsegen.kv import EvictionCache, KVQuantization, make_policy
-from sparsegen.kv.policies import parse_budget
+from sparsegen.kv import PolicySpec
 from sparsegen.models import load
 
 log = logging.getLogger(__name__)
@@ -45,10 +44,10 @@ class SparsegenLM(LM):
         if unused.keys() - {"max_batch_size"}:  # lm-eval passes it to every model
             raise ValueError(f"unknown model_args for sparsegen: {', '.join(sorted(unused))}; it takes pretrained, "
                              "policy, budget, kv_bits, chunk_size, device, dtype, max_gen_toks, batch_size")
-        self.policy, self.budget, self.chunk_size, self.max_gen_toks = policy, budget, int(chunk_size), max_gen_toks
+        # (a bad policy, budget or bit width fails here, not after the model loads)
+        self.policy = PolicySpec.sharing(policy, budget, kv_bits=None if kv_bits in (None, "") else int(kv_bits))
+        self.chunk_size, self.max_gen_toks = int(chunk_size), max_gen_toks
         self.batch_size = _batch_size(batch_size)
-        self.kv_bits = None if kv_bits in (None, "") else KVQuantization(int(kv_bits))
-        self._policy(1000)  # a bad policy or budget fails here, not after the model loads
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm-eval passes cuda:0 when --device is not given; its own hf model then runs on the CPU, and so do we
             log.warning("lm-eval asked for %s (its default without --device) but torch sees no CUDA GPU: running on "
@@ -60,9 +59,6 @@ class SparsegenLM(LM):
         bos = leading_bos(self.tokenizer)
         self.prefix = bos if bos is not None else (self.tokenizer.bos_token_id or self.tokenizer.eos_token_id)
 
-    def _policy(self, tokens: int):
-        return make_policy(self.policy, None if self.policy == "full" else self.budget, input_length=tokens)
-
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -70,7 +66,7 @@ class SparsegenLM(LM):
         """Request indices in batches of ``batch_size``, longest first; under a fractional budget (its size depends
         on the length) a batch holds requests of one length."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        one_length = self.policy != "full" and isinstance(parse_budget(self.budget), float)
+        one_length = isinstance(self.policy.budget, float)
         batches: list[list[int]] = []
         for index in order:
             if batches and len(batches[-1]) < self.batch_size and (
@@ -89,8 +85,7 @@ class SparsegenLM(LM):
         starts = torch.tensor([start for _, start in rows], device=device)
         length = int(lengths.max())
         tokens = torch.tensor([ids + [self.prefix] * (length - len(ids)) for ids, _ in rows], device=device)
-        cache = EvictionCache(self.model, self._policy(length), chunk_size=self.chunk_size, kv_bits=self.kv_bits,
-                              expected_length=length)
+        cache = self.policy.cache(self.model, length, chunk_size=self.chunk_size, expected_length=length)
         totals = torch.zeros(len(rows), dtype=torch.float64, device=device)
         greedy = torch.ones(len(rows), dtype=torch.bool, device=device)
         for begin in range(0, length - 1, self.chunk_size):
@@ -150,11 +145,9 @@ class SparsegenLM(LM):
                 lengths = [len(self._encode(context)) for context in contexts]
                 for batch in self._batches(lengths):
                     texts = generate(self.model, self.tokenizer, [contexts[i] for i in batch], self.policy,
-                                     None if self.policy == "full" else self.budget,
                                      max_new_tokens=int(options.get("max_gen_toks", self.max_gen_toks)),
                                      temperature=float(options.get("temperature", 0.0)) if options.get("do_sample")
-                                     else 0.0, chunk_size=self.chunk_size, kv_bits=self.kv_bits,
-                                     progress=False).texts
+                                     else 0.0, chunk_size=self.chunk_size, progress=False).texts
                     for i, text in zip(batch, texts):
                         cut = min([text.find(stop) for stop in until if stop and stop in text], default=len(text))
                         results[indices[i]] = text[:cut]

@@ -20,7 +20,7 @@ import torch
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.sampling import next_token
 from sparsegen.engine.step import DecodeStep
-from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv import EvictionCache, PolicySpec, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.policies import POLICIES
 
@@ -142,9 +142,9 @@ def inspect(model: torch.nn.Module, tokenizer, text: str, policies: list[str] | 
               "heads": heads, "sinks": SINKS, "policies": {},
               "sink_mass": sink_mass(model, ids, chunk_size, after_chunk=after_chunk)}
     for name in names:
-        policy = make_policy(name, None if name == "full" else budget,
-                             input_length=len(text_ids) if protocol == "context" else length)
-        cache = EvictionCache(model, policy, chunk_size=chunk_size, kv_bits=kv_bits)
+        cache = PolicySpec.sharing(name, budget, kv_bits=kv_bits).cache(
+            model, len(text_ids) if protocol == "context" else length, chunk_size=chunk_size)
+        policy = cache.policy
         first = len(text_ids) if protocol == "context" else None
         logits = prefill(model, cache, ids, torch.ones_like(ids), chunk_size, progress=False, first_chunk=first,
                          after_chunk=after_chunk)

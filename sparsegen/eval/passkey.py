@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -12,7 +11,7 @@ from tqdm.auto import tqdm
 from sparsegen.data import leading_bos
 from sparsegen.engine.generate import generate_tokens
 from sparsegen.eval.protocols import check_protocol, protocol_feed
-from sparsegen.kv import KVQuantization, Policy
+from sparsegen.kv import PolicySpec
 
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
@@ -73,12 +72,12 @@ def build_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, key: 
 
 @torch.inference_mode()
 def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], depths: list[float],
-                     make: Callable[[], Policy], trials: int = 5, seed: int = 0, chunk_size: int = 512,
-                     positions: str | None = None, progress: bool = True, chat: bool = False,
-                     kv_bits: int | KVQuantization | None = None, protocol: str = "stream") -> dict:
-    """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks
-    (``chat``: asked in the model's chat template, see ``build_prompt``). ``protocol``: how the prompt is fed, one of
-    ``protocols.PROTOCOLS`` (``protocol_feed`` says how each differs)."""
+                     policy: PolicySpec, trials: int = 5, seed: int = 0, chunk_size: int = 512,
+                     progress: bool = True, chat: bool = False, protocol: str = "stream") -> dict:
+    """Accuracy per (length, depth): greedy answers that contain the key, over ``trials`` keys and haystacks, the
+    cache under ``policy`` (a fractional budget is of what the protocol compresses); ``chat``: asked in the model's
+    chat template, see ``build_prompt``. ``protocol``: how the prompt is fed, one of ``protocols.PROTOCOLS``
+    (``protocol_feed`` says how each differs)."""
     check_protocol(protocol)
     question = len(_head_and_question(tokenizer, chat)[1])
     device = next(model.parameters()).device
@@ -91,8 +90,8 @@ def passkey_accuracy(model, tokenizer, filler: np.ndarray, lengths: list[int], d
             prompts = [build_prompt(tokenizer, filler[o:], length, depth, int(k), chat)[0]
                        for k, o in zip(keys, offsets)]
             ids = torch.tensor(prompts, device=device)
-            new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), make(), positions,
-                                                     max_new_tokens=8, chunk_size=chunk_size, kv_bits=kv_bits,
+            new, counts, stats, *_ = generate_tokens(model, ids, torch.ones_like(ids), policy, max_new_tokens=8,
+                                                     chunk_size=chunk_size,
                                                      **protocol_feed(protocol, length, length - question))
             answers = tokenizer.batch_decode(new, skip_special_tokens=True)
             found = [re.search(r"\d{5}", a) for a in answers]

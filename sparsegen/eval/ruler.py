@@ -39,7 +39,7 @@ from sparsegen.engine.generate import generate_tokens
 from sparsegen.engine.speculative import Speculation, speculative_tokens
 from sparsegen.eval.passkey import chat_frame
 from sparsegen.eval.protocols import check_protocol, protocol_feed
-from sparsegen.kv import KVQuantization, Policy
+from sparsegen.kv import PolicySpec
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NIAH = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz you "
@@ -306,13 +306,12 @@ def score(answer: str, references: list[str]) -> float:
 
 
 @torch.inference_mode()
-def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Policy], protocol: str = "stream",
-             chunk_size: int = 512, positions: str | None = None, kv_bits: int | KVQuantization | None = None,
-             max_new_tokens: int | None = None, progress: bool = True,
+def evaluate(model, tokenizer, samples: list[Sample], policy: PolicySpec, protocol: str = "stream",
+             chunk_size: int = 512, max_new_tokens: int | None = None, progress: bool = True,
              speculation: Callable[[int], Speculation] | None = None, compile: bool | None = None) -> list[dict]:
-    """Greedy answers to ``samples`` (one at a time) through a cache under ``make(context_tokens)``'s policy, each
-    with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``. ``speculation``
-    (``make`` giving the full cache, ``stream`` protocol): the same answers, drafted over a cache under
+    """Greedy answers to ``samples`` (one at a time) through a cache under ``policy`` (a fractional budget is of each
+    sample's context), each with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``.
+    ``speculation`` (``policy`` full, ``stream`` protocol): the same answers, drafted over a cache under
     ``speculation(context_tokens)``'s policy; each result then carries the round's ``speculation`` report.
     ``compile``: answer tokens through the compiled decode step (``DecodeStep``)."""
     check_protocol(protocol)
@@ -320,15 +319,15 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
     eos = tokenizer.eos_token_id
     results = []
     for sample in tqdm(samples, desc="ruler", unit="sample", disable=not progress, leave=False):
-        ids, policy = torch.tensor([sample.ids], device=device), make(sample.context_tokens)
+        ids = torch.tensor([sample.ids], device=device)
         common = dict(max_new_tokens=max_new_tokens or sample.max_new_tokens, chunk_size=chunk_size, eos_id=eos,
                       pad_id=eos if eos is not None else 0, progress=False, compile=compile)
         if speculation is None:
             new, counts, stats, *_ = generate_tokens(
-                model, ids, torch.ones_like(ids), policy, positions, kv_bits=kv_bits,
+                model, ids, torch.ones_like(ids), policy.resolved(sample.context_tokens),
                 **protocol_feed(protocol, len(sample.ids), sample.context_tokens), **common)
         else:
-            check_speculation(policy, protocol, kv_bits)
+            check_speculation(policy, protocol)
             new, counts, stats, *_ = speculative_tokens(model, ids, torch.ones_like(ids),
                                                         speculation(sample.context_tokens), **common)
         answer = tokenizer.decode(new[0, :int(counts[0])], skip_special_tokens=True)
@@ -338,12 +337,12 @@ def evaluate(model, tokenizer, samples: list[Sample], make: Callable[[int], Poli
     return results
 
 
-def check_speculation(policy: Policy, protocol: str, kv_bits) -> None:
+def check_speculation(policy: PolicySpec, protocol: str) -> None:
     """Speculative answers are the full cache's, with the prompt streamed: refuse anything else."""
-    if protocol != "stream" or kv_bits is not None:
+    if protocol != "stream" or policy.kv_bits is not None:
         raise ValueError("speculative decoding drafts while streaming the prompt and verifies with the model's own "
                          "full cache: use --protocol stream and no --kv-bits")
-    if policy.budget is not None:
+    if policy.bounded:
         raise ValueError(f"speculative decoding verifies with the full cache: run --policies full, not "
                          f"{policy.name} (the draft cache takes its policy from --speculative)")
 
@@ -360,38 +359,38 @@ def summarize(results: list[dict]) -> dict:
     return {"tasks": per_task, "depths": per_depth, "average": float(np.mean(list(per_task.values())))}
 
 
-def run(model, tokenizer, haystack: str, policies: dict[str, Callable[[int], Policy]], lengths: list[int],
+def run(model, tokenizer, haystack: str, policies: dict[str, PolicySpec], lengths: list[int],
         tasks: list[str] | None = None, samples: int = 20, protocols: tuple[str, ...] = ("stream",),
         chat: bool = False, depths: list[float] | None = None, seed: int = 0, chunk_size: int = 512,
-        positions: str | None = None, kv_bits: int | KVQuantization | None = None,
         max_new_tokens: int | None = None, progress: bool = True,
         on_row: Callable[[dict], None] | None = None, done: list[dict] | None = None,
         speculation: Callable[[int], Speculation] | None = None, compile: bool | None = None) -> dict:
-    """RULER over ``policies`` (name -> policy for a context of n tokens) x ``protocols`` x ``lengths`` x ``tasks``:
+    """RULER over ``policies`` (name -> cache settings; a fractional budget is of each prompt's context) x
+    ``protocols`` x ``lengths`` x ``tasks``:
     ``{"rows": [{"policy", "budget", "protocol", "task", "length", "score", "depths", "kv_tokens_peak",
     "samples": [...]}]}``, the same prompts for every policy. ``done``: rows of an interrupted run with the same
     settings; each (policy, protocol, task, length) among them is taken as it is, not evaluated again.
     ``speculation``: see ``evaluate``; each row then has the draft's ``acceptance_rate`` and ``tokens_per_step``."""
     if speculation is not None:  # before any row runs, not when the first one it cannot run comes up
-        for make, protocol in ((make, protocol) for make in policies.values() for protocol in protocols):
-            check_speculation(make(max(lengths)), protocol, kv_bits)
+        for policy, protocol in ((policy, protocol) for policy in policies.values() for protocol in protocols):
+            check_speculation(policy, protocol)
     hay = Haystack(tokenizer, haystack)
     tasks = tasks or list(TASKS)
     prompts = {(task, length): make_samples(hay, task, length, samples, seed, chat, depths)
                for length in lengths for task in tasks}
     finished = {(r["policy"], r["protocol"], r["task"], r["length"]): r for r in done or []}
     rows = []
-    for name, make in policies.items():
+    for name, policy in policies.items():
         for protocol in protocols:
             for (task, length), task_samples in prompts.items():
                 if (name, protocol, task, length) in finished:
                     rows.append(finished[name, protocol, task, length])
                     continue
-                results = evaluate(model, tokenizer, task_samples, make, protocol, chunk_size, positions, kv_bits,
-                                   max_new_tokens, progress, speculation, compile)
+                results = evaluate(model, tokenizer, task_samples, policy, protocol, chunk_size, max_new_tokens,
+                                   progress, speculation, compile)
                 summary = summarize(results)
-                row = {"policy": name, "budget": make(task_samples[0].context_tokens).budget, "protocol": protocol,
-                       "task": task, "length": length, "score": summary["tasks"][task],
+                row = {"policy": name, "budget": policy.build(task_samples[0].context_tokens).budget,
+                       "protocol": protocol, "task": task, "length": length, "score": summary["tasks"][task],
                        "depths": summary["depths"].get(task),
                        "kv_tokens_peak": max(r["kv_tokens_peak"] for r in results),
                        "prompt_tokens": max(len(s.ids) for s in task_samples), "samples": results}

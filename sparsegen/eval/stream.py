@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from sparsegen.data import text_files
 from sparsegen.engine.step import forward
-from sparsegen.kv import EvictionCache, KVQuantization, Policy
+from sparsegen.kv import Policy, PolicySpec
+from sparsegen.kv.spec import as_spec
 from sparsegen.memory import current_rss
 from sparsegen.models.spec import kv_bytes_per_token
 
@@ -102,10 +103,10 @@ class StreamResult:
 
 
 @torch.inference_mode()
-def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None = None, every: int = 256,
-               chunk: int = 256, label: str | None = None, progress: bool = True,
-               kv_bits: int | KVQuantization | None = None) -> StreamResult:
-    """NLL of every next token of ``data`` ``[streams, length]`` fed through a policy's cache.
+def stream_nll(model, data: torch.Tensor, policy: PolicySpec | Policy, every: int = 256, chunk: int = 256,
+               label: str | None = None, progress: bool = True) -> StreamResult:
+    """NLL of every next token of ``data`` ``[streams, length]`` fed through a cache under ``policy`` (a fractional
+    budget is of ``length``).
 
     Every policy is fed ``chunk`` tokens per call, which computes exactly what one token per call would: under
     order policies (full, window, streaming) each query sees only its own window; under attention policies (H2O)
@@ -114,10 +115,11 @@ def stream_nll(model, data: torch.Tensor, policy: Policy, positions: str | None 
     device = next(model.parameters()).device
     data = data.to(device)
     streams, length = data.shape
-    cache = EvictionCache(model, policy, positions=positions, chunk_size=chunk, stepwise=True, kv_bits=kv_bits)
+    cache = as_spec(policy).cache(model, length, chunk_size=chunk, stepwise=True)
     nll = torch.empty(streams, length - 1, dtype=torch.float64)
     quantization = cache.quantization
-    result = StreamResult(label or policy.name + (f"+kv{quantization.bits}" if quantization else ""), nll, every=every)
+    result = StreamResult(label or cache.policy.name + (f"+kv{quantization.bits}" if quantization else ""), nll,
+                          every=every)
     bar = tqdm(total=length - 1, desc=result.label, unit="tok", disable=not progress, mininterval=1.0)
     t0 = time.perf_counter()
     next_sample = 0

@@ -5,6 +5,7 @@ from sparsegen.kv.cache import EvictionCache
 from sparsegen.kv.policies import POLICIES, make_policy, resolve_budget
 from sparsegen.kv.policy import Policy, TokenView, register_policy
 from sparsegen.kv.quantized import KVQuantization
+from sparsegen.kv.spec import PolicySpec
 
-__all__ = ["POLICIES", "EvictionCache", "KVQuantization", "Policy", "TokenView", "make_policy", "patched", "prepare",
-           "register_policy", "release", "resolve_budget"]
+__all__ = ["POLICIES", "EvictionCache", "KVQuantization", "Policy", "PolicySpec", "TokenView", "make_policy",
+           "patched", "prepare", "register_policy", "release", "resolve_budget"]

@@ -160,7 +160,7 @@ HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout
 
 def build_app(engine: Engine, limits: Limits, model_name: str, defaults: Sampling | None = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``defaults``: sampling for fields a request leaves out."""
-    if engine.make_policy().budget is None and engine.memory is None:
+    if not engine.policy.bounded and engine.memory is None:
         raise ValueError("serve keeps every conversation's cache, and policy 'full' grows without bound; use window, "
                          "streaming, h2o or streaming-h2o with a --budget, or cap it with --kv-memory")
     defaults = defaults or Sampling(max_tokens=min(Sampling.max_tokens, limits.max_tokens))

@@ -332,7 +332,7 @@ def kv_bound(engine: Engine, limits: Limits) -> int:
     if engine.memory is not None:
         return engine.memory.cap
     per_token, per_row = kv_costs(engine.model, engine.quantization)
-    budget = engine.make_policy().budget
+    budget = engine.policy.build().budget
     per_session = (budget + engine.chunk_size) * per_token + per_row
     return (limits.max_sessions + limits.max_batch) * per_session + limits.max_batch * ((budget + 1) * per_token
                                                                                          + per_row)

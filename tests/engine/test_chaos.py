@@ -10,17 +10,17 @@ import torch
 
 from sparsegen.engine import Engine, Sampling, scheduler
 from sparsegen.engine.speculative import Speculation, draft_policy
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 from tests.kv.families import VOCAB, tiny_model
 from tests.serve.ids import IdTokenizer
 
 CONFIGS = {  # name: Engine keyword arguments
-    "full": dict(make_policy=lambda: make_policy("full")),
-    "streaming": dict(make_policy=lambda: make_policy("streaming", 12)),
-    "h2o": dict(make_policy=lambda: make_policy("h2o", 12)),
-    "adakv": dict(make_policy=lambda: make_policy("adakv", 12)),
-    "streaming+kv4": dict(make_policy=lambda: make_policy("streaming", 12), kv_bits=4),
-    "speculative": dict(make_policy=lambda: make_policy("full"),
+    "full": dict(policy=PolicySpec("full")),
+    "streaming": dict(policy=PolicySpec("streaming", 12)),
+    "h2o": dict(policy=PolicySpec("h2o", 12)),
+    "adakv": dict(policy=PolicySpec("adakv", 12)),
+    "streaming+kv4": dict(policy=PolicySpec("streaming", 12, kv_bits=4)),
+    "speculative": dict(policy=PolicySpec("full"),
                         speculation=lambda: Speculation(draft_policy("window:6"), 3)),
 }
 POINTS = ("queued", "prefilling", "decoding", "failing")  # "decoding" is "speculating" for a speculative reply alone
@@ -126,7 +126,7 @@ def test_an_error_between_steps_is_recovered_without_a_tensor_touched(model, mon
 def test_many_more_sessions_than_kept_hold_memory_flat(model):
     """Sessions beyond ``max_sessions`` evict the least recently used idle one, whose caches are freed at once; a
     short conversation holds a small allocation, not its whole budget."""
-    engine = Engine(model, IdTokenizer(), chunk_size=64, max_sessions=4, make_policy=lambda: make_policy("h2o", 512))
+    engine = Engine(model, IdTokenizer(), chunk_size=64, max_sessions=4, policy=PolicySpec("h2o", 512))
     freed, sizes = [], []
     for i in range(40):
         session = engine.session(f"conversation-{i}")

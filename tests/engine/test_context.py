@@ -9,7 +9,7 @@ import sparsegen
 from sparsegen.engine.context import CompressedContext, model_fingerprint
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.step import DecodeStep
-from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv import EvictionCache, PolicySpec, make_policy
 from tests.kv.families import VOCAB, tiny_model
 
 CONTEXT = " ".join(["it was the best of times, it was the worst of times, it was the age of wisdom"] * 4)
@@ -27,11 +27,11 @@ def model_and_tokenizer(tiny_checkpoint):
 def test_a_compressed_context_answers_as_the_context_protocol_does(model_and_tokenizer, policy, budget, kv_bits):
     """The same tokens as compressing the context inside each generate, for every question asked of one context."""
     model, tokenizer = model_and_tokenizer
-    options = dict(policy=policy, budget=budget, kv_bits=kv_bits)
-    compressed = sparsegen.compress(model, tokenizer, CONTEXT, **options)
+    spec = PolicySpec(policy, budget, kv_bits=kv_bits)
+    compressed = sparsegen.compress(model, tokenizer, CONTEXT, spec)
     for question in QUESTIONS:
-        each = sparsegen.generate(model, tokenizer, context=CONTEXT, question=question, max_new_tokens=6,
-                                  stop_at_eos=False, **options)
+        each = sparsegen.generate(model, tokenizer, policy=spec, context=CONTEXT, question=question, max_new_tokens=6,
+                                  stop_at_eos=False)
         once = sparsegen.generate(model, tokenizer, context=compressed, question=question, max_new_tokens=6,
                                   stop_at_eos=False)
         assert once.texts == each.texts
@@ -54,7 +54,7 @@ def test_the_full_context_continues_the_models_own_generation(model_and_tokenize
 
 def test_save_and_load_round_trip(model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
-    compressed = sparsegen.compress(model, tokenizer, CONTEXT, policy="h2o", budget=0.3, kv_bits=4)
+    compressed = sparsegen.compress(model, tokenizer, CONTEXT, PolicySpec("h2o", 0.3, kv_bits=4))
     path = compressed.save(tmp_path / "doc.safetensors")
     assert not list(tmp_path.glob("*.partial"))
     loaded = CompressedContext.load(path, model)

@@ -60,8 +60,6 @@ def test_fractional_budget_and_stats(model_and_tokenizer):
 
 @pytest.mark.parametrize("bad, message", [
     (dict(policy="h2o", budget=0), "positive"),
-    (dict(policy="streaming", budget=4, sinks=4), "smaller than the budget"),
-    (dict(policy="h2o", budget=8, recent=9), "between 0 and the budget"),
     (dict(policy="window", budget="1.5"), r"\(0, 1\]"),
     (dict(policy="lru", budget=8), "unknown policy"),
     (dict(policy="window"), "needs a budget"),

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from sparsegen.engine import Engine, Sampling
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 from sparsegen.models.spec import kv_bytes_per_token
 from sparsegen.serve.schemas import Limits
 from tests.kv.families import tiny_model
@@ -25,7 +25,7 @@ def _engine(policy: str, budget: int | None, cap_sessions: float, **extra) -> En
     per_token = kv_bytes_per_token(model.config, 4)
     own = extra.get("max_context") if budget is None else budget + CHUNK
     cap = int(cap_sessions * own * per_token)
-    return Engine(model, IdTokenizer(), lambda: make_policy(policy, budget), chunk_size=CHUNK, kv_memory=cap,
+    return Engine(model, IdTokenizer(), PolicySpec(policy, budget), chunk_size=CHUNK, kv_memory=cap,
                   **extra)
 
 
@@ -144,7 +144,7 @@ def test_sliding_window_layers_reserve_their_window_only():
     """Gemma 3's sliding layers hold their window whatever the policy: a session reserves that, not the budget."""
     model = tiny_model("gemma3")
     per_layer = kv_bytes_per_token(model.config, 4) // 3
-    engine = Engine(model, IdTokenizer(), lambda: make_policy("full", None), chunk_size=CHUNK, kv_memory=1 << 30,
+    engine = Engine(model, IdTokenizer(), PolicySpec("full", None), chunk_size=CHUNK, kv_memory=1 << 30,
                     max_context=64)
     window = 6 - 1 + CHUNK  # the window's tokens and a chunk, in each of the two sliding layers
     assert engine.memory.per_session == (64 + 2 * window) * per_layer

@@ -5,7 +5,7 @@ import sparsegen
 from sparsegen.engine import ChatTemplate, Engine, Sampling
 from sparsegen.engine.generate import generate
 from sparsegen.engine.warmup import warm_up
-from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv import EvictionCache, PolicySpec, make_policy
 from sparsegen.kv.rows import stack
 from sparsegen.models.compat import cache_kwargs
 from sparsegen.serve.chat import chat
@@ -27,7 +27,7 @@ def _run(engine, job):
 @pytest.mark.parametrize("policy,budget", [("full", None), ("streaming", 24), ("h2o", 24)])
 def test_a_completion_equals_sparsegen_generate(reference, policy, budget):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy(policy, budget), chunk_size=16)
+    engine = Engine(model, tokenizer, PolicySpec(policy, budget), chunk_size=16)
     prompt = "It was late in the evening when the old man came back to the house, and"
     job = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=24), prompt=prompt))
     expected = generate(model, tokenizer, prompt, policy=policy, budget=budget, max_new_tokens=24, chunk_size=16)
@@ -58,8 +58,8 @@ def _assert_batched_sessions_equal_each_alone(policy: str, kv_bits, packed: bool
     model = tiny_model("llama")
 
     def engine_of(compile: bool) -> Engine:
-        return Engine(model, IdTokenizer(), lambda: make_policy(policy, None if policy == "full" else 12),
-                      chunk_size=5, kv_bits=kv_bits, packed_prefill=packed, compile=compile)
+        return Engine(model, IdTokenizer(), PolicySpec.sharing(policy, 12, kv_bits=kv_bits),
+                      chunk_size=5, packed_prefill=packed, compile=compile)
 
     engine, single_engine = engine_of(compile), engine_of(False)
     generator = torch.Generator().manual_seed(0)
@@ -99,7 +99,7 @@ def test_a_soft_prompt_is_fed_once_per_session_and_positions_follow_it(reference
     model, tokenizer = reference
     attach(model, PromptPrefix(torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))))
     try:
-        engine = Engine(model, tokenizer, lambda: make_policy("h2o", 40), chunk_size=16)  # original positions
+        engine = Engine(model, tokenizer, PolicySpec("h2o", 40), chunk_size=16)  # original positions
         prompt = "It was late in the evening when the old man came back to the house, and"
         job = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=20), prompt=prompt))
         expected = generate(model, tokenizer, prompt, policy="h2o", budget=40, max_new_tokens=20, chunk_size=16)
@@ -123,7 +123,7 @@ def test_stacking_refuses_unfed_or_different_caches():
 
 def test_a_conversation_encodes_only_each_new_turn(reference):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("streaming", 64), chunk_size=32)
+    engine = Engine(model, tokenizer, PolicySpec("streaming", 64), chunk_size=32)
     turns = chat(engine, Sampling(max_tokens=12), ["Hello there.", "What is the sea like?", "/stats", "Tell me more."],
                  out=open("/dev/null", "w"))
     assert len(turns) == 3 and not any(t["reencoded"] for t in turns)
@@ -138,7 +138,7 @@ def test_a_conversation_encodes_only_each_new_turn(reference):
 
 def test_edited_history_or_an_evicted_session_starts_over(reference):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("window", 48), chunk_size=32, max_sessions=1)
+    engine = Engine(model, tokenizer, PolicySpec("window", 48), chunk_size=32, max_sessions=1)
     first = [{"role": "user", "content": "Hello there."}]
     job = _run(engine, engine.begin(engine.session("a"), Sampling(max_tokens=6), messages=first))
     follow = first + [{"role": "assistant", "content": job.content}, {"role": "user", "content": "And then?"}]
@@ -151,7 +151,7 @@ def test_edited_history_or_an_evicted_session_starts_over(reference):
 
 def test_stop_strings_end_a_reply_and_are_not_shown(reference):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("window", 64))
+    engine = Engine(model, tokenizer, PolicySpec("window", 64))
     free = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=20), prompt="The old man said that"))
     word = free.content.split()[2]
     shown = []
@@ -179,7 +179,7 @@ def test_chat_command_with_a_script(tmp_path, capsys):
 
 def test_a_long_prompt_is_encoded_a_chunk_per_step_while_other_replies_decode(reference):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("streaming", 64), chunk_size=16)
+    engine = Engine(model, tokenizer, PolicySpec("streaming", 64), chunk_size=16)
     short = engine.begin(engine.session(None), Sampling(max_tokens=6), prompt="The sea")
     long_prompt = "It was late in the evening when the old man came back. " * 12
     long = engine.begin(engine.session(None), Sampling(max_tokens=4), prompt=long_prompt)
@@ -196,7 +196,7 @@ def test_a_long_prompt_is_encoded_a_chunk_per_step_while_other_replies_decode(re
 
 def test_a_cancelled_prefill_frees_its_session_and_the_session_starts_over(reference):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("window", 64), chunk_size=8)
+    engine = Engine(model, tokenizer, PolicySpec("window", 64), chunk_size=8)
     session = engine.session("s")
     job = engine.begin(session, Sampling(max_tokens=4), prompt="It was late in the evening when the old man came.")
     engine.step([job])
@@ -206,7 +206,7 @@ def test_a_cancelled_prefill_frees_its_session_and_the_session_starts_over(refer
 
 def test_prompt_token_limit_and_bad_text_are_refused_before_any_work(reference):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("window", 64), max_prompt_tokens=8)
+    engine = Engine(model, tokenizer, PolicySpec("window", 64), max_prompt_tokens=8)
     session = engine.session("s")
     with pytest.raises(ValueError, match="over this server's limit of 8"):
         engine.begin(session, Sampling(), prompt="one two three four five six seven eight nine ten eleven")
@@ -218,7 +218,7 @@ def test_prompt_token_limit_and_bad_text_are_refused_before_any_work(reference):
 @pytest.mark.parametrize("temperature", [5e-324, 2.4e-38, 1e-300])
 def test_a_tiny_temperature_is_greedy(reference, temperature):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("window", 64))
+    engine = Engine(model, tokenizer, PolicySpec("window", 64))
     greedy = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8), prompt="The sea"))
     tiny = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8, temperature=temperature),
                                      prompt="The sea"))
@@ -237,7 +237,7 @@ def test_one_failing_reply_in_a_batched_step_fails_only_itself(reference, monkey
     import sparsegen.engine.scheduler as engine_module
 
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("window", 64))
+    engine = Engine(model, tokenizer, PolicySpec("window", 64))
     good = engine.begin(engine.session("good"), Sampling(max_tokens=8), prompt="The sea")
     bad = engine.begin(engine.session("bad"), Sampling(max_tokens=8, temperature=0.5), prompt="The sea")
     engine.step([good, bad])
@@ -261,7 +261,7 @@ def test_one_failing_reply_in_a_batched_step_fails_only_itself(reference, monkey
 
 def test_a_reply_cut_at_a_stop_string_leaves_the_session_extendable(reference):
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("window", 4096), chunk_size=32)
+    engine = Engine(model, tokenizer, PolicySpec("window", 4096), chunk_size=32)
     messages = [{"role": "user", "content": "Tell me about the old house."}]
     free = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=24), messages=messages))
     stop = free.content.split()[3]
@@ -298,7 +298,7 @@ def test_a_reply_sent_back_renders_as_the_text_the_cache_holds(reference, reply)
 def _speculating(model, tokenizer, draft="window:6", k=3, **kw):
     from sparsegen.engine.speculative import Speculation, draft_policy
 
-    return Engine(model, tokenizer, lambda: make_policy("full"), chunk_size=kw.pop("chunk_size", 16),
+    return Engine(model, tokenizer, PolicySpec("full"), chunk_size=kw.pop("chunk_size", 16),
                   speculation=lambda: Speculation(draft_policy(draft), k), **kw)
 
 
@@ -306,7 +306,7 @@ def test_speculative_conversations_equal_full_ones_alone_and_batched(reference):
     """Two sessions, three turns each, replies decoding together and then alone: the same tokens and the same session
     caches as an engine without speculation; drafts were accepted."""
     model, tokenizer = reference
-    plain = Engine(model, tokenizer, lambda: make_policy("full"), chunk_size=16, max_batch=4)
+    plain = Engine(model, tokenizer, PolicySpec("full"), chunk_size=16, max_batch=4)
     drafted = _speculating(model, tokenizer, "streaming:12", max_batch=4)
     turns = ["Hello there.", "What is the sea like?", "Tell me more."]
     results = {}
@@ -352,10 +352,10 @@ def test_speculation_needs_the_full_cache_and_a_fixed_draft_length(reference):
 
     model, tokenizer = reference
     with pytest.raises(ValueError, match="--policy full"):
-        Engine(model, tokenizer, lambda: make_policy("streaming", 64),
+        Engine(model, tokenizer, PolicySpec("streaming", 64),
                speculation=lambda: Speculation(make_policy("window", 8), 4))
     with pytest.raises(ValueError, match="--draft-tokens K"):
-        Engine(model, tokenizer, lambda: make_policy("full"),
+        Engine(model, tokenizer, PolicySpec("full"),
                speculation=lambda: Speculation(make_policy("window", 8), "auto"))
 
 
@@ -383,7 +383,7 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_conversation_goes_on(reference, 
     import io
 
     model, tokenizer = reference
-    engine = Engine(model, tokenizer, lambda: make_policy("streaming", 64), chunk_size=4)
+    engine = Engine(model, tokenizer, PolicySpec("streaming", 64), chunk_size=4)
     step, calls = engine.step, []
 
     def interrupted(jobs):
@@ -419,7 +419,7 @@ def test_a_packed_step_that_fails_midway_fails_its_replies_and_their_sessions_st
     from sparsegen.kv.packed import PackedLayer
 
     model = tiny_model("llama")
-    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=4)
+    engine = Engine(model, IdTokenizer(), PolicySpec("h2o", 24), chunk_size=4)
     jobs = [engine.begin(engine.session(f"s{i}"), Sampling(max_tokens=12), prompt="5 6 7") for i in range(2)]
     engine.step(jobs)
     engine.step(jobs)  # both decoding, in one batch
@@ -436,7 +436,7 @@ def test_a_packed_step_that_fails_midway_fails_its_replies_and_their_sessions_st
     assert all(job.finish_reason == "error" and "fell over" in job.error for job in jobs + [late])
     assert engine._batch is None and not any(session.busy for session in engine.sessions.values())
     monkeypatch.setattr(PackedLayer, "update", update)
-    fresh = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=4)
+    fresh = Engine(model, IdTokenizer(), PolicySpec("h2o", 24), chunk_size=4)
     for name, prompt in (("s0", "5 6 7"), ("late", " ".join(["9"] * 10))):
         again, alone = (_run(e, e.begin(e.session(name), Sampling(max_tokens=12), prompt=prompt))
                         for e in (engine, fresh))
@@ -445,12 +445,12 @@ def test_a_packed_step_that_fails_midway_fails_its_replies_and_their_sessions_st
 
 def test_a_long_prompt_encodes_at_most_the_prefill_budget_per_step_while_others_decode():
     model = tiny_model("llama")
-    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=4)
+    engine = Engine(model, IdTokenizer(), PolicySpec("h2o", 24), chunk_size=16, prefill_budget=4)
     short = engine.begin(engine.session(None), Sampling(max_tokens=30), prompt="5 6 7")
     engine.step([short])  # its prompt, alone: a whole chunk
     assert _encoded_per_step(engine, short, 40) == [4] * 10  # short decoded meanwhile: 4 tokens a step, not 16
     with pytest.raises(ValueError, match="prefill_budget must be between 1 and the chunk size"):
-        Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=32)
+        Engine(model, IdTokenizer(), PolicySpec("h2o", 24), chunk_size=16, prefill_budget=32)
 
 
 def test_an_auto_prefill_budget_settles_where_a_chunk_costs_one_decode_step():
@@ -477,7 +477,7 @@ def test_an_auto_prefill_budget_settles_where_a_chunk_costs_one_decode_step():
 
 def test_the_engine_feeds_an_auto_budget_what_its_chunks_and_steps_cost():
     model = tiny_model("llama")
-    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget="auto")
+    engine = Engine(model, IdTokenizer(), PolicySpec("h2o", 24), chunk_size=16, prefill_budget="auto")
     seen = []
     engine._budget.encoded = lambda tokens, seconds: seen.append(("chunk", tokens))
     engine._budget.tokens = 5
@@ -488,14 +488,14 @@ def test_the_engine_feeds_an_auto_budget_what_its_chunks_and_steps_cost():
     assert seen == [("chunk", 5), ("chunk", 5)]
     for bad in (0, 17, "fast"):
         with pytest.raises(ValueError, match="or 'auto'"):
-            Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget=bad)
+            Engine(model, IdTokenizer(), PolicySpec("h2o", 24), chunk_size=16, prefill_budget=bad)
 
 
 def test_an_auto_budget_riding_in_decode_steps_lets_every_ninth_decode_alone():
     """Chunks in the others' steps leave no step without one to time, so every REFRESH-th step decodes alone: the
     step time the budget aims at stays the present batch's."""
     model = tiny_model("llama")
-    engine = Engine(model, IdTokenizer(), lambda: make_policy("h2o", 24), chunk_size=16, prefill_budget="auto")
+    engine = Engine(model, IdTokenizer(), PolicySpec("h2o", 24), chunk_size=16, prefill_budget="auto")
     engine._budget.encoded = lambda tokens, seconds: None  # (the size stays put)
     engine._budget.tokens = 2
     short = engine.begin(engine.session(None), Sampling(max_tokens=40), prompt="5 6 7")
@@ -507,7 +507,7 @@ def test_an_auto_budget_riding_in_decode_steps_lets_every_ninth_decode_alone():
 def test_ignore_eos_decodes_max_tokens_past_an_end_of_sequence():
     model = tiny_model("llama")
     tokenizer = IdTokenizer()
-    engine = Engine(model, tokenizer, lambda: make_policy("h2o", 24), chunk_size=16)
+    engine = Engine(model, tokenizer, PolicySpec("h2o", 24), chunk_size=16)
     first = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=6), prompt="5 6 7"))
     tokenizer.eos_token_id = first.tokens[0]  # the model's first reply token now ends a reply
     stopped = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=6), prompt="5 6 7"))
@@ -533,7 +533,7 @@ def test_a_warm_up_compiles_every_graph_that_traffic_then_meets(policy, monkeypa
     torch._dynamo.reset()
     compiled = torch.compile(decoding._step, fullgraph=True, backend=count)
     monkeypatch.setattr(decoding, "_compiled_step", lambda cuda_graphs: compiled)
-    engine = Engine(tiny_model("llama"), IdTokenizer(), lambda: make_policy(policy, None if policy == "full" else 12),
+    engine = Engine(tiny_model("llama"), IdTokenizer(), PolicySpec(policy, None if policy == "full" else 12),
                     chunk_size=5, max_batch=4, compile=True, max_context=64 if policy == "full" else None)
     warm_up(engine, rows=3)
     warmed = len(graphs)

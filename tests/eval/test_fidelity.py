@@ -6,7 +6,7 @@ import pytest
 import sparsegen
 from sparsegen.cli import main
 from sparsegen.eval.fidelity import cut_prompts, fidelity
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_cut_prompts():
 def test_a_policy_that_keeps_everything_is_perfect(model_and_tokenizer, name, budget):
     model, tokenizer = model_and_tokenizer
     prompts = cut_prompts(np.random.default_rng(0).integers(2, 300, 500), count=3, length=40, bos_id=0)
-    result = fidelity(model, tokenizer, prompts, lambda: make_policy(name, budget), new_tokens=12, progress=False)
+    result = fidelity(model, tokenizer, prompts, PolicySpec(name, budget), new_tokens=12, progress=False)
     assert result["rouge_l"] == 1.0
     assert result["tokens_to_divergence"] == 12
     assert result["kl"] == pytest.approx(0.0, abs=1e-6)
@@ -35,7 +35,7 @@ def test_a_policy_that_keeps_everything_is_perfect(model_and_tokenizer, name, bu
 def test_a_small_budget_loses_something(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     prompts = cut_prompts(np.random.default_rng(1).integers(2, 300, 500), count=3, length=40, bos_id=0)
-    result = fidelity(model, tokenizer, prompts, lambda: make_policy("window", 4), new_tokens=12, progress=False)
+    result = fidelity(model, tokenizer, prompts, PolicySpec("window", 4), new_tokens=12, progress=False)
     assert result["kl"] > 1e-3
 
 

@@ -14,8 +14,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 import sparsegen  # noqa: E402
 from sparsegen.cli import main  # noqa: E402
-from sparsegen.eval import harness  # noqa: E402
 from sparsegen.eval.harness import SparsegenLM  # noqa: E402
+from sparsegen.kv import spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "lm_eval"
@@ -74,12 +74,12 @@ def test_a_budget_bounds_the_cache_and_bad_arguments_are_refused(tiny_checkpoint
     lm = SparsegenLM(pretrained=str(tiny_checkpoint), policy="streaming", budget=16, chunk_size=8)
     caches = []
 
-    class Recorded(harness.EvictionCache):
+    class Recorded(spec.EvictionCache):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             caches.append(self)
 
-    monkeypatch.setattr(harness, "EvictionCache", Recorded)
+    monkeypatch.setattr(spec, "EvictionCache", Recorded)  # (the cache PolicySpec.cache makes)
     ids = [lm.prefix] + lm._encode(TEXT * 3)
     (total, _), = lm.score([(ids, 1)])
     assert total < 0 and len(ids) > 64

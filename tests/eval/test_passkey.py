@@ -7,7 +7,7 @@ import sparsegen
 from sparsegen.cli import main
 from sparsegen.eval.passkey import INTRO, NEEDLE, QUESTION, build_prompt, passkey_accuracy
 from sparsegen.eval.protocols import PROTOCOLS
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_accuracy_counts_answers_that_hold_the_hidden_key(model_and_tokenizer, m
 
     monkeypatch.setattr(passkey, "generate_tokens", answer)
     filler = np.arange(2, 5000) % 250 + 2
-    result = passkey_accuracy(model, tokenizer, filler, [200], [0.0, 0.5, 1.0], lambda: make_policy("full"),
+    result = passkey_accuracy(model, tokenizer, filler, [200], [0.0, 0.5, 1.0], PolicySpec(),
                               trials=4, progress=False)
     assert [c["accuracy"] for c in result["cells"]] == [0.5, 0.5, 0.5] and result["accuracy"] == 0.5
 
@@ -73,7 +73,7 @@ def test_bad_requests(tiny_tokenizer):
 def test_accuracy_grid_and_cli(model_and_tokenizer, tiny_checkpoint, corpus, tmp_path):
     model, tokenizer = model_and_tokenizer
     filler = np.arange(2, 5000) % 250 + 2
-    result = passkey_accuracy(model, tokenizer, filler, [200, 260], [0.0, 1.0], lambda: make_policy("full"),
+    result = passkey_accuracy(model, tokenizer, filler, [200, 260], [0.0, 1.0], PolicySpec(),
                               trials=2, progress=False)
     assert [(c["length"], c["depth"]) for c in result["cells"]] == [(200, 0.0), (200, 1.0), (260, 0.0), (260, 1.0)]
     assert all(len(c["answers"]) == 2 and len(c["keys"]) == 2 for c in result["cells"])
@@ -131,7 +131,7 @@ def test_the_context_protocol_holds_the_haystack_once_and_changes_nothing_under_
     model, tokenizer = model_and_tokenizer
     filler = np.arange(2, 5000) % 250 + 2
     run = {(name, protocol): passkey_accuracy(model, tokenizer, filler, [240], [0.5],
-                                              lambda name=name: make_policy(name, None if name == "full" else 64),
+                                              PolicySpec.sharing(name, 64),
                                               trials=2, progress=False, chunk_size=32, protocol=protocol)["cells"][0]
            for name in ("full", "streaming") for protocol in PROTOCOLS}
     answers = [run["full", protocol]["answers"] for protocol in PROTOCOLS]
@@ -142,4 +142,4 @@ def test_the_context_protocol_holds_the_haystack_once_and_changes_nothing_under_
     # context-once encodes the context in one pass too (then holds the cache: nothing more is evicted)
     assert run["streaming", "context-once"]["kv_tokens_peak"] == run["streaming", "context"]["kv_tokens_peak"]
     with pytest.raises(ValueError, match="protocol"):
-        passkey_accuracy(model, tokenizer, filler, [240], [0.5], lambda: make_policy("full"), protocol="once")
+        passkey_accuracy(model, tokenizer, filler, [240], [0.5], PolicySpec(), protocol="once")

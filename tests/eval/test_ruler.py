@@ -10,7 +10,7 @@ from sparsegen.cli import main
 from sparsegen.data import data_dir
 from sparsegen.engine.generate import generate_tokens
 from sparsegen.eval import ruler
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec, make_policy
 
 BOOK = data_dir() / "books" / "test" / "great_expectations.txt"
 
@@ -115,7 +115,7 @@ def test_query_aware_encodes_the_whole_prompt_question_included_in_one_pass(tiny
         fed.clear()
         for policy in ("full", "snapkv"):
             result, = ruler.evaluate(model, tokenizer, [sample],
-                                     lambda n, p=policy: make_policy(p, n // 4 if p != "full" else None), protocol,
+                                     PolicySpec.sharing(policy, 0.25), protocol,
                                      chunk_size=128, max_new_tokens=3, progress=False)
             answers[protocol, policy] = result["answer"]
         first = {"context": sample.context_tokens, "query-aware": len(sample.ids), "stream": 128}[protocol]
@@ -195,7 +195,7 @@ def test_context_once_holds_the_question_and_answer(tiny_checkpoint):
                            first_chunk=context, hold_after_first=True)[0]
     assert torch.equal(once, full)  # a budget that holds the whole context: the model's own tokens
     with pytest.raises(ValueError, match="protocol must be one of"):
-        ruler.evaluate(model, tokenizer, [], lambda n: make_policy("full"), protocol="twice")
+        ruler.evaluate(model, tokenizer, [], PolicySpec(), protocol="twice")
 
 
 def test_query_aware_once_compresses_the_whole_prompt_once_then_holds(tiny_checkpoint):

@@ -13,7 +13,7 @@ import sparsegen
 from sparsegen.bench.spawn import free_port as _free_port
 from sparsegen.engine import Engine
 from sparsegen.engine.generate import generate
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 from sparsegen.serve.schemas import Limits
 from sparsegen.serve.server import build_app, make_server
 
@@ -37,8 +37,8 @@ class Running:
 
     def __init__(self, model, tokenizer, limits: Limits, policy="streaming", defaults=None, kv_bits=None,
                  shutdown_grace: float = 30.0, **engine):
-        self.engine = Engine(model, tokenizer, lambda: make_policy(policy, BUDGET), chunk_size=32,
-                             max_sessions=limits.max_sessions, max_batch=limits.max_batch, kv_bits=kv_bits, **engine)
+        self.engine = Engine(model, tokenizer, PolicySpec(policy, BUDGET, kv_bits=kv_bits), chunk_size=32,
+                             max_sessions=limits.max_sessions, max_batch=limits.max_batch, **engine)
         self.app = build_app(self.engine, limits, "reference", defaults)
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -591,7 +591,7 @@ def test_the_memory_bound_counts_quantized_caches_as_they_are_stored(reference):
     limits = Limits(max_sessions=1, max_batch=1)
     bounds = {}
     for bits in (None, 4):
-        engine = Engine(model, tokenizer, lambda: make_policy("h2o", BUDGET), chunk_size=16, kv_bits=bits)
+        engine = Engine(model, tokenizer, PolicySpec("h2o", BUDGET, kv_bits=bits), chunk_size=16)
         bounds[bits] = kv_bound(engine, limits)
     job = engine.begin(engine.session("kept"), Sampling(max_tokens=8), prompt="the house was quiet " * 40)
     while not job.done:
@@ -635,4 +635,4 @@ def test_a_compressed_context_is_served_by_name(reference):
         running.stop()
     other = sparsegen.compress(model, tokenizer, document, policy="h2o", budget=BUDGET)
     with pytest.raises(ValueError, match="compressed under"):
-        Engine(model, tokenizer, lambda: make_policy("streaming", BUDGET), contexts={"doc": other})
+        Engine(model, tokenizer, PolicySpec("streaming", BUDGET), contexts={"doc": other})

@@ -146,12 +146,12 @@ def test_an_engine_error_outside_any_reply_fails_those_in_flight_and_the_server_
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
 def test_a_dead_engine_thread_fails_what_waits_reports_down_and_exits_non_zero(reference, monkeypatch):
     from sparsegen.engine import Engine
-    from sparsegen.kv import make_policy
+    from sparsegen.kv import PolicySpec
 
     class Fatal(BaseException):
         pass
 
-    engine = Engine(*reference, lambda: make_policy("streaming", 48), chunk_size=32, max_batch=2)
+    engine = Engine(*reference, PolicySpec("streaming", 48), chunk_size=32, max_batch=2)
     app = build_app(engine, Limits(max_sessions=2, max_batch=2), "reference")
     worker = app.state.worker
     port = _free_port()

@@ -12,7 +12,7 @@ import torch
 from sparsegen.cli import main as sparsegen
 from sparsegen.data import data_dir, read_texts
 from sparsegen.engine.generate import generate_tokens
-from sparsegen.kv import make_policy
+from sparsegen.kv import PolicySpec
 from sparsegen.kv.policies.full import Full
 from sparsegen.models import load
 from sparsegen.models.loading import resolve
@@ -63,16 +63,16 @@ def windowed(out: Path) -> dict:
     texts = read_texts(data_dir() / "books" / "test")
     text = texts[0]
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :WINDOW_PROMPT]
-    new, *_ = generate_tokens(model, ids, torch.ones_like(ids), make_policy("window", WINDOW - 1),
-                              positions="original", max_new_tokens=NEW_TOKENS)
+    new, *_ = generate_tokens(model, ids, torch.ones_like(ids),
+                              PolicySpec("window", WINDOW - 1, positions="original"), max_new_tokens=NEW_TOKENS)
     rows = [{"prompt": f"{WINDOW_PROMPT} tokens of {text[:40]!r}...", "prompt_ids": ids[0].tolist(),
              "tokens": new[0].tolist()}]
     books = tokenizer("\n\n".join(texts), return_tensors="pt")["input_ids"]
     ids = books[:, :LONG_CONTEXT - 2 * NEW_TOKENS]
     if ids.shape[1] < LONG_CONTEXT - 2 * NEW_TOKENS:
         raise RuntimeError(f"the test books hold {books.shape[1]:,} tokens, fewer than a {LONG_CONTEXT:,}-token prompt")
-    new, *_ = generate_tokens(model, ids, torch.ones_like(ids), make_policy("window", WINDOW - 1),
-                              positions="original", max_new_tokens=NEW_TOKENS)
+    new, *_ = generate_tokens(model, ids, torch.ones_like(ids),
+                              PolicySpec("window", WINDOW - 1, positions="original"), max_new_tokens=NEW_TOKENS)
     long = {"prompt": f"{ids.shape[1]:,} tokens of the test books", "prompt_ids": ids[0].tolist(),
             "tokens": new[0].tolist()}
     return {"path": str(folder), "window": WINDOW, "long_context": LONG_CONTEXT, "rows": rows, "long": long,

@@ -63,11 +63,12 @@ def resolve_budget(budget: int | float | str, input_length: int | None = None) -
     return budget
 
 
-def make_policy(name: str, budget: int | float | str | None = None, input_length: int | None = None,
-                **options) -> Policy:
-    """Build a policy by name; ``options`` (None: the policy's default) must be its constructor's own."""
+def check_settings(name: str, budget: int | float | str | None = None,
+                   options: dict | None = None) -> tuple[type[Policy], int | float | None, dict]:
+    """``(class, budget, options)`` for a policy named with these settings, or the error naming the fix: an unknown
+    name, a budget on ``full`` or none on the others, an option (None: the policy's default) it does not take."""
     cls = policy_class(name)
-    given = {k: v for k, v in options.items() if v is not None}
+    given = {k: v for k, v in (options or {}).items() if v is not None}
     extra = [k for k in given if k not in policy_options(cls)]
     if extra:
         takes = ", ".join(f"--{k}" for k in policy_options(cls)) or "none"
@@ -75,7 +76,14 @@ def make_policy(name: str, budget: int | float | str | None = None, input_length
     if name == "full":
         if budget is not None:
             raise ValueError("policy 'full' keeps everything and takes no budget")
-        return cls(**given)
+        return cls, None, given
     if budget is None:
         raise ValueError(f"policy {name!r} needs a budget (tokens, or a fraction of the input length)")
-    return cls(resolve_budget(budget, input_length), **given)
+    return cls, parse_budget(budget), given
+
+
+def make_policy(name: str, budget: int | float | str | None = None, input_length: int | None = None,
+                **options) -> Policy:
+    """Build a policy by name; ``options`` (None: the policy's default) must be its constructor's own."""
+    cls, budget, given = check_settings(name, budget, options)
+    return cls(**given) if budget is None else cls(resolve_budget(budget, input_length), **given)
