@@ -28,26 +28,24 @@ def cmd_contextual_stats(args: argparse.Namespace) -> None:
             json.dump(stats, f, indent=2)
 
 
+# the flags of `contextual fit` that are a method's own options (``ContextualMethod.options``); None: not given
+FIT_OPTIONS = ("sparsity", "top_k", "recall", "heads", "targets", "rank", "epochs")
+
+
 def cmd_contextual_fit(args: argparse.Namespace) -> None:
+    from sparsegen.contextual.runtime import contextual_method
     from sparsegen.models.loading import resolve
     from sparsegen.models.synthetic import is_random, random_model
     from sparsegen.output import check_output
 
     out = check_output(args.out, None if is_random(args.model) else resolve(args.model), args.force)
-    if args.method == "teal":
-        if args.sparsity is None or args.top_k is not None or args.recall is not None or args.heads:
-            raise ValueError("teal takes --sparsity only (the fraction of every linear's inputs dropped)")
-        args.targets = args.targets or "all"
-    elif args.method != "dejavu":
-        raise ValueError(f"unknown method {args.method!r}; choose dejavu or teal")
-    elif args.targets:
-        raise ValueError("--targets is for teal; dejavu predicts MLP neurons (and heads with --heads)")
-    else:
-        from sparsegen.contextual.dejavu import DejaVuConfig
-
-        config = DejaVuConfig(sparsity=args.sparsity, top_k=args.top_k, recall=args.recall, heads=args.heads,
-                              rank=args.rank, epochs=args.epochs, seed=args.seed)
-    args.nsamples = args.nsamples or (128 if args.method == "dejavu" else 32)
+    method = contextual_method(args.method)
+    given = {k: getattr(args, k) for k in FIT_OPTIONS if getattr(args, k) is not None}
+    if extra := [k for k in given if k not in method.options]:
+        takes = ", ".join("--" + k.replace("_", "-") for k in method.options) or "none"
+        raise ValueError(f"{args.method} takes no --{' --'.join(k.replace('_', '-') for k in extra)} (its options: "
+                         f"{takes})")
+    args.nsamples = args.nsamples or method.calibration_windows
     if is_random(args.model):  # no tokenizer: random token ids (for speed measurements on model shapes)
         import torch
 
@@ -63,31 +61,11 @@ def cmd_contextual_fit(args: argparse.Namespace) -> None:
         model, tokenizer = load_model(args)
         ids, calib = calibration_tokens(args, tokenizer, "train")
     started = time.perf_counter()
-    if args.method == "teal":
-        from sparsegen.contextual.teal import fit_teal
-
-        plan = fit_teal(model, ids, args.sparsity, args.targets, batch_size=args.batch_size, seed=args.seed)
-    else:
-        from sparsegen.contextual.dejavu import fit_dejavu
-
-        plan = fit_dejavu(model, ids, config, batch_size=args.batch_size)
+    plan = method.fit(model, ids, batch_size=args.batch_size, seed=args.seed, **given)
     plan.info.update(model=args.model, calibration=str(calib), seconds=round(time.perf_counter() - started, 1))
     plan.save(out, overwrite=args.force)
-    if args.method == "teal":
-        achieved = plan.info["achieved_on_calibration"]
-        print(f"teal ({args.targets}): {len(achieved)} linear inputs, target sparsity {args.sparsity}, achieved on "
-              f"calibration "
-              f"{min(achieved.values()):.3f}-{max(achieved.values()):.3f}; {plan.info['seconds']} s; saved to {out}")
-        return
-    print(f"deja vu on {ids.numel():,} tokens ({plan.info['labels']}); per layer on held-out windows:")
-    print(f"{'layer':>5}{'kind':>6}{'units':>7}{'K':>6}{'sparsity':>10}{'rank':>6}{'recall':>8}{'precision':>11}"
-          f"{'mass':>7}")
-    for layer in plan.info["report"]:
-        for kind in ("mlp", "heads"):
-            if kind in layer:
-                r = layer[kind]
-                print(f"{layer['layer']:>5}{kind:>6}{r['units']:>7}{r['k']:>6}{r['sparsity']:>10.3f}{r['rank']:>6}"
-                      f"{r['recall']:>8.3f}{r['precision']:>11.3f}{r['mass_recall']:>7.3f}")
+    for line in method.summary(plan):
+        print(line)
     print(f"{plan.info['seconds']} s; saved to {out}")
 
 
@@ -106,21 +84,23 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_contextual_stats)
     p = contextual.add_parser("fit", help="fit Deja Vu predictors or TEAL thresholds; use with --contextual DIR")
     model_args(p)
-    p.add_argument("--method", required=True, help="dejavu (low-rank lookahead predictors) or teal (thresholds)")
-    amount = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--method", required=True, help="dejavu (low-rank lookahead predictors), teal (thresholds) or a "
+                                                   "registered method of your own (--plugin)")
+    amount = p.add_mutually_exclusive_group()
     amount.add_argument("--sparsity", type=float, help="fraction of MLP neurons (dejavu) / linear inputs (teal) "
                                                        "skipped")
     amount.add_argument("--top-k", type=int, help="dejavu: MLP neurons kept per token")
     amount.add_argument("--recall", type=float,
                         help="dejavu: per layer, the smallest K whose recall on validation windows reaches this")
-    p.add_argument("--heads", type=float, default=0.0,
+    p.add_argument("--heads", type=float, default=None,
                    help="dejavu: fraction of attention heads skipped (default 0: heads are not predicted)")
     p.add_argument("--targets", default=None, choices=["all", "mlp"],
                    help="teal: sparsify the inputs of every decoder linear (default) or of the MLP's only")
     p.add_argument("--rank", type=int, default=None, help="dejavu: predictor rank (default: 5%% of the MLP's cost)")
-    p.add_argument("--epochs", type=int, default=20, help="dejavu: training epochs per predictor (default 20)")
+    p.add_argument("--epochs", type=int, default=None, help="dejavu: training epochs per predictor (default 20)")
     p.add_argument("--calib", default=None, help="calibration text file or folder (default ../shared/data/books/train)")
-    p.add_argument("--nsamples", type=int, default=None, help="calibration windows (default dejavu 128, teal 32)")
+    p.add_argument("--nsamples", type=int, default=None,
+                   help="calibration windows (default: the method's, dejavu 128, teal 32)")
     p.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     p.add_argument("--seed", type=int, default=0)

@@ -19,8 +19,20 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sparsegen.contextual.collect import capture
-from sparsegen.contextual.runtime import Contextual, LowRankPredictor, check_heads, model_info, predictor_name
+from sparsegen.contextual.layers import ColumnSparseLinear, RowSparseLinear
+from sparsegen.contextual.runtime import (
+    Contextual,
+    ContextualMethod,
+    Forward,
+    LowRankPredictor,
+    Swap,
+    check_heads,
+    model_info,
+    predictor_name,
+    register_contextual_method,
+)
 from sparsegen.contextual.stats import needed_fraction
+from sparsegen.models.anatomy import mlp_layout, neuron_count
 from sparsegen.models.families import family
 
 RELU_FAMILY = ("relu", "relu2", "relu6")
@@ -180,3 +192,81 @@ def fit_dejavu(model: nn.Module, ids: torch.Tensor, config: DejaVuConfig, batch_
                                                              if v is not None},
             "heads_skipped": config.heads, "report": layers_report}
     return Contextual("dejavu", info, top_k, predictors)
+
+
+class _Predicted:
+    """The units a predictor chose for one layer (a ``layers.Selection``)."""
+
+    def __init__(self, forward: Forward, key: tuple[int, str]):
+        self.forward, self.key = forward, key
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.forward.enabled:
+            return None
+        mask = self.forward.masks.get(self.key)
+        if mask is None:
+            top = self.forward.top[self.key]
+            mask = torch.zeros(*top.shape[:-1], self.forward.sizes[self.key], dtype=torch.bool, device=top.device)
+            mask = self.forward.masks[self.key] = mask.scatter_(-1, top, True)
+        return mask
+
+    def union(self) -> torch.Tensor | None:
+        return self.forward.units.get(self.key)
+
+
+@register_contextual_method
+class DejaVu(ContextualMethod):
+    """Low-rank lookahead predictors choose each token's top-K MLP neurons (and heads)."""
+
+    name = "dejavu"
+    options = ("sparsity", "top_k", "recall", "heads", "rank", "epochs")
+    calibration_windows = 128
+
+    def fit(self, model, ids, batch_size=8, seed=0, progress=True, **options) -> Contextual:
+        return fit_dejavu(model, ids, DejaVuConfig(seed=seed, **options), batch_size, progress)
+
+    def summary(self, plan: Contextual) -> list[str]:
+        lines = [f"deja vu on {plan.info['calibration_tokens']:,} tokens ({plan.info['labels']}); per layer on "
+                 f"held-out windows:",
+                 f"{'layer':>5}{'kind':>6}{'units':>7}{'K':>6}{'sparsity':>10}{'rank':>6}{'recall':>8}"
+                 f"{'precision':>11}{'mass':>7}"]
+        for layer in plan.info["report"]:
+            for kind in ("mlp", "heads"):
+                if kind in layer:
+                    r = layer[kind]
+                    lines.append(f"{layer['layer']:>5}{kind:>6}{r['units']:>7}{r['k']:>6}{r['sparsity']:>10.3f}"
+                                 f"{r['rank']:>6}{r['recall']:>8.3f}{r['precision']:>11.3f}{r['mass_recall']:>7.3f}")
+        return lines
+
+    def wire(self, plan: Contextual, forward: Forward, index: int, layer: nn.Module, swap: Swap) -> None:
+        model_type = forward.model_type
+        producers, consumer = mlp_layout(model_type)
+        neurons, size = _Predicted(forward, (index, "mlp")), neuron_count(layer, model_type)
+        forward.sizes[(index, "mlp")] = size
+        for path in producers:
+            linear = layer.get_submodule(path)
+            swap(layer, path, RowSparseLinear(linear, neurons, forward.decoding, copies=linear.out_features // size))
+        swap(layer, consumer, ColumnSparseLinear(layer.get_submodule(consumer), neurons, forward.decoding))
+        if predictor_name(index, "heads") in plan.predictors:
+            heads, attention = _Predicted(forward, (index, "heads")), layer.self_attn
+            forward.sizes[(index, "heads")] = attention.q_proj.out_features // attention.head_dim
+            swap(layer, "self_attn.q_proj", RowSparseLinear(attention.q_proj, heads, forward.decoding,
+                                                            attention.head_dim))
+            swap(layer, "self_attn.o_proj", ColumnSparseLinear(attention.o_proj, heads, forward.decoding,
+                                                               attention.head_dim))
+
+    def before_layer(self, plan: Contextual, forward: Forward, index: int, hidden: torch.Tensor, layers: int) -> None:
+        if index == 0:
+            self._predict(plan, forward, 0, hidden)
+        if index + 1 < layers:
+            self._predict(plan, forward, index + 1, hidden)  # lookahead: layer l's input chooses layer l+1's units
+
+    @staticmethod
+    def _predict(plan: Contextual, forward: Forward, index: int, hidden: torch.Tensor) -> None:
+        for kind in ("mlp", "heads"):
+            name = predictor_name(index, kind)
+            if name in plan.predictors:
+                top = plan.predictors[name](hidden).topk(plan.top_k[index][kind], dim=-1).indices
+                forward.top[(index, kind)] = top
+                if forward.decode:
+                    forward.units[(index, kind)] = top.flatten().unique()  # sorted

@@ -1,13 +1,18 @@
 """Running a model with contextual sparsity: what a fitted folder holds, and how it hooks into a model.
 
 A folder written by ``sparsegen contextual fit`` holds ``contextual.json`` (method, per-layer sizes and the
-measured recall/precision or sparsity) and, for Deja Vu, ``predictors.safetensors``. ``attach`` swaps the
-decoder layers' linears for the sparse ones in ``layers.py`` and adds one forward pre-hook per decoder layer:
+measured recall/precision or sparsity) and, for a method with predictors (Deja Vu), ``predictors.safetensors``.
+``attach`` swaps the decoder layers' linears for the sparse ones in ``layers.py`` and adds one forward pre-hook per
+decoder layer:
 
-- Deja Vu: layer l's hook reads the residual stream entering layer l and predicts which MLP neurons (and
-  heads) layer l+1 will need — the lookahead; layer 0 is predicted from its own input. Each token keeps the
-  top-K units by predictor score.
-- TEAL: no predictor; every linear with a threshold keeps the inputs whose magnitude is at least it.
+- Deja Vu (``dejavu.py``): layer l's hook reads the residual stream entering layer l and predicts which MLP
+  neurons (and heads) layer l+1 will need — the lookahead; layer 0 is predicted from its own input. Each token
+  keeps the top-K units by predictor score.
+- TEAL (``teal.py``): no predictor; every linear with a threshold keeps the inputs whose magnitude is at least it.
+
+Each method is a ``ContextualMethod`` that registers itself (``register_contextual_method``: in a file of its own,
+``sparsegen --plugin FILE contextual fit ...``, or from an installed package through the
+``sparsegen.contextual_methods`` entry point group) and wires its layers; this file does what all share.
 
 Skipped heads still get their K and V computed and cached: a head skipped for this token may be chosen by a
 later one, and it must then see the whole history. The cost is the K/V projections and the cache of every
@@ -18,21 +23,94 @@ attention itself (it runs for all heads, the skipped heads' results are dropped)
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsegen.contextual.layers import ColumnSparseLinear, RowSparseLinear
-from sparsegen.models.anatomy import decoder_layers, head_families, mlp_layout, neuron_count
+from sparsegen.models.anatomy import decoder_layers, head_families, neuron_count
 from sparsegen.models.families import family
+from sparsegen.plugins import from_entry_points
 
-METHODS = ("dejavu", "teal")
 CONFIG = "contextual.json"
 WEIGHTS = "predictors.safetensors"
+ENTRY_POINTS = "sparsegen.contextual_methods"
+
+
+class Forward:
+    """What the layers of one forward share: whether it decodes, and what a method computed for its layers."""
+
+    def __init__(self, model_type: str):
+        self.model_type = model_type  # the model's (``models.anatomy`` reads its layers by it)
+        self.enabled = True  # False inside ``suspended``: every layer runs dense
+        self.decode = False
+        self.top: dict[tuple[int, str], torch.Tensor] = {}  # (layer, kind) -> [B, T, K] unit indices
+        self.masks: dict[tuple[int, str], torch.Tensor] = {}  # built from ``top`` when a layer asks
+        self.units: dict[tuple[int, str], torch.Tensor] = {}  # decode: sorted union over the batch
+        self.sizes: dict[tuple[int, str], int] = {}  # units per layer and kind
+
+    def clear(self, decode: bool) -> None:
+        self.decode = decode
+        self.top.clear(), self.masks.clear(), self.units.clear()
+
+    def decoding(self) -> bool:
+        return self.decode
+
+
+# swap(layer, path, module): put ``module`` at ``path`` in ``layer`` (``detach`` puts the dense linear back)
+Swap = Callable[[nn.Module, str, nn.Module], None]
+
+
+class ContextualMethod:
+    """A rule for which units of a layer an input needs. ``options``: its fit's own keyword options (the flags of
+    ``sparsegen contextual fit`` it takes); ``calibration_windows``: the windows of calibration text it reads by
+    default."""
+
+    name: ClassVar[str]
+    options: ClassVar[tuple[str, ...]] = ()
+    calibration_windows: ClassVar[int] = 32
+
+    def fit(self, model: nn.Module, ids: torch.Tensor, batch_size: int = 8, seed: int = 0, progress: bool = True,
+            **options) -> Contextual:
+        raise NotImplementedError
+
+    def summary(self, plan: Contextual) -> list[str]:
+        """What a fit reports, as lines of text."""
+        return []
+
+    def wire(self, plan: Contextual, forward: Forward, index: int, layer: nn.Module, swap: Swap) -> None:
+        """Swap layer ``index``'s linears for the sparse ones of ``contextual.layers``."""
+        raise NotImplementedError
+
+    def before_layer(self, plan: Contextual, forward: Forward, index: int, hidden: torch.Tensor, layers: int) -> None:
+        """Runs as layer ``index`` (of ``layers``) receives ``hidden``, while ``forward.enabled``."""
+
+
+CONTEXTUAL_METHODS: dict[str, ContextualMethod] = {}
+
+
+def register_contextual_method(cls: type[ContextualMethod]) -> type[ContextualMethod]:
+    """Class decorator: make a method available by its ``name`` (``sparsegen contextual fit --method``, the plans a
+    folder names)."""
+    if not (isinstance(cls, type) and issubclass(cls, ContextualMethod)) \
+            or not isinstance(getattr(cls, "name", None), str):
+        raise TypeError("register_contextual_method takes a ContextualMethod subclass with a name")
+    CONTEXTUAL_METHODS[cls.name] = cls()
+    return cls
+
+
+def contextual_method(name: str) -> ContextualMethod:
+    """The registered method called ``name`` (looking in installed packages' entry points if it is not yet)."""
+    if name not in CONTEXTUAL_METHODS and (found := from_entry_points(ENTRY_POINTS, name)) is not None:
+        register_contextual_method(found)
+    if name not in CONTEXTUAL_METHODS:
+        raise ValueError(f"unknown contextual method {name!r}; choose one of {', '.join(CONTEXTUAL_METHODS)}")
+    return CONTEXTUAL_METHODS[name]
 
 
 def predictor_name(layer: int, kind: str) -> str:
@@ -71,7 +149,7 @@ class Contextual:
         with new_folder(folder, overwrite) as work:
             (work / CONFIG).write_text(json.dumps({"method": self.method, "top_k": self.top_k, "ranks": ranks,
                                                    "thresholds": self.thresholds, **self.info}, indent=2))
-            if self.method == "dejavu":
+            if len(self.predictors):
                 state = {k: v.detach().float().contiguous() for k, v in self.predictors.state_dict().items()}
                 save_file(state, work / WEIGHTS)
         return Path(folder)
@@ -90,11 +168,13 @@ class Contextual:
         except json.JSONDecodeError as error:
             raise ValueError(f"{folder / CONFIG} is not valid JSON ({error}); fit it again") from None
         method = info.pop("method", None)
-        if method not in METHODS:
-            raise ValueError(f"{folder / CONFIG} names method {method!r}; expected one of {', '.join(METHODS)}")
+        try:
+            contextual_method(method)
+        except ValueError as error:
+            raise ValueError(f"{folder / CONFIG}: {error}") from None
         top_k, ranks, thresholds = info.pop("top_k", []), info.pop("ranks", {}), info.pop("thresholds", {})
         predictors = nn.ModuleDict()
-        if method == "dejavu":
+        if ranks:
             try:
                 state = load_file(folder / WEIGHTS)
             except (FileNotFoundError, SafetensorError, OSError) as error:
@@ -123,55 +203,6 @@ def model_info(model: nn.Module) -> dict:
             "neurons": [neuron_count(layer, config.model_type) for layer in layers]}
 
 
-class _Step:
-    """What the layers of one forward share: whether it decodes, and each layer's predicted top-K."""
-
-    def __init__(self):
-        self.enabled = True  # False inside ``suspended``: every layer runs dense
-        self.decode = False
-        self.top: dict[tuple[int, str], torch.Tensor] = {}  # [B, T, K] unit indices
-        self.masks: dict[tuple[int, str], torch.Tensor] = {}  # built from ``top`` when a layer asks
-        self.units: dict[tuple[int, str], torch.Tensor] = {}  # decode: sorted union over the batch
-        self.sizes: dict[tuple[int, str], int] = {}  # units per layer and kind
-
-    def clear(self, decode: bool) -> None:
-        self.decode = decode
-        self.top.clear(), self.masks.clear(), self.units.clear()
-
-
-class _Predicted:
-    """The units a Deja Vu predictor chose for one layer (a ``layers.Selection``)."""
-
-    def __init__(self, step: _Step, key: tuple[int, str]):
-        self.step, self.key = step, key
-
-    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not self.step.enabled:
-            return None
-        mask = self.step.masks.get(self.key)
-        if mask is None:
-            top = self.step.top[self.key]
-            mask = torch.zeros(*top.shape[:-1], self.step.sizes[self.key], dtype=torch.bool, device=top.device)
-            mask = self.step.masks[self.key] = mask.scatter_(-1, top, True)
-        return mask
-
-    def union(self) -> torch.Tensor | None:
-        return self.step.units.get(self.key)
-
-
-class _Threshold:
-    """TEAL: the inputs whose magnitude reaches the threshold (a ``layers.Selection``)."""
-
-    def __init__(self, step: _Step, threshold: float):
-        self.step, self.threshold = step, threshold
-
-    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
-        return x.abs() >= self.threshold if self.step.enabled else None
-
-    def union(self) -> None:
-        return None
-
-
 def _hidden(args, kwargs) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
@@ -197,11 +228,9 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
     plan.check(model)
     param = next(model.parameters())
     plan.predictors.to(device=param.device, dtype=param.dtype)
-    model_type = model.config.model_type
-    producers, consumer = mlp_layout(model_type)
+    method = contextual_method(plan.method)
     layers = decoder_layers(model)
-    step = _Step()
-    decoding = lambda: step.decode  # noqa: E731
+    step = Forward(model.config.model_type)
     swapped: list[tuple[nn.Module, str]] = []
 
     def swap(parent: nn.Module, path: str, module: nn.Module) -> None:
@@ -211,44 +240,16 @@ def attach(model: nn.Module, plan: Contextual) -> nn.Module:
         setattr(owner, name, module)  # the dense linear goes: no second copy of its weights stays alive
 
     for index, layer in enumerate(layers):
-        if plan.method == "teal":
-            for path, linear in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
-                threshold = plan.thresholds.get(f"{index}.{path}")
-                if threshold is not None:  # linears without one stay dense (TEAL fit with targets="mlp")
-                    swap(layer, path, ColumnSparseLinear(linear, _Threshold(step, threshold), decoding))
-            continue
-        neurons, size = _Predicted(step, (index, "mlp")), neuron_count(layer, model_type)
-        step.sizes[(index, "mlp")] = size
-        for path in producers:
-            linear = layer.get_submodule(path)
-            swap(layer, path, RowSparseLinear(linear, neurons, decoding, copies=linear.out_features // size))
-        swap(layer, consumer, ColumnSparseLinear(layer.get_submodule(consumer), neurons, decoding))
-        if predictor_name(index, "heads") in plan.predictors:
-            heads, attention = _Predicted(step, (index, "heads")), layer.self_attn
-            step.sizes[(index, "heads")] = attention.q_proj.out_features // attention.head_dim
-            swap(layer, "self_attn.q_proj", RowSparseLinear(attention.q_proj, heads, decoding, attention.head_dim))
-            swap(layer, "self_attn.o_proj", ColumnSparseLinear(attention.o_proj, heads, decoding, attention.head_dim))
-
-    def predict(index: int, hidden: torch.Tensor) -> None:
-        for kind in ("mlp", "heads"):
-            name = predictor_name(index, kind)
-            if name in plan.predictors:
-                top = plan.predictors[name](hidden).topk(plan.top_k[index][kind], dim=-1).indices
-                step.top[(index, kind)] = top
-                if step.decode:
-                    step.units[(index, kind)] = top.flatten().unique()  # sorted
+        method.wire(plan, step, index, layer, swap)
 
     def before_layer(index: int):
         def hook(module, args, kwargs):
             hidden = _hidden(args, kwargs)
             if index == 0:
                 step.clear(decode=step.enabled and hidden.dim() == 3 and hidden.shape[1] == 1)
-            if plan.method == "dejavu" and step.enabled:
+            if step.enabled:
                 with torch.no_grad():
-                    if index == 0:
-                        predict(0, hidden)
-                    if index + 1 < len(layers):
-                        predict(index + 1, hidden)  # lookahead: layer l's input chooses layer l+1's units
+                    method.before_layer(plan, step, index, hidden, len(layers))
         return hook
 
     handles = [layer.register_forward_pre_hook(before_layer(i), with_kwargs=True) for i, layer in enumerate(layers)]

@@ -8,7 +8,15 @@ import torch
 from torch import nn
 
 from sparsegen.contextual.collect import capture
-from sparsegen.contextual.runtime import Contextual, model_info
+from sparsegen.contextual.layers import ColumnSparseLinear
+from sparsegen.contextual.runtime import (
+    Contextual,
+    ContextualMethod,
+    Forward,
+    Swap,
+    model_info,
+    register_contextual_method,
+)
 from sparsegen.models.anatomy import mlp_layout
 
 TARGETS = ("all", "mlp")
@@ -45,3 +53,42 @@ def fit_teal(model: nn.Module, ids: torch.Tensor, sparsity: float, targets: str 
     info = {**model_info(model), "sparsity": sparsity, "targets": targets, "calibration_tokens": ids.numel(),
             "achieved_on_calibration": achieved}
     return Contextual("teal", info, thresholds=thresholds)
+
+
+class _Threshold:
+    """The inputs whose magnitude reaches the threshold (a ``layers.Selection``)."""
+
+    def __init__(self, forward: Forward, threshold: float):
+        self.forward, self.threshold = forward, threshold
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        return x.abs() >= self.threshold if self.forward.enabled else None
+
+    def union(self) -> None:
+        return None
+
+
+@register_contextual_method
+class Teal(ContextualMethod):
+    """A magnitude threshold per linear input, no predictor."""
+
+    name = "teal"
+    options = ("sparsity", "targets")
+
+    def fit(self, model, ids, batch_size=8, seed=0, progress=True, sparsity: float | None = None,
+            targets: str = "all") -> Contextual:
+        if sparsity is None:
+            raise ValueError("teal needs --sparsity (the fraction of every linear's inputs dropped)")
+        return fit_teal(model, ids, sparsity, targets, batch_size, seed, progress)
+
+    def summary(self, plan: Contextual) -> list[str]:
+        achieved = plan.info["achieved_on_calibration"]
+        return [f"teal ({plan.info['targets']}): {len(achieved)} linear inputs, target sparsity "
+                f"{plan.info['sparsity']}, achieved on calibration {min(achieved.values()):.3f}-"
+                f"{max(achieved.values()):.3f}"]
+
+    def wire(self, plan: Contextual, forward: Forward, index: int, layer: nn.Module, swap: Swap) -> None:
+        for path, linear in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
+            threshold = plan.thresholds.get(f"{index}.{path}")
+            if threshold is not None:  # linears without one stay dense (TEAL fit with targets="mlp")
+                swap(layer, path, ColumnSparseLinear(linear, _Threshold(forward, threshold), forward.decoding))

@@ -127,6 +127,17 @@ def test_cli_fit_then_run(tiny_checkpoint, corpus, tmp_path, capsys):
     assert main(["contextual", "fit", "--model", str(tiny_checkpoint), "--method", "teal", "--sparsity", "0.5",
                  "--calib", calib, "--out", str(tmp_path / "teal")]) == 2  # non-empty --out without --force
     assert "--force" in capsys.readouterr().err
+    for method, flags in (("teal", ["--top-k", "4"]), ("dejavu", ["--sparsity", "0.5", "--targets", "mlp"])):
+        assert main(["contextual", "fit", "--model", str(tiny_checkpoint), "--method", method, *flags,
+                     "--calib", calib, "--out", str(tmp_path / "bad")]) != 0  # each method takes its own options only
+        assert f"{method} takes no {flags[-2]} (its options:" in capsys.readouterr().err
+    for method, needs in (("teal", "teal needs --sparsity"), ("dejavu", "give exactly one of --sparsity")):
+        assert main(["contextual", "fit", "--model", str(tiny_checkpoint), "--method", method, "--calib", calib,
+                     "--out", str(tmp_path / "bad")]) != 0
+        assert needs in capsys.readouterr().err
+    assert main(["contextual", "fit", "--model", str(tiny_checkpoint), "--method", "lru", "--sparsity", "0.5",
+                 "--calib", calib, "--out", str(tmp_path / "bad")]) != 0
+    assert "unknown contextual method 'lru'; choose one of dejavu, teal" in capsys.readouterr().err
     for plan in ("dv", "teal"):
         assert main(["ppl", "--windows", "--model", str(tiny_checkpoint), "--text", str(corpus / "books/test"),
                      "--ctx", "32", "--contextual", str(tmp_path / plan)]) == 0

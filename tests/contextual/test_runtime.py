@@ -203,7 +203,7 @@ def test_bad_plans_get_clear_errors(tmp_path):
 def test_suspended_runs_dense_and_fidelity_compares_with_the_dense_model():
     from sparsegen.contextual.runtime import suspended
     from sparsegen.eval.fidelity import fidelity
-    from sparsegen.kv.policies.full import Full
+    from sparsegen.kv import PolicySpec
 
     model = tiny_model("llama")
     with torch.no_grad():
@@ -221,9 +221,9 @@ def test_suspended_runs_dense_and_fidelity_compares_with_the_dense_model():
         def batch_decode(self, rows, skip_special_tokens=True):
             return [" ".join(map(str, row.tolist())) for row in rows]
 
-    sparse = fidelity(model, Tokens(), IDS, Full, new_tokens=6, progress=False)
+    sparse = fidelity(model, Tokens(), IDS, PolicySpec(), new_tokens=6, progress=False)
     detach(model)
-    same = fidelity(model, Tokens(), IDS, Full, new_tokens=6, progress=False)
+    same = fidelity(model, Tokens(), IDS, PolicySpec(), new_tokens=6, progress=False)
     assert same["kl"] < 1e-6 and same["rouge_l"] == 1.0
     assert sparse["kl"] > 1e-4  # the plan's model against the dense one
 
@@ -255,3 +255,50 @@ def test_a_model_packed_for_the_low_bit_kernels_is_refused(weights):
         fit_teal(model, torch.randint(3, 320, (2, 16)), 0.5)
     with pytest.raises(ValueError, match="--weights fp32"):
         attach(model, None)  # (refused before the plan is read)
+
+
+def test_a_method_of_your_own_is_one_registered_class(monkeypatch, tmp_path):
+    """A method registers itself, wires the layers it names and runs before each layer; a saved plan names it and
+    loads back; the model runs as the reference zeroing the same units."""
+    from sparsegen.contextual.layers import ColumnSparseLinear
+    from sparsegen.contextual.runtime import CONTEXTUAL_METHODS, ContextualMethod, register_contextual_method
+
+    class EvenInputs:  # a ``layers.Selection``: the down projection's even inputs only
+        def mask(self, x):
+            return (torch.arange(x.shape[-1]) % 2 == 0).expand(x.shape)
+
+        def union(self):
+            return None
+
+    seen = []
+
+    class EveryOther(ContextualMethod):
+        name = "every-other"
+
+        def wire(self, plan, forward, index, layer, swap):
+            path = mlp_layout(forward.model_type)[1]
+            swap(layer, path, ColumnSparseLinear(layer.get_submodule(path), EvenInputs(), forward.decoding))
+
+        def before_layer(self, plan, forward, index, hidden, layers):
+            seen.append((index, layers))
+
+    monkeypatch.setitem(CONTEXTUAL_METHODS, "every-other", None)  # (removed again after the test)
+    register_contextual_method(EveryOther)
+    model = tiny_model("llama")
+    path = mlp_layout("llama")[1]
+    handles = [layer.get_submodule(path).register_forward_pre_hook(
+        lambda m, a: (a[0] * (torch.arange(a[0].shape[-1]) % 2 == 0),)) for layer in decoder_layers(model)]
+    with torch.no_grad():
+        expected = model(IDS).logits
+    for handle in handles:
+        handle.remove()
+    plan = Contextual.load(Contextual("every-other", model_info(model)).save(tmp_path / "plan"))
+    attach(model, plan)
+    with torch.no_grad():
+        got = model(IDS).logits
+    layers = len(decoder_layers(model))
+    assert seen == [(index, layers) for index in range(layers)]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    detach(model)
+    with pytest.raises(TypeError, match="ContextualMethod subclass"):
+        register_contextual_method(object)
