@@ -288,7 +288,8 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         strip = messages is not None and not self.template.native
         return Job(session, sampling, len(ids), reencoded=history, strip_leading=strip, generator=generator,
-                   on_text=on_text, text=Detokenizer(self.tokenizer), feed=ids, served=self._ticks,
+                   cached_tokens=held - self.offset if continues else 0, on_text=on_text,
+                   text=Detokenizer(self.tokenizer), feed=ids, served=self._ticks,
                    stops=tuple(sampling.stop) + tuple(self.template.stop if strip else ()))
 
     def unbegun(self, session: Session, in_doubt: bool) -> None:

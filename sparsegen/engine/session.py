@@ -89,6 +89,8 @@ class Job:
     reencoded: bool  # the session's history had to be encoded again (new, evicted, or the messages changed)
     strip_leading: bool  # a base model's reply starts with the space after "Assistant:": not part of the content
     generator: torch.Generator | None
+    cached_tokens: int = 0  # the prompt's tokens before those, that the session's cache already stood for (evicted
+    # to its budget or not) and so were not encoded again: OpenAI's ``usage.prompt_tokens_details.cached_tokens``
     on_text: Callable[[Job, str], None] | None = None
     text: Detokenizer | None = None  # the reply's raw text (a base model's template space included)
     stops: tuple[str, ...] = ()

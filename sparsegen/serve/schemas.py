@@ -257,10 +257,16 @@ def refused_field(parsed: GenerationRequest) -> str | None:
     return next((name for name, refused in checks.items() if refused), None)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="the prompt's tokens the conversation's cache already held (a session's "
+                                           "earlier turns, a --context): not encoded again")
+
+
 class Usage(BaseModel):
-    prompt_tokens: int
+    prompt_tokens: int = Field(description="the whole prompt's tokens, cached ones included (OpenAI's meaning)")
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ReplyMessage(BaseModel):

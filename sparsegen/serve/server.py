@@ -57,6 +57,7 @@ from sparsegen.serve.schemas import (
     Limits,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ReplyMessage,
     Usage,
     documented,
@@ -368,8 +369,10 @@ async def _wait(request: Request, events: asyncio.Queue, choices: int) -> list[J
 
 
 def _usage_of(jobs: list[Job]) -> Usage:
-    prompt, completion = sum(job.prompt_tokens for job in jobs), sum(len(job.tokens) for job in jobs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(job.cached_tokens for job in jobs)
+    prompt, completion = sum(job.prompt_tokens for job in jobs) + cached, sum(len(job.tokens) for job in jobs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 @dataclass

@@ -120,7 +120,11 @@ def test_a_session_second_turn_encodes_only_the_new_message(server, reference):
                         headers={"X-Session-Id": "s1"}, timeout=60).json()
     after = server.metrics()
     fed = after["sparsegen_prefill_tokens_total"] - before["sparsegen_prefill_tokens_total"]
-    assert fed == second["usage"]["prompt_tokens"] < first["usage"]["prompt_tokens"]
+    usage, cached = second["usage"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # (a new session encodes everything)
+    # OpenAI's meaning: prompt_tokens is the whole prompt; cached_tokens what this turn did not encode again
+    assert fed == usage["prompt_tokens"] - cached < first["usage"]["prompt_tokens"] <= cached
+    assert cached <= first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]  # the turn it extends
     new_text = reference[1]("\nUser: And the garden?\nAssistant:", add_special_tokens=False)["input_ids"]
     assert fed <= len(new_text) + 1  # the new message in its template, and the reply's last token; not the history
     assert after["sparsegen_reencoded_sessions_total"] == before["sparsegen_reencoded_sessions_total"]
@@ -475,7 +479,8 @@ def test_a_stop_string_reply_is_extended_by_the_next_turn(server):
     second = _chat(server, messages, session_id="stops", stop=[stop]).json()
     after = server.metrics()
     assert after["sparsegen_reencoded_sessions_total"] == before["sparsegen_reencoded_sessions_total"]
-    assert second["usage"]["prompt_tokens"] < first["usage"]["prompt_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert second["usage"]["prompt_tokens"] - cached < first["usage"]["prompt_tokens"] <= cached
 
 
 def test_sessions_belong_to_their_api_key(reference):
