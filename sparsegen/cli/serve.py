@@ -37,7 +37,16 @@ def _engine(args: argparse.Namespace, model, tokenizer):
                   kv_memory=parse_bytes(args.kv_memory) if getattr(args, "kv_memory", None) else None,
                   max_context=getattr(args, "max_context", None), idle_grace=getattr(args, "idle_grace", 2.0),
                   prefill_budget=getattr(args, "prefill_budget", None), contexts=_contexts(args, model),
-                  packed_prefill=getattr(args, "prefill_mode", "packed") == "packed")
+                  packed_prefill=getattr(args, "prefill_mode", "packed") == "packed", store=_store(args))
+
+
+def _store(args: argparse.Namespace):
+    """``--session-store DIR``: every session's cache snapshotted after each turn, for another replica."""
+    if getattr(args, "session_store", None) is None:
+        return None
+    from sparsegen.engine.store import SessionStore
+
+    return SessionStore(args.session_store, parse_bytes(args.session_store_size))
 
 
 def _contexts(args: argparse.Namespace, model) -> dict:
@@ -83,13 +92,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
         plot_turns({f"{args.policy}": turns}, args.plot, title=f"{args.model}: {len(turns)} chat turns")
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def _limits(args: argparse.Namespace):
+    """The server's limits and API keys from its flags, checked before any model loads."""
     import os
-    import time
 
     from sparsegen.serve.schemas import Limits
-    from sparsegen.serve.server import build_app, run_server
-    from sparsegen.serve.worker import kv_bound
 
     keys = list(args.api_key or [])
     if args.api_keys_file:
@@ -112,6 +119,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     _contexts(args, None)  # (and a damaged --context file: checked again against the model once it is loaded)
     if defaults.max_tokens > limits.max_tokens:
         raise ValueError(f"--max-new-tokens {defaults.max_tokens} is over --max-tokens-limit {limits.max_tokens}")
+    return limits, defaults
+
+
+def server_app(args: argparse.Namespace, quiet: bool = False):
+    """The app ``sparsegen serve`` runs for its flags (loaded, warmed up before it answers), as a Ray Serve replica
+    builds it too; ``quiet``: without the start-up lines."""
+    import time
+
+    from sparsegen.serve.server import build_app
+    from sparsegen.serve.worker import kv_bound
+
+    limits, defaults = _limits(args)
+    say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
     model, tokenizer = load_model(args)
     engine = _engine(args, model, tokenizer)
     if engine.decode.compiled:  # (before /health answers: no request waits on a compile)
@@ -120,8 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         started = time.perf_counter()
         warm = warm_up(engine, rows=min(3, args.max_batch))
-        print(f"sparsegen serve: decode step ready in {time.perf_counter() - started:.1f} s ({warm['compiles']} "
-              f"compiles, {warm['seconds']:.1f} s; {weights_of(model)} weights)", flush=True)
+        say(f"sparsegen serve: decode step ready in {time.perf_counter() - started:.1f} s ({warm['compiles']} "
+            f"compiles, {warm['seconds']:.1f} s; {weights_of(model)} weights)")
     app = build_app(engine, limits, args.model, defaults)
     bound = kv_bound(engine, limits)
     policy = engine.policy.build().describe()
@@ -130,14 +150,50 @@ def cmd_serve(args: argparse.Namespace) -> None:
             f"{memory.per_session / 2**20:,.1f} MiB each" if memory is not None else
             f"worst-case KV memory {bound / 2**20:.1f} MiB ({limits.max_sessions} sessions + {limits.max_batch} in "
             f"flight, each at most budget + {args.chunk_size} tokens)")
-    print(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; {held}; "
-          f"http://{args.host}:{args.port}/v1"
-          + (f" ({len(keys)} API keys)" if keys else " (no API key)"), flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+    say(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; {held}; "
+        f"http://{args.host}:{args.port}/v1" + (f" ({len(limits.api_keys)} API keys)" if limits.api_keys
+                                                else " (no API key)"))
+    return app
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from sparsegen.serve.server import run_server
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not _limits(args)[0].api_keys:
         print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
-    status = run_server(app, args.host, args.port, args.log_level, args.shutdown_grace)
+    if args.ray is None and args.replicas != 1:
+        raise ValueError("--replicas runs several engines on Ray Serve: give --ray [ADDRESS] too")
+    if args.ray is not None:
+        _serve_on_ray(args)
+        return
+    status = run_server(server_app(args), args.host, args.port, args.log_level, args.shutdown_grace)
     if status:
         sys.exit(status)
+
+
+def _serve_on_ray(args: argparse.Namespace) -> None:
+    """``--ray [ADDRESS]``: ``--replicas`` engines on a Ray cluster (a local one without an address) behind Ray
+    Serve's HTTP proxy on ``--host``/``--port``, until Ctrl-C."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from sparsegen.serve.replicas import deployment
+
+    limits, _ = _limits(args)  # (bad flags fail here, before the cluster starts)
+    ray.init(address=args.ray or None, logging_level="warning")
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(deployment(server_app, args, True, replicas=args.replicas,
+                         max_ongoing_requests=4 * (limits.max_batch + limits.max_queue)),
+              name="sparsegen", route_prefix="/")
+    print(f"sparsegen serve: {args.replicas} replicas of {args.model} on Ray Serve, http://{args.host}:{args.port}/v1 "
+          f"(each turn of a session to the replica holding its cache: send X-Session-Id)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
 
 
 def cmd_export_window(args: argparse.Namespace) -> None:
@@ -226,6 +282,18 @@ def add_parsers(sub) -> None:
                         "(streams: an error event, then [DONE]); queued requests get 503 at once; then exit 0 "
                         "(default 30)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    ray = p.add_argument_group("several replicas on Ray Serve (docs/serving.md)")
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="serve on a Ray cluster (its address, e.g. ray://head:10001; none: a local one): "
+                          "--replicas engines behind Ray Serve's HTTP proxy, each session's turns on the replica "
+                          "holding its cache")
+    ray.add_argument("--replicas", type=positive_int, default=1, help="engines under --ray (default 1)")
+    ray.add_argument("--session-store", default=None, metavar="DIR",
+                     help="snapshot each session's cache here after every turn (a folder every replica reads: a "
+                          "shared disk on a cluster), so that a session whose replica is gone continues on another "
+                          "from the same cache instead of re-encoding its history")
+    ray.add_argument("--session-store-size", default="4GiB", metavar="SIZE",
+                     help="the most bytes of snapshots kept, least recently written dropped first (default 4GiB)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export-window", help="write a checkpoint whose layers are all sliding windows, for vLLM to "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,7 +198,7 @@ class CompressedContext:
         if path.suffix != ".safetensors":
             raise ValueError(f"save a compressed context as NAME.safetensors, got {str(path)!r}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
+        partial = path.with_suffix(f".{uuid.uuid4().hex[:8]}.partial")  # (writers of one name never share a file)
         tensors = {k: v.cpu().contiguous() for k, v in self.tensors.items()}
         save_file(tensors, str(partial), metadata={"sparsegen": json.dumps({**self.meta, "digest": _digest(tensors)})})
         partial.replace(path)  # a crash mid-write never leaves a truncated context under the name
@@ -285,7 +286,9 @@ class CompressedContext:
                                      f"model's cache holds {str(dtype).removeprefix('torch.')} {list(shape)}")
             if tensor.is_floating_point() and not name.endswith(".memo") and not bool(torch.isfinite(tensor).all()):
                 raise _damaged(path, f"{name} holds NaN or infinite values")
-        seen = self.tokens + pinned_tokens(model)  # (a prompt prefix the model puts before every sequence)
+        # (a prompt prefix the model puts before every sequence; a session's snapshot, ``engine.store``, holds no ids:
+        # its length is what its cache saw over its turns)
+        seen = self.tokens + pinned_tokens(model) if self.tokens else meta["length"]
         if int(tensors["seen"][0]) != seen or meta["length"] != seen:
             raise _damaged(path, f"its length {meta['length']} is not the {seen} tokens it saw")
         for i in range(len(meta["layers"])):

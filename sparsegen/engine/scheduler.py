@@ -47,6 +47,7 @@ from sparsegen.engine.session import (
 )
 from sparsegen.engine.speculative import ConversationDrafts, Speculation
 from sparsegen.engine.step import DecodeStep, forward
+from sparsegen.engine.store import SessionStore
 from sparsegen.engine.template import ChatTemplate
 from sparsegen.kv import EvictionCache, PolicySpec
 from sparsegen.kv.cache import DEFAULT_CHUNK
@@ -64,7 +65,8 @@ class Engine:
                  speculation: Callable[[], Speculation] | None = None, compile: bool | None = None,
                  kv_memory: int | None = None,
                  max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | str | None = None,
-                 contexts: dict[str, CompressedContext] | None = None, packed_prefill: bool = True):
+                 contexts: dict[str, CompressedContext] | None = None, packed_prefill: bool = True,
+                 store: SessionStore | None = None):
         if max_sessions < 1 or max_batch < 1:
             raise ValueError("max_sessions and max_batch must be at least 1")
         if max_context is not None and max_context < 1:
@@ -97,7 +99,8 @@ class Engine:
         self.packs = packed_prefill and not self.offset
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.counters = {"requests": 0, "prefill_tokens": 0, "decode_tokens": 0, "reencoded_sessions": 0,
-                         "evicted_sessions": 0}
+                         "evicted_sessions": 0, "restored_sessions": 0}
+        self.store = store  # sessions' caches snapshotted after each turn, for another process to continue
         self.max_batch = max_batch
         self._ticks = 0  # steps run
         self._batch: EvictionCache | None = None  # the stacked caches of the replies decoding together
@@ -264,6 +267,9 @@ class Engine:
         if not isinstance(sampling, Sampling):
             raise ValueError("sampling must be a Sampling")
         self._start_from_context(session, context)
+        if self.store is not None and session.id is not None and not session.text and context is None \
+                and self.store.restore(session, self.model, self.policy.build(), self.max_context):
+            self.counters["restored_sessions"] += 1  # (``begin`` starts it over if the request does not extend it)
         current = session.text if prepared is not None and prepared.text.startswith(session.text) else ""
         if prepared is None or prepared.base != current:
             prepared = self.prepare(session, messages, prompt, context=context)
@@ -579,6 +585,10 @@ class Engine:
         """After a finished reply (however it ended): its session is idle from now, and a session-less request's
         cache gives back its memory."""
         job.session.idle_since = time.monotonic()
+        session = job.session
+        if self.store is not None and session.id is not None and job.finish_reason in ("stop", "length") \
+                and session.cache.seen is not None:
+            self.store.put(session.id, self.model, session.cache, session.text, session.pending, session.turns)
         if job.session.id is None:
             job.session.release()
             if self.memory is not None:
