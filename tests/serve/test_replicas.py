@@ -3,6 +3,7 @@ stays on its replica; a replica killed between turns loses no reply, and its ses
 snapshots with the text an undisturbed run gives; bad input gets what one process answers."""
 
 import socket
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import httpx
@@ -24,13 +25,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def replicas_args(url: str, store) -> tuple:
+    return (build_parser().parse_args(["serve", "--model", "reference", "--policy", "h2o", "--budget", "24",
+                                       "--chunk-size", "16", "--max-new-tokens", "8", "--port", url.rsplit(":", 1)[1],
+                                       "--session-store", str(store)]),)
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     port = _free_port()
     store = tmp_path_factory.mktemp("sessions")
-    args = build_parser().parse_args(["serve", "--model", "reference", "--policy", "h2o", "--budget", "24",
-                                      "--chunk-size", "16", "--max-new-tokens", "8", "--port", str(port),
-                                      "--session-store", str(store)])
+    args, = replicas_args(f"http://127.0.0.1:{port}", store)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -39,6 +44,17 @@ def replicas(tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _running(replicas: int = 2) -> None:
+    """Wait until ``replicas`` are up (Ray Serve replaces a killed one in the background)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        states = serve.status().applications["sparsegen"].deployments["sparsegen"].replica_states
+        if states.get("RUNNING", 0) == replicas and sum(states.values()) == replicas:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"Ray Serve did not bring {replicas} replicas up: {states}")
 
 
 def _turn(url: str, session: str, messages: list[dict]) -> httpx.Response:
@@ -68,6 +84,7 @@ def test_each_session_stays_on_its_replica_and_new_sessions_spread(replicas):
 
 def test_a_replica_killed_between_turns_fails_nothing_and_its_sessions_continue_from_their_snapshots(replicas):
     url, store = replicas
+    _running()
     expected = [_conversation(url, f"calm{i}", i)[1].json()["choices"][0]["message"]["content"] for i in range(4)]
     killed, written, before = [], [0], len(list(store.glob("*.safetensors")))
 
@@ -99,3 +116,45 @@ def test_bad_input_gets_what_one_process_answers(replicas):
                                                              "max_tokens": 10**6}, timeout=60)
     assert unknown.status_code == 400 and unknown.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(f"{url}/health", timeout=60).json()["status"] == "ok"
+
+
+def test_a_replica_killed_during_a_reply_fails_that_reply_cleanly_and_the_retry_succeeds(replicas):
+    url, _ = replicas
+    _running()
+    messages = [{"role": "user", "content": TURNS[0]}]
+    first = _turn(url, "dying", messages)
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": TURNS[1]}]
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, f"{url}/v1/chat/completions", timeout=120,
+                            json={"messages": messages, "max_tokens": 1000, "ignore_eos": True},
+                            headers={"X-Session-Id": "dying"})
+        time.sleep(1.0)  # (a 1,000-token reply is decoding)
+        ray.kill(ray.get_actor(first.headers[REPLICA_HEADER], namespace="serve"), no_restart=False)
+        failed = reply.result()
+    # Ray Serve's proxy answers for the replica that is gone: a plain 500 (not OpenAI's JSON, which only the replica
+    # could have written); the official client retries 5xx itself, and the retry lands on the live replica
+    assert failed.status_code >= 500
+    retry = _turn(url, "dying", messages)
+    assert retry.status_code == 200 and retry.headers[REPLICA_HEADER] != first.headers[REPLICA_HEADER]
+
+
+def test_a_drained_replica_hands_its_sessions_over_through_their_snapshots(replicas, monkeypatch):
+    """Scaling down to one replica: Ray Serve drains the other (replies in flight finish), and its sessions'
+    next turns continue from their snapshots on the one left, with the text an undisturbed run gives."""
+    url, store = replicas
+    _running()
+    expected = [_conversation(url, f"still{i}", 10 + i)[1].json()["choices"][0]["message"]["content"]
+                for i in range(4)]
+    firsts, messages = [], []
+    for i in range(4):
+        talk = [{"role": "user", "content": f"{TURNS[0]} It is number {10 + i}."}]
+        firsts.append(_turn(url, f"drain{i}", talk))
+        messages.append(talk + [firsts[-1].json()["choices"][0]["message"], {"role": "user", "content": TURNS[1]}])
+    assert len({first.headers[REPLICA_HEADER] for first in firsts}) == 2
+    time.sleep(0.5)  # (the snapshots of the turns just answered are written)
+    serve.run(deployment(server_app, *replicas_args(url, store), True, replicas=1), name="sparsegen",
+              route_prefix="/")
+    seconds = [_turn(url, f"drain{i}", messages[i]) for i in range(4)]
+    assert all(r.status_code == 200 for r in seconds) and len({r.headers[REPLICA_HEADER] for r in seconds}) == 1
+    assert [r.json()["choices"][0]["message"]["content"] for r in seconds] == expected
+    assert all(r.headers["X-Session-History"] == "kept" for r in seconds)
