@@ -179,14 +179,10 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from sparsegen.serve.replicas import deployment
-
-    limits, _ = _limits(args)  # (bad flags fail here, before the cluster starts)
+    application = _application(args)  # (bad flags fail here, before the cluster starts)
     ray.init(address=args.ray or None, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(deployment(server_app, args, True, replicas=args.replicas,
-                         max_ongoing_requests=4 * (limits.max_batch + limits.max_queue)),
-              name="sparsegen", route_prefix="/")
+    serve.run(application, name="sparsegen", route_prefix="/")
     print(f"sparsegen serve: {args.replicas} replicas of {args.model} on Ray Serve, http://{args.host}:{args.port}/v1 "
           f"(each turn of a session to the replica holding its cache: send X-Session-Id)", flush=True)
     try:
@@ -194,6 +190,28 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
             time.sleep(3600)
     except KeyboardInterrupt:
         serve.shutdown()
+
+
+def _application(args: argparse.Namespace):
+    from sparsegen.serve.replicas import deployment
+
+    limits, _ = _limits(args)
+    return deployment(server_app, args, True, replicas=args.replicas,
+                      max_ongoing_requests=4 * (limits.max_batch + limits.max_queue))
+
+
+def ray_app(config: dict):
+    """What a Ray Serve config file names, to run sparsegen under ``serve run``/``serve deploy`` and Ray Serve's
+    own autoscaling: ``import_path: sparsegen.cli.serve:ray_app`` with ``args: {flags: "--model smollm2 --policy h2o
+    --budget 1024 --replicas 2 --session-store /shared/sessions"}`` (``sparsegen serve``'s flags)."""
+    import shlex
+
+    from sparsegen.cli import build_parser
+
+    flags = config.get("flags", "") if isinstance(config, dict) else None
+    if not isinstance(flags, str) or set(config) - {"flags"}:
+        raise ValueError("a Ray Serve config gives sparsegen its flags as one string: args: {flags: \"--model ...\"}")
+    return _application(build_parser().parse_args(["serve", *shlex.split(flags)]))
 
 
 def cmd_export_window(args: argparse.Namespace) -> None:

@@ -3,8 +3,8 @@ stays on its replica; a replica killed between turns loses no reply, and its ses
 snapshots with the text an undisturbed run gives; bad input gets what one process answers."""
 
 import socket
-from concurrent.futures import ThreadPoolExecutor
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -158,3 +158,22 @@ def test_a_drained_replica_hands_its_sessions_over_through_their_snapshots(repli
     assert all(r.status_code == 200 for r in seconds) and len({r.headers[REPLICA_HEADER] for r in seconds}) == 1
     assert [r.json()["choices"][0]["message"]["content"] for r in seconds] == expected
     assert all(r.headers["X-Session-History"] == "kept" for r in seconds)
+
+
+def test_a_ray_serve_config_file_names_the_same_application():
+    from ray.serve import Application
+
+    from sparsegen.cli.serve import ray_app
+
+    assert isinstance(ray_app({"flags": "--model reference --policy h2o --budget 24 --replicas 2"}), Application)
+    with pytest.raises(ValueError, match="flags as one string"):
+        ray_app({"model": "reference"})
+    with pytest.raises(ValueError, match="--max-new-tokens 5000 is over --max-tokens-limit"):
+        ray_app({"flags": "--model reference --max-new-tokens 5000"})
+
+
+def test_replicas_without_ray_is_refused(capsys):
+    from sparsegen.cli import main
+
+    assert main(["serve", "--model", "reference", "--replicas", "2"]) != 0
+    assert "give --ray" in capsys.readouterr().err
