@@ -12,16 +12,23 @@ continues on another: from its snapshot in ``--session-store`` where one was wri
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from sparsegen.serve.server import prometheus
+
 REPLICA_HEADER = "X-Sparsegen-Replica"  # on every reply: the replica (its Ray actor's name) that answered
 HOMES = 1 << 20  # sessions whose replica a router remembers (least recently routed forgotten first)
+PUSH_SECONDS = 1.0  # how often a replica posts its numbers to the board
+FRESH_SECONDS = 5.0  # a replica silent for longer is gone from /metrics
 
 
 class SessionAffinityRouter(RequestRouter):
@@ -76,6 +83,33 @@ class SessionAffinityRouter(RequestRouter):
         self.held.pop(replica_id, None)
 
 
+@ray.remote(num_cpus=0)
+class MetricsBoard:
+    """Every replica's latest ``/metrics`` numbers, posted by each every ``PUSH_SECONDS``: what any replica's
+    ``/metrics`` shows of the others."""
+
+    def __init__(self):
+        self.latest: dict[str, tuple[dict, float]] = {}
+
+    def put(self, replica: str, values: dict) -> None:
+        self.latest[replica] = (values, time.monotonic())
+
+    def get(self) -> dict[str, dict]:
+        now = time.monotonic()
+        return {name: values for name, (values, at) in self.latest.items() if now - at < FRESH_SECONDS}
+
+
+def cluster_metrics(own: str, measured: dict, others: dict[str, dict]) -> dict[str, dict]:
+    """``/metrics`` under Ray: each live replica's numbers (``replica="NAME"``, this one's measured now) and their
+    sum (``replica="all"``)."""
+    series = {**others, own: measured}
+    total = {}
+    for values in series.values():
+        for name, value in values.items():
+            total[name] = total.get(name, 0) + value
+    return {**series, "all": total}
+
+
 @serve.ingress()
 class Replica:
     """One sparsegen engine and its app, built on the replica by ``build`` (a module-level function, so that Ray
@@ -83,7 +117,20 @@ class Replica:
 
     def __init__(self, build: Callable[..., FastAPI], *args):
         self.sparsegen_app = app = build(*args)
-        name = serve.get_replica_context().replica_id.to_full_id_str()  # (its Ray actor's name)
+        context = serve.get_replica_context()
+        name = context.replica_id.to_full_id_str()  # (its Ray actor's name)
+        board = MetricsBoard.options(name=f"sparsegen-metrics-{context.app_name}", namespace="serve",
+                                     get_if_exists=True, lifetime="detached").remote()
+        measured = app.state.measured
+        app.state.show_metrics = lambda: prometheus(cluster_metrics(name, measured(),
+                                                                    ray.get(board.get.remote(), timeout=5)))
+
+        def post() -> None:
+            while True:
+                board.put.remote(name, measured())
+                time.sleep(PUSH_SECONDS)
+
+        threading.Thread(target=post, name="sparsegen-metrics", daemon=True).start()
 
         @app.middleware("http")
         async def say_which(request, call_next):

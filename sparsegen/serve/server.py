@@ -502,19 +502,34 @@ def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
             body.update(engine_rebuilds=worker.rebuilds, last_rebuild=worker.last_rebuild)
         return JSONResponse(body)
 
-    @app.get("/metrics")
-    async def metrics():
+    def measured() -> dict:
         with worker.lock:
             snapshot = dict(worker.snapshot)
         # the line as it is now (a request whose client left is gone from it at once, between two engine steps)
         snapshot.update(worker.line.counts(), kv_bytes_bound=bound, resident_bytes=current_rss() or 0,
                         compiles_total=COMPILES.count, compile_seconds_total=round(COMPILES.seconds, 3))
-        lines = []
-        for name, value in snapshot.items():
-            metric = f"sparsegen_{name}"
-            lines.append(f"# TYPE {metric} {'counter' if name.endswith('_total') else 'gauge'}")
-            lines.append(f"{metric} {value}")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return snapshot
+
+    # what /metrics shows: this process's numbers (a Ray Serve replica sets it to every replica's and their sum)
+    app.state.measured, app.state.show_metrics = measured, lambda: prometheus({"": measured()})
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(app.state.show_metrics(), media_type="text/plain; version=0.0.4")
+
+
+def prometheus(series: dict[str, dict]) -> str:
+    """Prometheus text of ``{label: {name: value}}``: each name once, one line per label (``""``: unlabelled; else
+    ``replica="label"``)."""
+    names = list(dict.fromkeys(name for values in series.values() for name in values))
+    lines = []
+    for name in names:
+        metric = f"sparsegen_{name}"
+        lines.append(f"# TYPE {metric} {'counter' if name.endswith('_total') else 'gauge'}")
+        for label, values in series.items():
+            if name in values:
+                lines.append(f'{metric}{{replica="{label}"}} {values[name]}' if label else f"{metric} {values[name]}")
+    return "\n".join(lines) + "\n"
 
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "warning", shutdown_grace: float = 30.0):

@@ -1,4 +1,4 @@
-"""``serve --ray``: two replicas of the reference model on a local Ray cluster behind Ray Serve's proxy. Each session
+"""``serve --ray`` (the scale-down test last: it leaves one replica): two replicas of the reference model on a local Ray cluster behind Ray Serve's proxy. Each session
 stays on its replica; a replica killed between turns loses no reply, and its sessions continue from their
 snapshots with the text an undisturbed run gives; bad input gets what one process answers."""
 
@@ -138,7 +138,37 @@ def test_a_replica_killed_during_a_reply_fails_that_reply_cleanly_and_the_retry_
     assert retry.status_code == 200 and retry.headers[REPLICA_HEADER] != first.headers[REPLICA_HEADER]
 
 
-def test_a_drained_replica_hands_its_sessions_over_through_their_snapshots(replicas, monkeypatch):
+def test_a_ray_serve_config_file_names_the_same_application():
+    from ray.serve import Application
+
+    from sparsegen.cli.serve import ray_app
+
+    assert isinstance(ray_app({"flags": "--model reference --policy h2o --budget 24 --replicas 2"}), Application)
+    with pytest.raises(ValueError, match="flags as one string"):
+        ray_app({"model": "reference"})
+    with pytest.raises(ValueError, match="--max-new-tokens 5000 is over --max-tokens-limit"):
+        ray_app({"flags": "--model reference --max-new-tokens 5000"})
+
+
+def test_replicas_without_ray_is_refused(capsys):
+    from sparsegen.cli import main
+
+    assert main(["serve", "--model", "reference", "--replicas", "2"]) != 0
+    assert "give --ray" in capsys.readouterr().err
+
+
+def test_metrics_show_each_replica_and_their_sum(replicas):
+    url, _ = replicas
+    _running()
+    time.sleep(1.5)  # (every replica has posted its numbers)
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    requests = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("sparsegen_requests_total{")}
+    assert len(requests) >= 3 and "all" in requests  # both replicas (and one just killed, for 5 s), and their sum
+    assert requests["all"] == sum(v for name, v in requests.items() if name != "all") > 0
+
+
+def test_a_drained_replica_hands_its_sessions_over_through_their_snapshots(replicas):
     """Scaling down to one replica: Ray Serve drains the other (replies in flight finish), and its sessions'
     next turns continue from their snapshots on the one left, with the text an undisturbed run gives."""
     url, store = replicas
@@ -158,22 +188,3 @@ def test_a_drained_replica_hands_its_sessions_over_through_their_snapshots(repli
     assert all(r.status_code == 200 for r in seconds) and len({r.headers[REPLICA_HEADER] for r in seconds}) == 1
     assert [r.json()["choices"][0]["message"]["content"] for r in seconds] == expected
     assert all(r.headers["X-Session-History"] == "kept" for r in seconds)
-
-
-def test_a_ray_serve_config_file_names_the_same_application():
-    from ray.serve import Application
-
-    from sparsegen.cli.serve import ray_app
-
-    assert isinstance(ray_app({"flags": "--model reference --policy h2o --budget 24 --replicas 2"}), Application)
-    with pytest.raises(ValueError, match="flags as one string"):
-        ray_app({"model": "reference"})
-    with pytest.raises(ValueError, match="--max-new-tokens 5000 is over --max-tokens-limit"):
-        ray_app({"flags": "--model reference --max-new-tokens 5000"})
-
-
-def test_replicas_without_ray_is_refused(capsys):
-    from sparsegen.cli import main
-
-    assert main(["serve", "--model", "reference", "--replicas", "2"]) != 0
-    assert "give --ray" in capsys.readouterr().err
