@@ -1,6 +1,7 @@
-"""``serve --ray`` (the scale-down test last: it leaves one replica): two replicas of the reference model on a local Ray cluster behind Ray Serve's proxy. Each session
-stays on its replica; a replica killed between turns loses no reply, and its sessions continue from their
-snapshots with the text an undisturbed run gives; bad input gets what one process answers."""
+"""``serve --ray``: two replicas of the reference model on a local Ray cluster behind Ray Serve's proxy (the
+scale-down test last: it leaves one replica). Each session stays on its replica; a replica killed between turns
+loses no reply, and its sessions continue from their snapshots with the text an undisturbed run gives; bad input
+gets what one process answers."""
 
 import socket
 import time
