@@ -3,15 +3,15 @@
 Each conversation (a ``Session``) owns a bounded ``EvictionCache`` of one sequence that lives across turns: a new
 turn feeds only the text added since the last one (the new user message and the template around it), never the
 history. A ``Job`` is one reply being produced. ``Engine.begin`` starts it from the new text (tokenized by
-``Engine.prepare``, which a server calls in the request's own thread); ``Engine.step``
-then advances any number of jobs at once: one prefill chunk of one job still encoding its prompt (at most
-``prefill_budget`` tokens while others decode, so a long prompt never holds up the other replies by more than that,
-and can be cancelled between chunks; ``"auto"``: as many as add one decode step's time), and one
-decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
-different tokens at different positions) for as long as the same jobs decode together; a row goes back to its
-session when its reply finishes or leaves. While others decode, the chunk goes into their step's forward
-(``sparsegen.kv.packed``): one pass over the weights for both. A failure in one job (its prompt, its sampling)
-fails that job only; a forward that fails fails the replies in it. One thread drives an engine.
+``Engine.prepare``, which a server calls in the request's own thread); ``Engine.step`` then advances any number of
+jobs at once: one prefill chunk of one job still encoding its prompt (at most ``prefill_budget`` tokens while others
+decode, so a long prompt never holds up the other replies by more than that, and can be cancelled between chunks;
+``"auto"``: as many as add one decode step's time), and one decode step for every job past its prompt — their caches
+are stacked into one batched cache (rows may hold different tokens at different positions) for as long as the same
+jobs decode together; a row goes back to its session when its reply finishes or leaves. While others decode, the
+chunk goes into their step's forward (``sparsegen.kv.packed``): one pass over the weights for both. A failure in one
+job (its prompt, its sampling) fails that job only; a forward that fails fails the replies in it. One thread drives
+an engine.
 
 With a ``Speculation`` (``--speculative``), each session also keeps a draft cache under the draft policy, and a reply
 decoding alone advances by speculative rounds (drafted by that cache, verified by the session's full cache: the same
@@ -53,6 +53,7 @@ from sparsegen.kv import EvictionCache, PolicySpec
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.rollback import forget_last
 from sparsegen.kv.rows import add_row, park, remove_row, stack
+from sparsegen.models.anatomy import pinned_tokens
 from sparsegen.quant.fast import prompt_matmuls
 
 AUTO = "auto"
@@ -60,11 +61,10 @@ AUTO = "auto"
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, policy: PolicySpec, chunk_size: int = DEFAULT_CHUNK,
-                 max_sessions: int = 64, max_batch: int = 16,
-                 template: ChatTemplate | None = None, max_prompt_tokens: int | None = None,
-                 speculation: Callable[[], Speculation] | None = None, compile: bool | None = None,
-                 kv_memory: int | None = None,
-                 max_context: int | None = None, idle_grace: float = 2.0, prefill_budget: int | str | None = None,
+                 max_sessions: int = 64, max_batch: int = 16, template: ChatTemplate | None = None,
+                 max_prompt_tokens: int | None = None, speculation: Callable[[], Speculation] | None = None,
+                 compile: bool | None = None, kv_memory: int | None = None, max_context: int | None = None,
+                 idle_grace: float = 2.0, prefill_budget: int | str | None = None,
                  contexts: dict[str, CompressedContext] | None = None, packed_prefill: bool = True,
                  store: SessionStore | None = None):
         if max_sessions < 1 or max_batch < 1:
@@ -87,19 +87,16 @@ class Engine:
         self._longest_token = max(map(len, vocabulary), default=0)
         if not isinstance(policy, PolicySpec):
             raise ValueError(f"Engine takes every session's cache settings as a PolicySpec, got {policy!r}")
-        self.model, self.tokenizer, self.policy = model, tokenizer, policy
-        self.chunk_size, self.max_sessions = chunk_size, max_sessions
+        self.model, self.tokenizer, self.policy, self.chunk_size = model, tokenizer, policy, chunk_size
         self.template = template or ChatTemplate(tokenizer)
         self.device = next(model.parameters()).device
-        from sparsegen.models.anatomy import pinned_tokens
-
         self.offset = pinned_tokens(model)  # a prompt prefix sits in every cache before position 0 of the text
         # a prompt's chunk rides in the others' decode step (one forward) unless a prompt prefix is prepended to
         # every new sequence (it would be to the packed call); ``packed_prefill=False``: two forwards, for comparison
         self.packs = packed_prefill and not self.offset
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.counters = {"requests": 0, "prefill_tokens": 0, "decode_tokens": 0, "reencoded_sessions": 0,
-                         "evicted_sessions": 0, "restored_sessions": 0}
+                         "evicted_sessions": 0, "restored_sessions": 0, "drafted_tokens": 0, "accepted_tokens": 0}
         self.store = store  # sessions' caches snapshotted after each turn, for another process to continue
         self.max_batch = max_batch
         self._ticks = 0  # steps run
@@ -107,15 +104,13 @@ class Engine:
         self._rows: list[Job] = []  # whose reply each row of it is
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
         policy.build()  # a fractional budget fails here (a conversation's length is not known), before any request
-        self.speculation = speculation
-        self.quantization = policy.kv_bits
+        self.speculation, self.quantization, self.max_sessions = speculation, policy.kv_bits, max_sessions
         if speculation is not None and policy.kv_bits is not None:
             raise ValueError("speculative decoding verifies with the model's own full cache: drop --kv-bits")
         if speculation is not None and policy.bounded:
             raise ValueError("speculative decoding verifies with the full cache: use --policy full (the draft "
                              "cache takes --speculative's policy)")
         self.drafts = None if speculation is None else ConversationDrafts(model, speculation, chunk_size, compile)
-        self.counters.update({"drafted_tokens": 0, "accepted_tokens": 0})
         self.decode = DecodeStep(model, compile)
         self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0,
                               # steps that carried a prompt chunk, their decode tokens and seconds (within the above)
@@ -134,9 +129,8 @@ class Engine:
         """``--kv-memory``: every live session reserves its cache's whole allocation (``sparsegen.engine.memory``)."""
         if self.speculation is not None:
             raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
-        config = self.model.config.get_text_config()
         if not self.policy.bounded and self.max_context is None:
-            self.max_context = getattr(config, "max_position_embeddings", None)
+            self.max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
             if self.max_context is None:
                 raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
         self.memory = KVMemory.plan(self.new_cache(), *kv_costs(self.model, self.quantization), cap, idle_grace)
@@ -585,10 +579,8 @@ class Engine:
         """After a finished reply (however it ended): its session is idle from now, and a session-less request's
         cache gives back its memory."""
         job.session.idle_since = time.monotonic()
-        session = job.session
-        if self.store is not None and session.id is not None and job.finish_reason in ("stop", "length") \
-                and session.cache.seen is not None:
-            self.store.put(session.id, self.model, session.cache, session.text, session.pending, session.turns)
+        if self.store is not None and job.finish_reason in ("stop", "length"):
+            self.store.keep(job.session, self.model)
         if job.session.id is None:
             job.session.release()
             if self.memory is not None:
@@ -606,5 +598,3 @@ class Engine:
             caches.append(self._batch)
         return sum(cache.allocated_bytes() for cache in caches)
 
-    def kv_tokens(self, session: Session) -> int:
-        return max(session.cache.held_tokens(), default=0)

@@ -74,6 +74,10 @@ class Session:
         self.busy = False
         self.idle_since = 0.0  # time.monotonic() when its last reply ended
 
+    @property
+    def kv_tokens(self) -> int:
+        return max(self.cache.held_tokens(), default=0)
+
     def release(self) -> None:
         """Give the caches' memory back now (the session is dropped or starts over)."""
         for cache in (self.cache, self.draft):

@@ -50,11 +50,14 @@ class SessionStore:
     def _path(self, session_id: str) -> Path:
         return self.folder / f"{hashlib.sha256(session_id.encode()).hexdigest()[:32]}.safetensors"
 
-    def put(self, session_id: str, model: torch.nn.Module, cache, text: str, pending: list[int], turns: int) -> None:
-        """Snapshot ``cache`` now (a copy of its held slots) and write it in the background."""
-        context = CompressedContext.of(model, cache, torch.zeros(0, dtype=torch.long), text)
-        context.meta["session"] = {"pending": list(pending), "turns": turns}
-        self._writer.submit(self._write, session_id, context)
+    def keep(self, session: Session, model: torch.nn.Module) -> None:
+        """After a turn: snapshot a named session's cache now (a copy of its held slots), write it in the
+        background."""
+        if session.id is None or session.cache.seen is None:
+            return
+        context = CompressedContext.of(model, session.cache, torch.zeros(0, dtype=torch.long), session.text)
+        context.meta["session"] = {"pending": list(session.pending), "turns": session.turns}
+        self._writer.submit(self._write, session.id, context)
 
     def _write(self, session_id: str, context: CompressedContext) -> None:
         path = context.save(self._path(session_id))

@@ -20,7 +20,7 @@ def turn_stats(engine: Engine, session: Session, job, seconds: float) -> dict:
         "turn": session.turns, "prompt_tokens": job.prompt_tokens, "new_tokens": decode,
         "reencoded": job.reencoded, "seconds": round(seconds, 4),
         "tokens_per_s": round(decode / seconds, 2) if seconds else None,
-        "kv_tokens": engine.kv_tokens(session), "kv_bytes": session.cache.held_bytes(),
+        "kv_tokens": session.kv_tokens, "kv_bytes": session.cache.held_bytes(),
         "tokens_seen": session.cache.length, "rss_bytes": current_rss(),
     }
 
@@ -51,7 +51,7 @@ def chat(engine: Engine, sampling: Sampling, turns: Iterable[str] | None = None,
             continue
         if line.strip() == "/stats":
             last = history[-1] if history else {}
-            print(f"[{session.turns} turns, {session.cache.length:,} tokens seen, {engine.kv_tokens(session):,} KV "
+            print(f"[{session.turns} turns, {session.cache.length:,} tokens seen, {session.kv_tokens:,} KV "
                   f"tokens "
                   f"held ({session.cache.held_bytes() / 2**20:.2f} MiB), RSS {current_rss() / 2**20:.0f} MiB, last "
                   f"turn {last.get('tokens_per_s')} tokens/s]", file=out)
