@@ -38,9 +38,9 @@ def _graphs_of(step: Callable, region: int) -> list:
 def graph_passing_guards(step: Callable, region: int, arguments: dict) -> GraphCall | None:
     """The graph dynamo would run ``step`` through on these arguments, as a function that runs it without dynamo:
     the code of the first of the compiled step's graphs whose guards pass (dynamo's guard managers; its own choice),
-    or None (none passes: dynamo compiles one). What dynamo adds to a steady step on this CPU is mostly its guards:
-    0.8 ms of a 5.2 ms SmolLM2 step even under ``skip_guard_eval_unsafe``, which still checks every input tensor that
-    is not a parameter (the cache's slots, the packed weights)."""
+    or None (none passes: dynamo compiles one). What dynamo adds to a steady step is mostly its guards, even under
+    ``skip_guard_eval_unsafe``, which still checks every input tensor that is not a parameter (the cache's slots, the
+    packed weights)."""
     for entry in _graphs_of(step, region):
         if entry.guard_manager.check(arguments):
             return GraphCall(types.FunctionType(entry.code, step.__globals__, step.__name__))
@@ -55,7 +55,7 @@ def still_cached(step: Callable, region: int, graph: GraphCall) -> bool:
 class GraphCall:
     """A state's compiled graph, called on its own inputs. Dynamo's code for a graph gathers its inputs by attribute
     before the call (SmolLM2: 308 tensors in 4,397 bytecodes) and, after it, sets back what the step assigned in
-    Python (each layer's ``pending``, ``used``, ``incoming``, the cache's ``step``): 0.39 ms of a 5 ms step. The
+    Python (each layer's ``pending``, ``used``, ``incoming``, the cache's ``step``), interpreted every step. The
     first call runs that code and records the inputs, where the token and position went, the output returned and
     the assignments; later calls of the same state (the same buffers and settings, ``DecodeStep._state``) pass the
     recorded inputs with this step's token and position, and make the same assignments. Code that does anything

@@ -48,7 +48,7 @@ COMPILES = CompileTally()
 
 def compiles_by_default(model: torch.nn.Module) -> bool:
     """What ``compile=None`` means: the compiled step wherever it is the fast path: weights in low-bit kernels (what
-    ``sparsegen.load`` gives a GGUF model by default; a compiled step decodes them 2-3x faster than eager), or a
+    ``sparsegen.load`` gives a GGUF model by default; compiled, their kernels run without Python between them), or a
     CUDA device (CUDA graphs); eager where neither (a checkpoint folder in fp32 on a CPU, as it always ran)."""
     from sparsegen.quant.restore import PACKED_LINEARS
 
@@ -156,9 +156,9 @@ class DecodeStep:
         return logits.clone() if self.graphs and compiled else logits  # (a CUDA graph's output is its next replay's)
 
     def _state(self, cache, token: torch.Tensor, position: torch.Tensor) -> tuple:
-        """All a compiled step's graph may depend on. Dynamo's guards check it every step (2 ms of a 15 ms step of
-        SmolLM2 on this CPU; 0.8 ms even when told to skip all but the tensors' checks), so the graph a state's
-        guards once chose is called directly when the same state comes again (``graph_calls``). Kept per
+        """All a compiled step's graph may depend on. Dynamo's guards check it every step (a cost that grows with
+        the step's input tensors, and stays even when told to skip all but the tensors' checks), so the graph a
+        state's guards once chose is called directly when the same state comes again (``graph_calls``). Kept per
         cache (a state names its objects by identity, which a new cache may reuse): the model by identity (a model
         changed in place between steps, not supported, is not seen), the cache's ``step_fingerprint``, the inputs'
         layouts and the autograd modes."""
@@ -246,16 +246,16 @@ def _probe(model: torch.nn.Module, cache, token: torch.Tensor, position: torch.T
 @functools.cache
 def _compiled_step(graphs: bool):
     """``_step`` through ``torch.compile``, one for every ``DecodeStep``: its graphs (guarded by model and cache
-    shapes) serve every step and every cache alike (a compile per ``DecodeStep`` traced the model again: a minute for
-    SmolLM2 on this CPU). Inductor's reordering for locality moved a layer's one cache write (the evicted slot's new
+    shapes) serve every step and every cache alike (a compile per ``DecodeStep`` would trace the model again).
+    Inductor's reordering for locality moved a layer's one cache write (the evicted slot's new
     K/V) above the attention that reads the cache, so the write could not be done in place: each step copied every
     layer's K and V (measured: 4 copies of the cache a step); without it the write is in place.
     The wrapper's ~460 size and stride assertions (of inputs dynamo's guards have checked, and of kernels' outputs)
-    cost 1.4 ms of a 13.4 ms SmolLM2 step on this CPU (full at 512, one process): off (CUDA keeps the alignment
-    checks: Triton's kernels assume aligned inputs). (``triton.cudagraphs`` is what mode="reduce-overhead"
+    re-check what is already known each step: off (CUDA keeps the alignment checks: Triton's kernels assume aligned
+    inputs). (``triton.cudagraphs`` is what mode="reduce-overhead"
     sets; a mode and options cannot both be given.) On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the ~700
-    kernel and op calls of a SmolLM2 step no longer go through Python, 6.5-7.4% of a w4a8 step (one process, both
-    wrappers, interleaved; docs/benchmarks-log.md); CUDA replays a graph instead."""
+    kernel and op calls of a SmolLM2 step no longer go through Python (measured in docs/benchmarks-log.md); CUDA replays
+    a graph instead."""
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
     accepted = inspect.signature(torch.compile).parameters

@@ -52,7 +52,7 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     step = cache.step
     q = query.shape[2]
     # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat
-    # SDPA (2-2.5x for one query at 2K-32K keys; 1.35x for five at 8K, measured)
+    # SDPA, whose CPU kernel is built for many queries (measured in docs/benchmarks-log.md)
     few_queries_on_cpu = q <= FEW_QUERIES and query.device.type == "cpu" and query.dtype == torch.float32
     # a decode step's own K/V (over a full budget, or fixed-shape) wait beside the held slots
     # (``EvictionLayer.incoming``): grouped matmuls read both; where one tensor is needed (SDPA, keys turned to their
@@ -145,7 +145,7 @@ def _first_pass_band(cache, q: int, total: int, view, sliding_window: int | None
     before it and the first ``sinks`` (an order policy's, or a sliding-window layer's, view). None where a mask must
     say (held tokens, padding, one query, a sliding window that hides some of a policy's sinks). A ``reach`` of every
     token is plain causal: left to SDPA's ``is_causal``, whose CPU kernel skips the blocks above the diagonal instead
-    of reading a mask (a one-pass 4K SmolLM2 prompt, kvpress's protocol: 2.2x less attention time, the same output)."""
+    of reading a mask (the same output, without building or reading the mask)."""
     if q <= 1 or total != q or cache.padded:
         return None
     sinks, reach = (0, q - 1) if view is None else (view[0], min(view[1], q - 1))
@@ -173,7 +173,7 @@ def _band_rows(rows: torch.Tensor, slots: torch.Tensor, band: tuple[int, int]) -
 def _banded_attention(query, key, value, band: tuple[int, int], scaling: float) -> torch.Tensor:
     """SDPA of a first pass whose queries see only the ``reach`` tokens before them (and the first ``sinks``), a
     block of queries at a time over the keys the block sees: Gemma 3's sliding-window layers over an 8K prompt read
-    at most 767 keys a block of 256 queries instead of 8K under a [8K, 8K] mask (a RULER 8K sample 2x faster)."""
+    at most 767 keys a block of 256 queries instead of 8K under a [8K, 8K] mask."""
     sinks, reach = band
     q, outs = query.shape[2], []
     for start in range(0, q, QUERY_BLOCK):
@@ -295,7 +295,7 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
         scores = torch.cat((scores, attention_scores(queries, incoming[0], scaling)), dim=-1)
     if sink_query is not None:  # each slot takes its own frame's logit
         scores = torch.where(sink_slot[:, :, None], scores[:, :, :, q:], scores[:, :, :, :q])
-    if mask is not None:  # in place: one [B, H, q, T] temporary less (a 5-query verification at 8K: 700 -> 465 ms)
+    if mask is not None:  # in place: one [B, H, q, T] temporary less
         scores.masked_fill_(~mask[:, :, None], -torch.inf)
     probs = torch.softmax(scores, dim=-1)
     _observe_call(cache, layer, probs if layer.attention is not None else None, mask, total)

@@ -130,7 +130,7 @@ class EvictionCache(Cache):
 
     def workspace(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """A scratch tensor of ``shape``, reused by every layer and step: large temporaries allocated anew each
-        time cost page faults that, on CPU, took longer than the arithmetic (measured 2x slower decode). Under a
+        time cost page faults that, on CPU, can take longer than the arithmetic. Under a
         compiler the scratch is the compiler's own (a tensor allocated in a CUDA graph and kept would be overwritten
         by its next replay)."""
         if torch.compiler.is_compiling():
@@ -191,7 +191,7 @@ class EvictionCache(Cache):
         slots, the spare one and its ``rollback`` only: the room a prefill chunk needed is let go (``update`` grows it
         back when a chunk comes), so a decoding cache holds a third less at budget 1,024 with chunks of 512, and a
         compiled step's bookkeeping, which copies whole slot buffers (inductor's functional updates), copies that much
-        less (SmolLM2, h2o 1,024 at 2K: 16.8 -> 14.9 ms a step, in one process). (The rollback's room: a speculative
+        less. (The rollback's room: a speculative
         draft's two-token call after a round whose drafts were all accepted fits without growing.)"""
         if self.seen is None:
             return False

@@ -254,8 +254,8 @@ class W8A8Linear(nn.Module):
     per output channel, times the input quantized on the fly to 7-bit codes (FBGEMM's dynamic linear,
     ``quantized::linear_dynamic``): integer dot products, as llama.cpp's AVX2 kernels multiply its 4-bit weights by
     8-bit activations. On a CPU with AVX2 and no native bfloat16 the weight-only kernels (``int8``, ``int4``) take
-    bfloat16 activations and were no faster than fp32 matmuls (SmolLM2's 30 blocks: int4 11.5 ms a token, fp32 11.1,
-    int8 8.1, this 5.9; its LM head: 2.46, 12.3, 3.57 and 0.82 ms; measured on a 2-core AMD EPYC).
+    bfloat16 activations, which such a CPU emulates, so they gain little over fp32 matmuls; integer products do not
+    depend on bfloat16 (docs/benchmarks-log.md compares them).
 
     FBGEMM takes one 7-bit scale a call (``reduce_range``: AVX2's 16-bit pair sums cannot hold 8-bit products). Two
     changes make that scale fit every value it codes:
