@@ -176,9 +176,11 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
     Serve's HTTP proxy on ``--host``/``--port``, until Ctrl-C."""
     import time
 
-    import ray
-    from ray import serve
-
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ValueError("serve --ray needs Ray Serve: pip install 'sparsegen[ray]'") from None
     application = _application(args)  # (bad flags fail here, before the cluster starts)
     ray.init(address=args.ray or None, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
