@@ -83,30 +83,35 @@ def test_each_session_stays_on_its_replica_and_new_sessions_spread(replicas):
     assert len({first.headers[REPLICA_HEADER] for first, _ in runs.values()}) == 2  # both replicas took sessions
 
 
-def test_a_replica_killed_between_turns_fails_nothing_and_its_sessions_continue_from_their_snapshots(replicas):
+def test_a_replica_killed_between_turns_under_load_fails_nothing_and_its_sessions_continue_from_their_snapshots(
+        replicas):
+    """8 sessions, 4 at a time: every first turn, one replica killed, every second turn."""
     url, store = replicas
     _running()
-    expected = [_conversation(url, f"calm{i}", i)[1].json()["choices"][0]["message"]["content"] for i in range(4)]
-    killed, written, before = [], [0], len(list(store.glob("*.safetensors")))
-
-    def kill_the_first_replica(replica: str) -> None:
-        written[0] += 1  # (each first turn's snapshot is written just after its reply: wait for it, as a client would)
-        deadline = time.monotonic() + 30
-        while len(list(store.glob("*.safetensors"))) < before + written[0] and time.monotonic() < deadline:
+    sessions = range(8)
+    expected = [_conversation(url, f"calm{i}", i)[1].json()["choices"][0]["message"]["content"] for i in sessions]
+    talks = [[{"role": "user", "content": f"{TURNS[0]} It is number {i}."}] for i in sessions]
+    before = len(list(store.glob("*.safetensors")))
+    with ThreadPoolExecutor(4) as pool:
+        firsts = list(pool.map(lambda i: _turn(url, f"moved{i}", talks[i]), sessions))
+        deadline = time.monotonic() + 30  # (each first turn's snapshot is written just after its reply)
+        while len(list(store.glob("*.safetensors"))) < before + len(firsts) and time.monotonic() < deadline:
             time.sleep(0.01)
-        if not killed:
-            ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=False)
-            killed.append(replica)
-
-    runs = [_conversation(url, f"moved{i}", i, kill_the_first_replica) for i in range(4)]
-    assert all(r.status_code == 200 for run in runs for r in run)  # 8/8: no reply fails
-    moved = [(i, run) for i, run in enumerate(runs) if run[0].headers[REPLICA_HEADER] == killed[0]]
-    assert moved  # (the first session's replica)
-    for i, (_, second) in moved:
-        assert second.headers[REPLICA_HEADER] != killed[0]
-        assert second.headers["X-Session-History"] == "kept"  # restored, not re-encoded
+        killed = firsts[0].headers[REPLICA_HEADER]
+        ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=False)
+        for talk, first in zip(talks, firsts):
+            talk += [first.json()["choices"][0]["message"], {"role": "user", "content": TURNS[1]}]
+        seconds = list(pool.map(lambda i: _turn(url, f"moved{i}", talks[i]), sessions))
+    assert all(r.status_code == 200 for r in firsts + seconds)  # 16/16: no reply fails
+    moved = [i for i in sessions if firsts[i].headers[REPLICA_HEADER] == killed]
+    assert 0 < len(moved) < len(sessions)  # (new sessions spread over both replicas)
+    for i in sessions:
+        second = seconds[i]
+        assert second.headers["X-Session-History"] == "kept"  # kept where it was, or restored: never re-encoded
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert second.json()["choices"][0]["message"]["content"] == expected[i]
-    assert list(store.glob("*.safetensors"))
+        if i in moved:
+            assert second.headers[REPLICA_HEADER] != killed
 
 
 def test_bad_input_gets_what_one_process_answers(replicas):
