@@ -3,20 +3,30 @@ HTTP: content-part lists, the developer role, null assistant content, list promp
 and a clear 400 in OpenAI's shape for each field this server does not honour."""
 
 import asyncio
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
 from sparsegen.serve.schemas import REFUSED, Limits
-from tests.serve.test_server import Running, reference  # noqa: F401  (the fixture)
+from tests.serve.test_server import BUDGET, Running, reference  # noqa: F401  (the fixture)
 
 openai = pytest.importorskip("openai")
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def server(reference):
+@pytest.fixture(scope="module", params=["one process", "ray serve"])
+def server(request, reference):
+    """The same server in one process, and as 2 replicas on Ray Serve (``serve --ray``): every test runs on both."""
+    if request.param == "ray serve":
+        from tests.serve.test_replicas import deployed
+
+        with deployed(["--model", "reference", "--policy", "streaming", "--budget", str(BUDGET), "--chunk-size",
+                       "32", "--max-sessions", "8", "--max-batch", "8", "--max-tokens-limit", "64",
+                       "--max-new-tokens", "64"]) as url:
+            yield SimpleNamespace(url=url)
+        return
     running = Running(*reference, Limits(max_sessions=8, max_batch=8, max_tokens=64))
     yield running
     running.stop()
