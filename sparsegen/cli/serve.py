@@ -153,14 +153,19 @@ def server_app(args: argparse.Namespace, quiet: bool = False):
     say(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; {held}; "
         f"http://{args.host}:{args.port}/v1" + (f" ({len(limits.api_keys)} API keys)" if limits.api_keys
                                                 else " (no API key)"))
+    if not quiet:
+        _warn_if_open(args, limits)
     return app
+
+
+def _warn_if_open(args: argparse.Namespace, limits) -> None:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not limits.api_keys:
+        print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from sparsegen.serve.server import run_server
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not _limits(args)[0].api_keys:
-        print("warning: listening beyond this machine with no --api-key", file=sys.stderr)
     if args.ray is None and args.replicas != 1:
         raise ValueError("--replicas runs several engines on Ray Serve: give --ray [ADDRESS] too")
     if args.ray is not None:
@@ -181,7 +186,9 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
         from ray import serve
     except ImportError:
         raise ValueError("serve --ray needs Ray Serve: pip install 'sparsegen[ray]'") from None
-    application = _application(args)  # (bad flags fail here, before the cluster starts)
+    limits, _ = _limits(args)  # (bad flags fail here, before the cluster starts)
+    _warn_if_open(args, limits)
+    application = _application(args, limits)
     ray.init(address=args.ray or None, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(application, name="sparsegen", route_prefix="/")
@@ -194,10 +201,9 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
         serve.shutdown()
 
 
-def _application(args: argparse.Namespace):
+def _application(args: argparse.Namespace, limits):
     from sparsegen.serve.replicas import deployment
 
-    limits, _ = _limits(args)
     return deployment(server_app, args, True, replicas=args.replicas,
                       max_ongoing_requests=4 * (limits.max_batch + limits.max_queue))
 
@@ -213,7 +219,8 @@ def ray_app(config: dict):
     flags = config.get("flags", "") if isinstance(config, dict) else None
     if not isinstance(flags, str) or set(config) - {"flags"}:
         raise ValueError("a Ray Serve config gives sparsegen its flags as one string: args: {flags: \"--model ...\"}")
-    return _application(build_parser().parse_args(["serve", *shlex.split(flags)]))
+    args = build_parser().parse_args(["serve", *shlex.split(flags)])
+    return _application(args, _limits(args)[0])
 
 
 def cmd_export_window(args: argparse.Namespace) -> None:
