@@ -515,7 +515,9 @@ def _route_operations(app: FastAPI, worker: Worker, bound: int) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(app.state.show_metrics(), media_type="text/plain; version=0.0.4")
+        # (off the event loop: under Ray Serve it waits on the other replicas' numbers)
+        text = await asyncio.to_thread(app.state.show_metrics)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 def prometheus(series: dict[str, dict]) -> str:

@@ -179,6 +179,7 @@ def test_replicas_without_ray_is_refused(capsys):
 def test_metrics_show_each_replica_and_their_sum(replicas):
     url, _ = replicas
     _running()
+    assert _turn(url, "counted", [{"role": "user", "content": TURNS[0]}]).status_code == 200
     time.sleep(1.5)  # (every replica has posted its numbers)
     text = httpx.get(f"{url}/metrics", timeout=60).text
     requests = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
