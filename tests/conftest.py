@@ -22,18 +22,26 @@ def _one_thread():
 
 @pytest.fixture
 def compiled_step_batches(monkeypatch) -> list[int]:
-    """``compile=True`` steps through dynamo with backend "eager" (the capture and the output are checked, not a
-    kernel): the batch size of every step that ran compiled, in order."""
+    """Compiled steps, regional and whole, go through dynamo with backend "eager" (the capture and the output are
+    checked, not a kernel): the batch size of every step that ran compiled, in order (a regional step's once a
+    block)."""
     import sparsegen.engine.step as decoding
 
     torch._dynamo.reset()
-    compiled, batches = torch.compile(decoding._step, fullgraph=True, backend="eager"), []
+    batches = []
+    whole = torch.compile(decoding._step, fullgraph=True, backend="eager")
+    block = torch.compile(decoding.run_block, fullgraph=True, backend="eager")
 
     def step(model, cache, token, position):
         batches.append(token.shape[0])
-        return compiled(model, cache, token, position)
+        return whole(model, cache, token, position)
+
+    def run_block(layers, hidden, calls):
+        batches.append(hidden.shape[0])
+        return block(layers, hidden, calls)
 
     monkeypatch.setattr(decoding, "_compiled_step", lambda graphs: step)
+    monkeypatch.setattr(decoding, "_compiled_block", lambda: run_block)
     return batches
 
 

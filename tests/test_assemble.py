@@ -53,6 +53,7 @@ def test_the_compiled_step_is_the_default_where_the_weights_are_low_bit():
     assert not compiles_by_default(plain) and compiles_by_default(packed)
     assert not DecodeStep(plain).compiled and DecodeStep(packed).compiled
     assert not DecodeStep(packed, compile=False).compiled and DecodeStep(plain, compile=True).compiled
+    assert DecodeStep(packed).mode == DecodeStep(plain, compile=True).mode == "regional"  # (on a CPU)
 
 
 def test_commands_that_change_weights_load_them_as_floats_and_calibration_refuses_packed_ones(monkeypatch):

@@ -7,6 +7,7 @@ import json
 
 from sparsegen.cli.common import (
     budget_args,
+    compile_arg,
     int_list,
     kv_quantization,
     model_args,
@@ -181,9 +182,9 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
     """Measure one model (or one contextual variant of it), and ``baseline`` (llama.cpp) beside it: print its table,
     ratios and goals."""
     from sparsegen.bench import decode, report
-    from sparsegen.engine.step import compiles_by_default
+    from sparsegen.engine.step import compile_mode
 
-    compiled = compiles_by_default(model) if args.compile is None else args.compile
+    compiled = compile_mode(model, args.compile)
     setup = decode.Setup(
         model=model, model_name=label, random_weights=random_weights, new_tokens=args.new_tokens,
         warmup=args.warmup, chunk_size=args.chunk_size, prefill=args.prefill,
@@ -246,11 +247,11 @@ def add_parsers(sub) -> None:
                    help="also measure with these contextual plans (`sparsegen contextual fit`); 'none' is the model "
                         "without, e.g. none,ctx/teal50: each variant's speed-up over the first is printed")
     prompt_args(p)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="time the decode step through torch.compile (fullgraph; inductor on CPU, CUDA graphs on "
-                        "CUDA); compiled once per row's shape, the compile kept out of the timed steps and reported "
-                        "as compile_seconds (default: compiled where the weights are low-bit, as a GGUF model's are "
-                        "by default, or on CUDA; --no-compile: eager)")
+    compile_arg(p, help="time the decode step through torch.compile (MODE regional: a block of decoder layers "
+                        "compiled once for every block, the default on a CPU; whole: the step one graph, the default "
+                        "on CUDA, with CUDA graphs); compiled once per row's shape, the compile kept out of the timed "
+                        "steps and reported as compile_seconds (default: compiled where the weights are low-bit, as a "
+                        "GGUF model's are by default, or on CUDA; --no-compile: eager)")
     p.add_argument("--baseline", choices=["llama.cpp"], default=None,
                    help="also time llama.cpp on the model's own GGUF (same contexts, threads and steps, batch 1), "
                         "after the policies at each context and in each --repeats turn, and print each row's tok/s "

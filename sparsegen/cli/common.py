@@ -34,13 +34,20 @@ def model_args(p: argparse.ArgumentParser, positional: bool = False, more: str =
         prompt_args(p)
 
 
-def compile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the decode step through torch.compile (one graph: model, cache update, eviction) in "
-                        "fixed shapes (each layer's budget of slots, or a full cache's allocation); the first step of "
-                        "a shape compiles, kept in sparsegen's cache folder for the next run (default: compiled "
-                        "where the weights are low-bit, as a GGUF model's are by default, or on CUDA; eager "
-                        "otherwise; --no-compile: eager, for debugging)")
+def compile_arg(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--compile [regional|whole]`` and ``--no-compile``: ``args.compile`` None (the default), True, False or a
+    mode (``DecodeStep``'s ``compile``)."""
+    from sparsegen.engine.step import COMPILE_MODES
+
+    p.add_argument("--compile", nargs="?", const=True, default=None, choices=COMPILE_MODES, metavar="MODE",
+                   help=help or "run the decode step through torch.compile in fixed shapes (each layer's budget of "
+                        "slots, or a full cache's allocation); the first step of a shape compiles, kept in "
+                        "sparsegen's cache folder for the next run. MODE: regional (a block of decoder layers "
+                        "compiled once for every block: seconds to compile; the default on a CPU) or whole (the "
+                        "whole step one graph: a faster step, minutes to compile; the default on CUDA). Default: "
+                        "compiled where the weights are low-bit, as a GGUF model's are by default, or on CUDA")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run the decode step eagerly (debugging; the slow path)")
 
 
 def weights_arg(p: argparse.ArgumentParser, several: bool = False) -> None:

@@ -67,7 +67,7 @@ def generate_tokens(
     pad_id: int = 0,
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
     first_chunk: int | None = None,
     cache: EvictionCache | None = None,
     hold_after_first: bool = False,
@@ -153,7 +153,7 @@ def generate(
     speculative: str | Policy | None = None,
     draft_tokens: int | str = 4,
     draft_model: torch.nn.Module | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
     context: str | CompressedContext | None = None,
     question: str | None = None,
     evict_after_context: bool = True,
@@ -172,9 +172,11 @@ def generate(
     drafting ``draft_tokens`` tokens at a time (a count, or ``"auto"``) with the model (or ``draft_model``, same
     vocabulary) over a cache under that policy; ``policy`` must then be ``full``.
 
-    ``compile``: run the decode step through ``torch.compile`` (one graph; the first call of a shape compiles, kept in
-    sparsegen's cache folder); None (default): compiled where the weights are low-bit, as ``sparsegen.load`` gives a
-    GGUF model by default, or on CUDA (``compiles_by_default``).
+    ``compile``: run the decode step through ``torch.compile`` (the first call of a shape compiles, kept in
+    sparsegen's cache folder): ``"regional"`` (a block of decoder layers compiled once for every block: seconds),
+    ``"whole"`` (the step one graph: a faster step, minutes to compile), True (regional on a CPU, whole on CUDA),
+    False (eager); None (default): compiled where the weights are low-bit, as ``sparsegen.load`` gives a GGUF model
+    by default, or on CUDA (``compile_mode``).
 
     ``context`` and ``question`` instead of ``prompts``: kvpress's protocol. The context is encoded in one pass and
     compressed once to the budget (a fraction is of the context) by the policy's scores; then the question is fed
@@ -301,7 +303,7 @@ def compare(
     chunk_size: int = DEFAULT_CHUNK,
     draft_tokens: int | str = 4,
     draft_model: torch.nn.Module | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
 ) -> dict[str, dict]:
     """The same prompt under each of ``policies``, greedy, never stopping early: name -> ``Generation.to_dict()``.
     A name is ``full``, a policy taking ``budget``, either with ``+kvN`` to hold the cache in N bits (``h2o+kv4``), or

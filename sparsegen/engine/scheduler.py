@@ -63,7 +63,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, policy: PolicySpec, chunk_size: int = DEFAULT_CHUNK,
                  max_sessions: int = 64, max_batch: int = 16, template: ChatTemplate | None = None,
                  max_prompt_tokens: int | None = None, speculation: Callable[[], Speculation] | None = None,
-                 compile: bool | None = None, kv_memory: int | None = None, max_context: int | None = None,
+                 compile: bool | str | None = None, kv_memory: int | None = None, max_context: int | None = None,
                  idle_grace: float = 2.0, prefill_budget: int | str | None = None,
                  contexts: dict[str, CompressedContext] | None = None, packed_prefill: bool = True,
                  store: SessionStore | None = None):

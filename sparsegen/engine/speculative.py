@@ -201,7 +201,7 @@ def speculative_tokens(
     pad_id: int = 0,
     on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     progress: bool | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict, float, float]:
     """What ``generation.generate_tokens`` returns under the full cache, drafted as ``speculation`` says: ``(new
     [B, n], counts [B], the full cache's stats with "draft_cache" and "speculation" entries, prefill s, decode s)``.
@@ -225,7 +225,7 @@ def speculative_tokens(
     prefill(drafter, draft, ids, mask, chunk_size, progress)
     # rows that accept different counts hold different numbers of draft tokens from then on: compiled, the draft's
     # steps take that shape from the first one (one graph for the run, not a second compile midway)
-    draft.padded = draft.padded or (compile and batch > 1)
+    draft.padded = draft.padded or (draft_step.compiled and batch > 1)
     prefill_seconds = _synchronized(device) - t0
     t0 = time.perf_counter()
     rows = torch.arange(batch, device=device)
@@ -358,7 +358,7 @@ class ConversationDrafts:
     what their draft caches missed meanwhile is fed with the next round, so no draft cache re-reads the history."""
 
     def __init__(self, model: torch.nn.Module, speculation: Callable[[], Speculation], chunk_size: int,
-                 compile: bool | None):
+                 compile: bool | str | None):
         self.speculation, self.chunk_size = speculation, chunk_size
         self.drafter = speculation().model or model
         self.tokens = draft_length(speculation().draft_tokens)

@@ -1,7 +1,7 @@
 """The one way sparsegen runs a model over a cache, top to bottom: ``forward`` (the only call into a model with a
 cache: prefill chunks, drafting, verification), ``DecodeStep`` (one new token per row: model, cache update and
-eviction inside the cache's layers, optionally compiled whole), ``next_token`` (sampling) and ``prefill`` (a prompt
-in chunks). ``generate``, ``chat``/``serve``, ``ppl --stream``, ``fidelity``, ``passkey``, speculative decoding
+eviction inside the cache's layers, optionally compiled, a block of layers at a time or whole), ``next_token``
+(sampling) and ``prefill`` (a prompt in chunks). ``generate``, ``chat``/``serve``, ``ppl --stream``, ``fidelity``, ``passkey``, speculative decoding
 and ``bench`` all decode through these, so what ``bench`` times is what users run."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from functools import partial
 import torch
 
 from sparsegen.engine import graph_calls
+from sparsegen.kv.regions import block_step, hooked, run_block
+from sparsegen.models.anatomy import decoder_layers
 from sparsegen.models.compat import cache_kwargs
 from sparsegen.paths import COMPILE_ENV
 
@@ -27,6 +29,12 @@ from sparsegen.paths import COMPILE_ENV
 COMPILED_SHAPES = 128
 KNOWN_STATES = 8  # states of one cache whose graphs a DecodeStep keeps to call directly (past it: forgets them)
 COMPILE_NOTICE_AFTER = 2.0  # seconds a step through dynamo runs before the wait is shown (a compile, not a lookup)
+COMPILE_MODES = ("regional", "whole")
+# the fewest decoder layers of a regional step's block: a block's compile grows with its layers, the step's calls
+# into the compiled code (each through dynamo's guards) with the blocks (SmolLM2's 30 layers, blocks of 1: 12 s cold,
+# 2.2x the whole graph's step; of 5: 16 s, within 1.1x of the whole graph through dynamo; measured in
+# docs/benchmarks.md, "Regional compilation")
+BLOCK_LAYERS = 5
 
 
 class CompileTally:
@@ -57,6 +65,38 @@ def compiles_by_default(model: torch.nn.Module) -> bool:
     return any(isinstance(module, PACKED_LINEARS) for module in model.modules())
 
 
+def compile_mode(model: torch.nn.Module, compile: bool | str | None) -> str | None:
+    """What a step's ``compile`` means for ``model``: None (eager), ``"regional"`` (a block of decoder layers
+    compiled once and run for every block: a compile in seconds) or ``"whole"`` (the whole step one graph: the
+    fastest step, a compile of minutes). ``None``: compiled where it is the fast path (``compiles_by_default``);
+    ``True``: regional on a CPU, whole on CUDA (one CUDA graph a step), and whole for a model whose decoder layers
+    carry hooks of their own (a contextual plan's predictors, which a block would run out of place)."""
+    if compile is None:
+        compile = compiles_by_default(model)
+    if compile is False:
+        return None
+    if compile is True:
+        cuda = next(model.parameters()).device.type == "cuda"
+        return "whole" if cuda or hooked(model) else "regional"
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be True, False, None or one of {', '.join(COMPILE_MODES)}; got {compile!r}")
+    if compile == "regional" and hooked(model):
+        raise ValueError("this model's decoder layers carry hooks (a contextual plan's predictors), which a "
+                         "regional step would run out of place: compile='whole' (--compile whole)")
+    return compile
+
+
+def block_size(model: torch.nn.Module) -> int:
+    """Decoder layers per block of a regional step: the fewest, at least ``BLOCK_LAYERS``, that repeat the model's
+    pattern of layer kinds (Gemma 3's five local layers and a global one) and divide its layers into equal blocks
+    (one graph for all), else a pattern's multiple past ``BLOCK_LAYERS`` (the last block then a graph of its own)."""
+    count = len(decoder_layers(model))
+    kinds = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"] * count
+    period = next(p for p in range(1, count + 1) if all(kinds[i] == kinds[i % p] for i in range(count)))
+    sizes = [size for size in range(period, count + 1, period) if size >= min(BLOCK_LAYERS, count)]
+    return next((size for size in sizes if count % size == 0), sizes[0] if sizes else count)
+
+
 def forward(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor,
             mask: torch.Tensor | None = None, last: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
     """Feed ``ids`` ``[B, T]`` at ``positions`` ``[B, T]`` into ``cache``: logits ``[B, T, vocab]``, or only the last
@@ -83,10 +123,10 @@ class DecodeStep:
     slot or evicts its own lowest. Eager where a cache cannot take a fixed step (heads sharing slots, a policy that
     reads the host, a ``full`` cache out of slots), and with ``compile=False``, for debugging."""
 
-    def __init__(self, model: torch.nn.Module, compile: bool | None = None, notice: bool = True):
-        compile = compiles_by_default(model) if compile is None else compile
-        self.model, self.compiled, self.notice = model, compile, notice
-        self.graphs = compile and next(model.parameters()).device.type == "cuda"
+    def __init__(self, model: torch.nn.Module, compile: bool | str | None = None, notice: bool = True):
+        self.mode = compile_mode(model, compile)
+        self.model, self.compiled, self.notice = model, self.mode is not None, notice
+        self.graphs = self.mode == "whole" and next(model.parameters()).device.type == "cuda"
         self.compiled_steps = 0  # steps that ran the compiled step
         self.unguarded_steps = 0  # of them, those that evaluated no guard (their state's graph was known)
         # cache: {state: the function of the graph that state takes}
@@ -98,15 +138,24 @@ class DecodeStep:
         self._run = self.eager
         self._region: int | None = None  # the compiled step's own graphs in dynamo's cache
         self.direct_calls = False  # whether a state's graph, once chosen by dynamo's guards, is called directly
-        if compile:
+        self.block_size = block_size(model) if self.mode == "regional" else None
+        self._shapes: set[tuple] = set()  # (batch, slots) a regional step has run (the first of one compiles)
+        if self.mode == "whole":
             compiled = _compiled_step(self.graphs)
             self._run = partial(compiled, model)
             self.direct_calls = graph_calls.available(compiled)
             self._region = getattr(compiled, "_isolate_recompiles_id", None)
+        elif self.mode == "regional":
+            self._run = partial(self._regional, _compiled_block())
 
     def eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The step uncompiled (what the compiled step traces)."""
         return _step(self.model, cache, token, position)
+
+    def _regional(self, run: Callable, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The step with its decoder layers run a block at a time through ``run`` (``sparsegen.kv.regions``)."""
+        with block_step(cache, self.model, self.block_size, run):
+            return _step(self.model, cache, token, position)
 
     def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return self._fixed(cache, token, position, compiled=True)
@@ -137,6 +186,15 @@ class DecodeStep:
                 graph = graph_calls.graph_passing_guards(_step, self._region, arguments)
             if graph is not None:
                 logits = graph(self.model, cache, token, position)
+            elif compiled and self.mode == "regional":
+                shape = token.shape[0], tuple(layer.fixed_slots for layer in cache.layers)
+                if shape in self._shapes:
+                    logits = run(cache, token, position)
+                else:
+                    with _compiling(token.shape[0], cache, self.notice, "its blocks of "
+                                    f"{self.block_size} layers"):
+                        logits = run(cache, token, position)
+                    self._shapes.add(shape)
             elif compiled:
                 with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
                     logits = run(cache, token, position)
@@ -184,13 +242,30 @@ class DecodeStep:
     def graph_breaks(self, cache, token: torch.Tensor, position: torch.Tensor) -> int:
         """Run one step (the fixed-shape one, where ``__call__`` would) under dynamo's capture with a backend that only
         counts graphs, and count the graph breaks it meets: 0 means the step compiles as one graph. (Not
-        ``torch._dynamo.explain``: it resets dynamo, so every compiled step would be traced again after it.)"""
+        ``torch._dynamo.explain``: it resets dynamo, so every compiled step would be traced again after it.) A
+        regional step's blocks are captured each on its own: 0 means every block compiles as one graph."""
         graphs = []
 
         def count(graph: torch.fx.GraphModule, example_inputs) -> Callable:
             graphs.append(graph)
             return graph.forward
 
+        if self.mode == "regional" and cache.fits_fixed_step():
+            probe_block, breaks = torch.compile(_probe_block, backend=count), []
+
+            def run(layers: tuple, hidden: torch.Tensor, calls: tuple) -> torch.Tensor:
+                torch._dynamo.reset_code(_probe_block.__code__)  # (each block traced anew: its own breaks)
+                before = len(graphs)
+                hidden = probe_block(layers, hidden, calls)
+                breaks.append(len(graphs) - before - 1)
+                return hidden
+
+            try:
+                with cache.fixed_shape_step():
+                    self._regional(run, cache, _unit_stride(token), _unit_stride(position))
+            finally:
+                torch._dynamo.reset_code(_probe_block.__code__)
+            return sum(breaks)
         probe = torch.compile(_probe, backend=count)
         try:
             if self.compiled and cache.fits_fixed_step():
@@ -207,10 +282,10 @@ class _compiling:
     """Around a step that goes through dynamo: past ``COMPILE_NOTICE_AFTER`` seconds (a compile, not a lookup) say
     on stderr what is compiling and, at the end, how long it took; counted in ``COMPILES``."""
 
-    def __init__(self, batch: int, cache, notice: bool):
+    def __init__(self, batch: int, cache, notice: bool, unit: str = "one graph"):
         slots = [layer.fixed_slots or 0 for layer in getattr(cache, "layers", ())]
         policy = getattr(getattr(cache, "policy", None), "name", "")
-        self.what = f"{policy + ', ' if policy else ''}batch {batch}, {max(slots, default=0):,} slots"
+        self.what = f"{policy + ', ' if policy else ''}batch {batch}, {max(slots, default=0):,} slots; {unit}"
         self.notice, self.done = notice, threading.Event()
 
     def __enter__(self):
@@ -243,6 +318,11 @@ def _probe(model: torch.nn.Module, cache, token: torch.Tensor, position: torch.T
     return _step(model, cache, token, position)
 
 
+def _probe_block(layers: tuple, hidden: torch.Tensor, calls: tuple) -> torch.Tensor:
+    """``run_block`` under another name, for ``DecodeStep.graph_breaks``."""
+    return run_block(layers, hidden, calls)
+
+
 @functools.cache
 def _compiled_step(graphs: bool):
     """``_step`` through ``torch.compile``, one for every ``DecodeStep``: its graphs (guarded by model and cache
@@ -256,6 +336,18 @@ def _compiled_step(graphs: bool):
     sets; a mode and options cannot both be given.) On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the ~700
     kernel and op calls of a SmolLM2 step no longer go through Python (measured in docs/benchmarks-log.md); CUDA replays
     a graph instead."""
+    return _compiled(_step, graphs)
+
+
+@functools.cache
+def _compiled_block():
+    """``run_block`` through ``torch.compile``, for every regional step: its graphs (guarded by the layers' kinds
+    and the cache's shapes, never by a layer's index) serve every block alike."""
+    return _compiled(run_block, False)
+
+
+def _compiled(function: Callable, graphs: bool):
+    """``function`` through ``torch.compile`` with the step's options (``_compiled_step``)."""
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
     accepted = inspect.signature(torch.compile).parameters
@@ -267,7 +359,7 @@ def _compiled_step(graphs: bool):
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), COMPILED_SHAPES))
-    return torch.compile(_step, fullgraph=True, options=options, **limit)
+    return torch.compile(function, fullgraph=True, options=options, **limit)
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:

@@ -308,7 +308,7 @@ def score(answer: str, references: list[str]) -> float:
 @torch.inference_mode()
 def evaluate(model, tokenizer, samples: list[Sample], policy: PolicySpec, protocol: str = "stream",
              chunk_size: int = 512, max_new_tokens: int | None = None, progress: bool = True,
-             speculation: Callable[[int], Speculation] | None = None, compile: bool | None = None) -> list[dict]:
+             speculation: Callable[[int], Speculation] | None = None, compile: bool | str | None = None) -> list[dict]:
     """Greedy answers to ``samples`` (one at a time) through a cache under ``policy`` (a fractional budget is of each
     sample's context), each with its score: ``[{"task", "depth", "score", "answer", "answers", "kv_tokens_peak"}]``.
     ``speculation`` (``policy`` full, ``stream`` protocol): the same answers, drafted over a cache under
@@ -364,7 +364,7 @@ def run(model, tokenizer, haystack: str, policies: dict[str, PolicySpec], length
         chat: bool = False, depths: list[float] | None = None, seed: int = 0, chunk_size: int = 512,
         max_new_tokens: int | None = None, progress: bool = True,
         on_row: Callable[[dict], None] | None = None, done: list[dict] | None = None,
-        speculation: Callable[[int], Speculation] | None = None, compile: bool | None = None) -> dict:
+        speculation: Callable[[int], Speculation] | None = None, compile: bool | str | None = None) -> dict:
     """RULER over ``policies`` (name -> cache settings; a fractional budget is of each prompt's context) x
     ``protocols`` x ``lengths`` x ``tasks``:
     ``{"rows": [{"policy", "budget", "protocol", "task", "length", "score", "depths", "kv_tokens_peak",

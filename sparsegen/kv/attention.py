@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sparsegen.kv import native_attention
 from sparsegen.kv.quantized import HeldCodes
+from sparsegen.kv.regions import CACHE_KWARG, route, unroute
 from sparsegen.kv.rotary import memoized
 from sparsegen.kv.scores import attention_scores, observe, observed_queries, slot_ranks
 from sparsegen.kv.stepwise import shared_attention, stepwise_attention
@@ -28,7 +29,6 @@ from sparsegen.models.compat import attention_implementation, model_eager_attent
 from sparsegen.models.families import family
 
 BACKENDS = ("sdpa", "eager")
-CACHE_KWARG = "sparsegen_cache"  # how the decoder hook hands the cache to every layer's attention, through the call
 FEW_QUERIES = native_attention.MOST_QUERIES  # up to a speculative verification: the pending token and 16 drafts
 # a long call's queries per pass of ``_grouped_attention``: each block's scores stay in cache and read only the keys
 # its queries can see (a causal one-pass 4K prefill, one SmolLM2 layer's 9 heads: 1.39 s whole, 0.69 s in blocks of
@@ -365,7 +365,7 @@ def _make_attention(backend: str):
         if getattr(cache, "packed", False):  # several caches' tokens in one call: each part over its own cache
             return cache.attend(module.layer_idx, query, lambda part, layer, query, key, value: eviction_attention(
                 part, layer, query, key, value, scale, window)), None
-        layer = cache.layers[module.layer_idx]
+        layer = cache.layer_for(module.layer_idx)
         return eviction_attention(cache, layer, query, key, value, scale, window), None
 
     return attention
@@ -418,6 +418,7 @@ def prepare(model: torch.nn.Module) -> None:
     if not getattr(decoder, "_sparsegen_hooks", None):
         decoder._sparsegen_hooks = (decoder.register_forward_pre_hook(_begin, with_kwargs=True),
                                     decoder.register_forward_hook(_end, with_kwargs=True, always_call=True))
+        route(model)
 
 
 def release(model: torch.nn.Module) -> None:
@@ -430,6 +431,7 @@ def release(model: torch.nn.Module) -> None:
     for handle in getattr(decoder, "_sparsegen_hooks", None) or ():
         handle.remove()
     decoder._sparsegen_hooks = None
+    unroute(model)
 
 
 def is_prepared(model: torch.nn.Module) -> bool:

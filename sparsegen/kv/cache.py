@@ -104,6 +104,7 @@ class EvictionCache(Cache):
         self.row_capacity = 1  # rows a stacked cache keeps storage for
         self.exact_rows = False  # a stacked cache holds storage for its rows only (reallocated as they come and go)
         self._workspace: torch.Tensor | None = None
+        self.block_step = None  # a decode step running the layers a block at a time (``sparsegen.kv.regions``)
         # decode steps attend through ``sparsegen::decode_attention`` (built here, outside any compiled step)
         self.native_decode = next(model.parameters()).device.type == "cpu" and native_attention.ready()
         self.mark_evicting(self.expected_length)  # (an announced length past the budget: one compiled graph)
@@ -127,6 +128,10 @@ class EvictionCache(Cache):
                 layers.append(EvictionLayer(self, i, self.policy.for_layer(i, len(layer_types)), self.pinned,
                                             rotary))
         return layers
+
+    def layer_for(self, index: int) -> EvictionLayer:
+        """Layer ``index``'s state (inside a block step a layer asks its ``LayerView``, which answers with its own)."""
+        return self.layers[index]
 
     def workspace(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """A scratch tensor of ``shape``, reused by every layer and step: large temporaries allocated anew each

@@ -517,8 +517,9 @@ def test_ignore_eos_decodes_max_tokens_past_an_end_of_sequence():
     assert kept_going.tokens == first.tokens and kept_going.finish_reason == "length"
 
 
+@pytest.mark.parametrize("mode", ["regional", "whole"])
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "full"])
-def test_a_warm_up_compiles_every_graph_that_traffic_then_meets(policy, monkeypatch):
+def test_a_warm_up_compiles_every_graph_that_traffic_then_meets(policy, mode, monkeypatch):
     """``serve`` warms up before ``/health`` says ok: afterwards, replies alone and stacked at every batch size up to
     ``max_batch`` (joining and leaving) compile nothing more, and the warm-up leaves no session and no count. (An
     unbounded policy's slots are one shape with ``max_context``.)"""
@@ -532,9 +533,11 @@ def test_a_warm_up_compiles_every_graph_that_traffic_then_meets(policy, monkeypa
 
     torch._dynamo.reset()
     compiled = torch.compile(decoding._step, fullgraph=True, backend=count)
+    block = torch.compile(decoding.run_block, fullgraph=True, backend=count)
     monkeypatch.setattr(decoding, "_compiled_step", lambda cuda_graphs: compiled)
+    monkeypatch.setattr(decoding, "_compiled_block", lambda: block)
     engine = Engine(tiny_model("llama"), IdTokenizer(), PolicySpec(policy, None if policy == "full" else 12),
-                    chunk_size=5, max_batch=4, compile=True, max_context=64 if policy == "full" else None)
+                    chunk_size=5, max_batch=4, compile=mode, max_context=64 if policy == "full" else None)
     warm_up(engine, rows=3)
     warmed = len(graphs)
     assert warmed >= 2 and engine.counters["requests"] == 0 and not engine.sessions and engine.kv_bytes() == 0

@@ -523,3 +523,148 @@ def test_the_compiled_step_builds_on_a_torch_without_a_per_function_recompile_li
         assert compiled[:3] == ("compiled", _step, True)
         assert torch._dynamo.config.recompile_limit == decoding.COMPILED_SHAPES
     assert torch._dynamo.config.recompile_limit == before  # (and still readable: later compiles need it)
+
+
+def _deep_llama():
+    """Four layers, so that a regional step in blocks of two runs two blocks through one graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.kv.families import _gqa
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM._from_config(LlamaConfig(**_gqa(num_hidden_layers=4)), attn_implementation="sdpa").eval()
+
+
+def _regional(model, monkeypatch, backend="eager", block: int = 2) -> DecodeStep:
+    """A regional DecodeStep whose blocks go through dynamo with ``backend``, in blocks of ``block`` layers; each
+    block's layers are recorded in ``step.blocks_run``."""
+    import sparsegen.engine.step as decoding
+
+    compiled = torch.compile(decoding.run_block, fullgraph=True, backend=backend)
+
+    def run(layers, hidden, calls):
+        step.blocks_run.append(layers)
+        return compiled(layers, hidden, calls)
+
+    monkeypatch.setattr(decoding, "_compiled_block", lambda: run)
+    monkeypatch.setattr(decoding, "BLOCK_LAYERS", block)
+    step = DecodeStep(model, compile="regional")
+    step.blocks_run = []
+    assert step.mode == "regional"
+    return step
+
+
+@pytest.mark.parametrize("kv_bits", [None, KVQuantization(4, residual=3)])
+@pytest.mark.parametrize("name, family", [(name, "deep llama") for name in ("full", "streaming", "h2o", "snapkv")]
+                         + [("h2o", "gemma3"), ("streaming", "gemma3")])
+def test_a_regional_step_gives_the_eager_steps_logits_kept_tokens_and_counts(name, family, kv_bits, monkeypatch):
+    """The layers run a block at a time through one compiled function (each layer seeing the cache as its own
+    ``LayerView``): the eager step's logits, kept tokens and counts, filling and evicting, rows of two lengths, K/V
+    quantized or not; one graph serves every block of the same layer kinds (Gemma 3's three layers: one block)."""
+    torch._dynamo.reset()
+    budget, room = _sizes(name)
+    options = {**room, "kv_bits": kv_bits} if kv_bits else room
+    model = _deep_llama() if family == "deep llama" else tiny_model(family)
+    cache = {}
+    for which in ("reference", "regional"):
+        cache[which] = EvictionCache(model, make_policy(name, budget), chunk_size=8, **options)
+        ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        with torch.inference_mode():
+            token = prefill(model, cache[which], ids, mask, 8).argmax(-1)
+            position = mask.sum(-1)
+    step = _regional(model, monkeypatch)
+    torch._dynamo.utils.counters.clear()
+    expected = _decode(DecodeStep(model), model, cache["reference"], token, position)
+    torch.testing.assert_close(_decode(step, model, cache["regional"], token, position), expected, rtol=1e-5,
+                               atol=1e-5)
+    layers = list(model.model.layers)
+    size = 2 if family == "deep llama" else 3
+    assert step.compiled_steps == STEPS and step.block_size == size
+    assert step.blocks_run == STEPS * [tuple(layers[i:i + size]) for i in range(0, len(layers), size)]
+    rolling = any(layer.sinks for layer in cache["regional"].layers)  # (they take the sinks' frame: a new state)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 + rolling
+    for ours, theirs in zip(cache["regional"].layers, cache["reference"].layers):
+        assert (ours.used, ours.peak_tokens) == (theirs.used, theirs.peak_tokens)
+        assert torch.equal(_kept(ours), _kept(theirs))
+    assert cache["regional"].block_step is None  # (only during a step)
+
+
+def _llama_of(layers: int, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.kv.families import _gqa
+
+    return LlamaForCausalLM._from_config(LlamaConfig(**_gqa(num_hidden_layers=layers, **config)))
+
+
+def _gemma_of(layers: int):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tests.kv.families import _gqa
+
+    kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    return Gemma3ForCausalLM._from_config(Gemma3TextConfig(**_gqa(head_dim=16, num_hidden_layers=layers,
+                                                                  sliding_window=6, layer_types=kinds)))
+
+
+@pytest.mark.parametrize("model, size", [(lambda: _llama_of(30), 5), (lambda: _llama_of(2), 2),
+                                         (lambda: _llama_of(7), 7), (lambda: _llama_of(12), 6),
+                                         (lambda: _gemma_of(18), 6), (lambda: _gemma_of(26), 6),
+                                         (lambda: tiny_model("gemma3"), 3)])
+def test_a_regional_steps_blocks_repeat_the_layer_kinds_and_divide_the_layers(model, size):
+    """SmolLM2's 30 layers in 6 blocks of 5; Gemma 3's pattern of five sliding layers and a global one in blocks of
+    6 (18 layers: 3 blocks; 26: 4 and a last block of 2, its own graph); 7 layers in one block (no size from 5 to 6
+    divides them); a model of fewer than 5 layers in one block."""
+    from sparsegen.engine.step import block_size
+
+    assert block_size(model()) == size
+
+
+def test_what_compile_means_for_a_model():
+    """True and None (where compiled by default) are regional on a CPU; a model whose decoder layers carry hooks of
+    their own (a contextual plan's predictors run where a layer is called, which a block moves) compiles whole, and
+    asked for regional explicitly, says so; an unknown mode is refused."""
+    from sparsegen.engine.step import compile_mode
+
+    model = tiny_model("llama")
+    assert compile_mode(model, True) == compile_mode(model, "regional") == "regional"
+    assert compile_mode(model, None) is None and compile_mode(model, False) is None  # (fp32 weights: eager)
+    assert compile_mode(model, "whole") == "whole"
+    with pytest.raises(ValueError, match="regional, whole"):
+        compile_mode(model, "fast")
+    handle = model.model.layers[0].register_forward_pre_hook(lambda module, args: None)
+    assert compile_mode(model, True) == "whole"
+    with pytest.raises(ValueError, match="--compile whole"):
+        compile_mode(model, "regional")
+    handle.remove()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_regional_step_counts_no_graph_breaks_in_its_blocks(family, monkeypatch):
+    model, cache, token, position = _prefilled("h2o", family, prompt=12)
+    step = _regional(model, monkeypatch)
+    with torch.inference_mode():
+        assert step.graph_breaks(cache, token, position) == 0
+
+
+@pytest.mark.heavy
+def test_a_regional_step_compiles_one_block_for_every_block_and_gives_the_eager_logits(monkeypatch):
+    """Through inductor (C++ wrapper, as shipped): two blocks of two layers, one graph for both, the eager step's
+    logits, filling and evicting."""
+    import sparsegen.engine.step as decoding
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decoding, "BLOCK_LAYERS", 2)
+    model = _deep_llama()
+    caches = [EvictionCache(model, make_policy("streaming", BUDGET), chunk_size=8) for _ in range(2)]
+    ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        token = [prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1) for cache in caches][0]
+        position = torch.full((2,), PROMPT)  # (an inference tensor, as the steps' next positions are)
+    step = DecodeStep(model, compile="regional")
+    torch._dynamo.utils.counters.clear()
+    expected = _decode(DecodeStep(model), model, caches[0], token, position)
+    torch.testing.assert_close(_decode(step, model, caches[1], token, position), expected, rtol=1e-4, atol=1e-4)
+    assert step.compiled_steps == STEPS and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # (sinks)

@@ -64,9 +64,11 @@ def test_release_leaves_no_trace_and_the_cache_prepares_again():
     EvictionCache(model, make_policy("window", 8))
     decoder = model.get_decoder()
     assert model.config._attn_implementation.startswith("sparsegen_") and decoder._forward_pre_hooks
+    assert all("forward" in vars(layer) for layer in decoder.layers)  # (routed: ``sparsegen.kv.regions``)
     release(model)
     assert model.config._attn_implementation in ("sdpa", "eager")
     assert not decoder._forward_pre_hooks and not decoder._forward_hooks
+    assert not any("forward" in vars(layer) for layer in decoder.layers)
     assert torch.equal(model(ids).logits, before)
     cache = EvictionCache(model, make_policy("window", 8))
     model(ids, **cache_kwargs(cache))
