@@ -1,8 +1,8 @@
 """The one way sparsegen runs a model over a cache, top to bottom: ``forward`` (the only call into a model with a
 cache: prefill chunks, drafting, verification), ``DecodeStep`` (one new token per row: model, cache update and
 eviction inside the cache's layers, optionally compiled, a block of layers at a time or whole), ``next_token``
-(sampling) and ``prefill`` (a prompt in chunks). ``generate``, ``chat``/``serve``, ``ppl --stream``, ``fidelity``, ``passkey``, speculative decoding
-and ``bench`` all decode through these, so what ``bench`` times is what users run."""
+(sampling) and ``prefill`` (a prompt in chunks). ``generate``, ``chat``/``serve``, ``ppl --stream``, ``fidelity``,
+``passkey``, speculative decoding and ``bench`` all decode through these, so what ``bench`` times is what users run."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Running a step's decoder layers a block at a time (``sparsegen.kv.regions``): outside a block step a routed layer
 is the layer itself; inside one, each layer sees only its own state whatever index it asks for, and the blocks run
-in order from the first layer's input. (The regional step's logits against the eager step: tests/engine/test_step.py.)"""
+in order from the first layer's input. (The regional step's logits against the eager step:
+tests/engine/test_step.py.)"""
 
 import pytest
 import torch
