@@ -159,3 +159,18 @@ def test_compare_has_quantized_kv_rows(tiny_checkpoint, capsys):
     assert rows["h2o+kv8"]["kv_bytes_peak"] < rows["h2o"]["kv_bytes_peak"]
     assert main(["compare", "--model", str(tiny_checkpoint), "--prompt", "x", "--policies", "h2o+kvfour"]) == 2
     assert "POLICY+kvBITS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "ruler"])
+def test_compile_takes_a_mode_or_none_and_no_compile_turns_it_off(command, capsys):
+    from sparsegen.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse([command]).compile is None
+    assert parse([command, "--compile"]).compile is True
+    assert parse([command, "--compile", "whole"]).compile == "whole"
+    assert parse([command, "--compile", "regional"]).compile == "regional"
+    assert parse([command, "--no-compile"]).compile is False
+    with pytest.raises(SystemExit):
+        parse([command, "--compile", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err

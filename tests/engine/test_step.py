@@ -280,8 +280,10 @@ def _allocated_shapes(code: str) -> set[tuple[int, ...]]:
 def test_every_decode_step_shares_the_compiled_graphs_and_counting_breaks_keeps_them():
     """A new ``DecodeStep`` (a new bench row, a new generate call) finds the step already compiled for its shapes, and
     counting graph breaks (``torch._dynamo.explain`` resets dynamo) does not throw the graphs away."""
-    first, second = (DecodeStep(tiny_model("llama"), compile=True) for _ in range(2))
+    first, second = (DecodeStep(tiny_model("llama"), compile="whole") for _ in range(2))
     assert first._run.func is second._run.func
+    first, second = (DecodeStep(tiny_model("llama"), compile="regional") for _ in range(2))
+    assert first._run.args[0] is second._run.args[0]  # (the compiled block)
     torch._dynamo.reset()
     model, cache, token, position = _prefilled("h2o")
     step = _through_dynamo(model)
