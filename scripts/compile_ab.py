@@ -3,12 +3,13 @@ the whole-graph one, on the same caches: each mode's first call (its compile: co
 warm on a second run) and the median step, interleaved; the GGUF models at their own widths, batch 1, caches
 filled to the context with random K/V (docs/benchmarks.md, "Regional compilation").
 
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python scripts/compile_ab.py   # cold; run again with the same folder: warm
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python scripts/compile_ab.py [MODEL ...]   # cold; again, same folder: warm
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -26,7 +27,7 @@ TURNS, STEPS = 6, 16
 
 def main() -> None:
     torch.set_num_threads(2)
-    for model_name in MODELS:
+    for model_name in sys.argv[1:] or MODELS:
         model, _ = sparsegen.load(model_name)
         _, kv_heads, head_dim = kv_shape(model.config)
         for policy, budget, context in SHAPES:

@@ -43,6 +43,8 @@ def graph_passing_guards(step: Callable, region: int, arguments: dict) -> GraphC
     packed weights)."""
     for entry in _graphs_of(step, region):
         if entry.guard_manager.check(arguments):
+            if entry.code is None:  # (an entry with no code of its own, as dynamo leaves some: it runs it itself)
+                return None
             return GraphCall(types.FunctionType(entry.code, step.__globals__, step.__name__))
     return None
 

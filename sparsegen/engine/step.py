@@ -112,16 +112,18 @@ class DecodeStep:
     new keys and values and evict inside the forward, reading nothing from the device (``bench`` counts it), padded
     rows of a server's batch included.
 
-    ``compile=True``: ``torch.compile(fullgraph=True)`` of the whole step (one graph: model, cache update,
-    eviction), run in fixed shapes (``EvictionCache.fixed_shape_step``: each layer attends over its budget's slots,
-    or a ``full`` cache's allocation, free ones masked, and writes the token into a free slot or the one it evicts),
-    so one compile per (batch, slots) shape serves every step, filling or evicting; once dynamo's guards have chosen
-    a state's graph, the state's later steps call it without dynamo (``_state``). On CUDA,
-    ``mode="reduce-overhead"``: the step is recorded once as a CUDA graph and replayed, one launch a token, with the
-    cache's state marked static (it is updated in place). Rows of different lengths (a server's stacked batch,
-    speculation's rows after they accepted different counts) take it too: each row writes into its own first free
-    slot or evicts its own lowest. Eager where a cache cannot take a fixed step (heads sharing slots, a policy that
-    reads the host, a ``full`` cache out of slots), and with ``compile=False``, for debugging."""
+    Compiled (``compile_mode``), the step runs in fixed shapes (``EvictionCache.fixed_shape_step``: each layer attends
+    over its budget's slots, or a ``full`` cache's allocation, free ones masked, and writes the token into a free
+    slot or the one it evicts), so one compile per (batch, slots) shape serves every step, filling or evicting.
+    ``"regional"``: the decoder layers run a block at a time through one ``torch.compile(fullgraph=True)`` of a
+    block (``sparsegen.kv.regions``), the rest of the model eager; one block's compile serves every block.
+    ``"whole"``: the whole step is one graph (model, cache update, eviction); once dynamo's guards have chosen a
+    state's graph, the state's later steps call it without dynamo (``_state``). On CUDA, ``mode="reduce-overhead"``:
+    the step is recorded once as a CUDA graph and replayed, one launch a token, with the cache's state marked static
+    (it is updated in place). Rows of different lengths (a server's stacked batch, speculation's rows after they
+    accepted different counts) take it too: each row writes into its own first free slot or evicts its own lowest.
+    Eager where a cache cannot take a fixed step (heads sharing slots, a policy that reads the host, a ``full`` cache
+    out of slots), and with ``compile=False``, for debugging."""
 
     def __init__(self, model: torch.nn.Module, compile: bool | str | None = None, notice: bool = True):
         self.mode = compile_mode(model, compile)
