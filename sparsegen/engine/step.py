@@ -31,9 +31,8 @@ KNOWN_STATES = 8  # states of one cache whose graphs a DecodeStep keeps to call 
 COMPILE_NOTICE_AFTER = 2.0  # seconds a step through dynamo runs before the wait is shown (a compile, not a lookup)
 COMPILE_MODES = ("regional", "whole")
 # the fewest decoder layers of a regional step's block: a block's compile grows with its layers, the step's calls
-# into the compiled code (each through dynamo's guards) with the blocks (SmolLM2's 30 layers, blocks of 1: 12 s cold,
-# 2.2x the whole graph's step; of 5: 16 s, within 1.1x of the whole graph through dynamo; measured in
-# docs/benchmarks.md, "Regional compilation")
+# into the compiled code (each through dynamo's guards) with the blocks (docs/benchmarks.md, "What a compile costs:
+# regional compilation")
 BLOCK_LAYERS = 5
 
 
