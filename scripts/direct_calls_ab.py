@@ -22,30 +22,41 @@ SHAPES = (("full", None, 512), ("h2o", 1024, 2048), ("streaming", 1024, 8192))
 TURNS, STEPS = 6, 16
 
 
+def filled_cache(model, policy: str, budget: int | None, context: int) -> EvictionCache:
+    """A batch-1 cache of ``context`` random K/V, as a prefill would leave it (the same seed every time)."""
+    _, kv_heads, head_dim = kv_shape(model.config)
+    cache = EvictionCache(model, make_policy(policy, budget), expected_length=context + 400)
+    fill_random(cache, 1, context, kv_heads, head_dim, torch.float32, torch.device("cpu"),
+                torch.Generator().manual_seed(0))
+    return cache
+
+
+def interleaved_times(steps: dict[str, DecodeStep], caches: dict, token: torch.Tensor,
+                      position: torch.Tensor) -> dict[str, list[float]]:
+    """Each step's seconds over TURNS turns of STEPS steps on its own cache, the steps taking turns."""
+    times = {name: [] for name in steps}
+    for _ in range(TURNS):
+        for name, step in steps.items():
+            for _ in range(STEPS):
+                started = time.perf_counter()
+                step(caches[name], token, position)
+                times[name].append(time.perf_counter() - started)
+    return times
+
+
 def main() -> None:
     torch.set_num_threads(2)
     model, _ = sparsegen.load("smollm2")
-    _, kv_heads, head_dim = kv_shape(model.config)
     for policy, budget, context in SHAPES:
         steps = {"direct": DecodeStep(model), "public": DecodeStep(model)}
         steps["public"].direct_calls = False  # every step through dynamo: its guards, its bytecode
-        caches = {}
-        for name in steps:
-            caches[name] = EvictionCache(model, make_policy(policy, budget), expected_length=context + 400)
-            fill_random(caches[name], 1, context, kv_heads, head_dim, torch.float32, torch.device("cpu"),
-                        torch.Generator().manual_seed(0))
+        caches = {name: filled_cache(model, policy, budget, context) for name in steps}
         token, position = torch.tensor([5]), torch.tensor([context])
-        times = {name: [] for name in steps}
         with torch.inference_mode():
             for name, step in steps.items():
                 for _ in range(4):  # (the first compiles; the next find the graph)
                     step(caches[name], token, position)
-            for _ in range(TURNS):
-                for name, step in steps.items():
-                    for _ in range(STEPS):
-                        started = time.perf_counter()
-                        step(caches[name], token, position)
-                        times[name].append(time.perf_counter() - started)
+            times = interleaved_times(steps, caches, token, position)
         direct, public = (statistics.median(times[name]) * 1e3 for name in ("direct", "public"))
         print(f"{policy} {context}: direct {direct:.2f} ms, public {public:.2f} ms, public/direct "
               f"{public / direct:.3f}; unguarded {steps['direct'].unguarded_steps}/{steps['direct'].compiled_steps}")

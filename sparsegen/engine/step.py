@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -187,15 +188,12 @@ class DecodeStep:
                 graph = graph_calls.graph_passing_guards(_step, self._region, arguments)
             if graph is not None:
                 logits = graph(self.model, cache, token, position)
-            elif compiled and self.mode == "regional":
+            elif compiled and self.mode == "regional":  # (watched for a compile at a shape's first step only)
                 shape = token.shape[0], tuple(layer.fixed_slots for layer in cache.layers)
-                if shape in self._shapes:
+                with (nullcontext() if shape in self._shapes else
+                      _compiling(token.shape[0], cache, self.notice, f"its blocks of {self.block_size} layers")):
                     logits = run(cache, token, position)
-                else:
-                    with _compiling(token.shape[0], cache, self.notice, "its blocks of "
-                                    f"{self.block_size} layers"):
-                        logits = run(cache, token, position)
-                    self._shapes.add(shape)
+                self._shapes.add(shape)
             elif compiled:
                 with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
                     logits = run(cache, token, position)
