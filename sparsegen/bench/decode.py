@@ -60,7 +60,7 @@ class Setup:
     recompute_tokens: int = 8
     memory_limit: int | None = None
     bandwidth: float | None = None
-    compiled: bool = False  # (resolved: bench's --compile, or compiles_by_default for the model)
+    compiled: str | None = None  # compile_mode's answer for bench's --compile: "regional", "whole" or None (eager)
     seed: int = 0
     repeats: int = 1  # measure every policy this many times, interleaved, and pool the steps
     text_ids: torch.Tensor | None = None  # prefill with this token stream (rows at different offsets), not random ids
@@ -94,6 +94,11 @@ class Setup:
         if name in BASELINES:
             return self.kv_per_token
         return kv_bytes_per_token(self.model.config, self.element_size, self.kv_bits_of(name))
+
+    @property
+    def step_compile(self) -> str | bool:
+        """``DecodeStep``'s ``compile`` for this setup: its mode, or False (eager; None there means a default)."""
+        return self.compiled or False
 
     def environment(self) -> dict:
         device = self.device
@@ -336,11 +341,11 @@ def _measure_speculative(setup: Setup, speculation: Speculation, ids: torch.Tens
         t0 = time.perf_counter()
         warm = ids[:, :min(context, 2 * speculation.policy.budget + setup.chunk_size)]
         speculative_tokens(setup.model, warm, torch.ones_like(warm), speculation, max_new_tokens=setup.warmup + 2,
-                           chunk_size=setup.chunk_size, compile=True)
+                           chunk_size=setup.chunk_size, compile=setup.step_compile)
         compile_seconds = time.perf_counter() - t0
     new, counts, stats, prefill_seconds, decode_seconds = speculative_tokens(
         setup.model, ids, torch.ones_like(ids), speculation, max_new_tokens=tokens, chunk_size=setup.chunk_size,
-        compile=setup.compiled)
+        compile=setup.step_compile)
     per_row = decode_seconds / float(counts.float().mean())
     report = stats["speculation"]
     kv_bytes = context * setup.kv_per_token * batch  # what one step of the full cache reads besides the weights
@@ -376,7 +381,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
     else:
         token = ids[:, -1]
     position = torch.full((batch,), context, device=device)
-    decode = DecodeStep(model, setup.compiled)
+    decode = DecodeStep(model, setup.step_compile)
     timer, mlp_timer = StepTimer(device), MLPTimer(model, enabled=not setup.compiled)
     steps = setup.warmup + setup.new_tokens
 
@@ -390,7 +395,7 @@ def _measure_cached(setup: Setup, name: str, policy: Policy | None, ids: torch.T
         if index == setup.warmup:
             compiled_before = decode.compiled_steps
         if index in (setup.warmup, steps - 1):
-            attended.append(_attended_tokens(cache, setup.compiled))
+            attended.append(_attended_tokens(cache, setup.compiled is not None))
         started = timer.start()
         step()
         if index >= setup.warmup:

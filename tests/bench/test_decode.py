@@ -4,6 +4,7 @@ import matplotlib.image
 import pytest
 import torch
 
+import sparsegen
 from sparsegen.bench import decode
 from sparsegen.bench.fill import fill_random
 from sparsegen.cli import main
@@ -130,6 +131,20 @@ def test_synthetic_and_real_prefill_leave_the_same_state(tiny_model):
     dense = decode.measure(setup, "dense", None, 40, 2)
     assert dense["kv_tokens"] == (42 + 44) / 2  # held + the new token, at the first and the last timed step
     assert dense["peak_kv_bytes"] == (44 + decode.SYNC_STEPS + 1) * kv_bytes_per_token(tiny_model.config, 4) * 2
+
+
+def test_an_eager_setup_times_a_low_bit_model_eagerly(tiny_checkpoint, monkeypatch):
+    """``Setup.compiled`` None is bench's --no-compile: no step compiles, though low-bit weights compile by default
+    (a DecodeStep's own None)."""
+    from sparsegen.engine import step as step_module
+
+    packed = sparsegen.load(str(tiny_checkpoint), weights="int8")[0]
+    assert step_module.compiles_by_default(packed)
+    monkeypatch.setattr(step_module, "_compiled", lambda *a, **k: pytest.fail("a step compiled"))
+    setup = decode.Setup(model=packed, model_name="tiny", random_weights=False, new_tokens=2, warmup=1,
+                         compiled=step_module.compile_mode(packed, False))
+    row = decode.measure(setup, "full", make_policy("full"), 16, 1)
+    assert row["compiled_share"] == 0 and row["compile_seconds"] is None
 
 
 def test_a_measurement_that_cannot_fit_is_skipped_not_run(tiny_model, monkeypatch):
