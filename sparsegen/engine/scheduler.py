@@ -1,17 +1,16 @@
 """The conversation engine behind ``sparsegen chat`` and ``sparsegen serve``.
 
-Each conversation (a ``Session``) owns a bounded ``EvictionCache`` of one sequence that lives across turns: a new
-turn feeds only the text added since the last one (the new user message and the template around it), never the
-history. A ``Job`` is one reply being produced. ``Engine.begin`` starts it from the new text (tokenized by
-``Engine.prepare``, which a server calls in the request's own thread); ``Engine.step`` then advances any number of
-jobs at once: one prefill chunk of one job still encoding its prompt (at most ``prefill_budget`` tokens while others
-decode, so a long prompt never holds up the other replies by more than that, and can be cancelled between chunks;
-``"auto"``: as many as add one decode step's time), and one decode step for every job past its prompt — their caches
-are stacked into one batched cache (rows may hold different tokens at different positions) for as long as the same
-jobs decode together; a row goes back to its session when its reply finishes or leaves. While others decode, the
-chunk goes into their step's forward (``sparsegen.kv.packed``): one pass over the weights for both. A failure in one
-job (its prompt, its sampling) fails that job only; a forward that fails fails the replies in it. One thread drives
-an engine.
+Each conversation (a ``Session``) owns a bounded ``EvictionCache`` of one sequence that lives across turns: a new turn
+feeds only the text added since the last one (the new user message and the template around it), never the history. A
+``Job`` is one reply being produced. ``Engine.begin`` starts it from the new text (tokenized by ``Engine.prepare``,
+which a server calls in the request's own thread); ``Engine.step`` then advances any number of jobs at once: one
+prefill chunk of one job still encoding its prompt (at most ``prefill_budget`` tokens while others decode, or
+``"auto"``: as many as add one decode step's time; a KVzip session's first prompt whole; cancellable between chunks),
+and one decode step for every job past its prompt — their caches are stacked into one batched cache (rows may hold
+different tokens at different positions) for as long as the same jobs decode together; a row goes back to its session
+when its reply finishes or leaves. While others decode, the chunk goes into their step's forward
+(``sparsegen.kv.packed``): one pass over the weights for both. A failure in a job (its prompt, its sampling) fails it
+alone; a forward that fails, the replies in it. One thread drives an engine.
 
 With a ``Speculation`` (``--speculative``), each session also keeps a draft cache under the draft policy, and a reply
 decoding alone advances by speculative rounds (drafted by that cache, verified by the session's full cache: the same
@@ -34,6 +33,7 @@ from sparsegen.detokenize import Detokenizer
 from sparsegen.engine.context import CompressedContext
 from sparsegen.engine.memory import KVMemory, kv_costs
 from sparsegen.engine.prefill import PrefillBudget
+from sparsegen.engine.reconstruct import reads_whole, reconstruct
 from sparsegen.engine.sampling import next_token
 from sparsegen.engine.session import (
     Job,
@@ -88,8 +88,7 @@ class Engine:
         if not isinstance(policy, PolicySpec):
             raise ValueError(f"Engine takes every session's cache settings as a PolicySpec, got {policy!r}")
         self.model, self.tokenizer, self.policy, self.chunk_size = model, tokenizer, policy, chunk_size
-        self.template = template or ChatTemplate(tokenizer)
-        self.device = next(model.parameters()).device
+        self.template, self.device = template or ChatTemplate(tokenizer), next(model.parameters()).device
         self.offset = pinned_tokens(model)  # a prompt prefix sits in every cache before position 0 of the text
         # a prompt's chunk rides in the others' decode step (one forward) unless a prompt prefix is prepended to
         # every new sequence (it would be to the packed call); ``packed_prefill=False``: two forwards, for comparison
@@ -314,7 +313,7 @@ class Engine:
         decoding = [job for job in jobs if not job.feed]
         if prefilling is not None:
             prefilling.served = self._ticks
-            if decoding and self.packs:
+            if decoding and self.packs and not reads_whole(prefilling.session.cache):
                 self._decode(decoding, prefilling if self._budget is None or self._budget.may_pack() else None)
                 return
             tokens = self._prefill_tokens() if decoding else self.chunk_size
@@ -392,12 +391,14 @@ class Engine:
         """Encode the next ``tokens`` of the job's prompt; after the last one, sample its first token. A ``budget``
         learns what a whole chunk of ``tokens`` cost."""
         cache = job.session.cache
-        chunk, job.feed = job.feed[:tokens], job.feed[tokens:]
+        whole = reads_whole(cache)
+        chunk, job.feed = (job.feed, []) if whole else (job.feed[:tokens], job.feed[tokens:])
         start = cache.length - (self.offset if cache.length else 0)
-        positions = torch.arange(start, start + len(chunk), device=self.device)[None]
+        positions, ids = torch.arange(start, start + len(chunk), device=self.device)[None], torch.tensor([chunk])
         started = time.perf_counter()
         with prompt_matmuls():
-            logits = forward(self.model, cache, torch.tensor([chunk], device=self.device), positions, last=True)
+            logits = reconstruct(self.model, cache, ids.to(self.device), positions, None, self.chunk_size) if whole \
+                else forward(self.model, cache, ids.to(self.device), positions, last=True)
         if budget is not None and len(chunk) == tokens:
             budget.encoded(tokens, time.perf_counter() - started)
         self._encoded(job, chunk, logits[0])
@@ -597,4 +598,3 @@ class Engine:
         if self._batch is not None:
             caches.append(self._batch)
         return sum(cache.allocated_bytes() for cache in caches)
-

@@ -323,7 +323,7 @@ def _blockable(layer, key, value) -> bool:
     if isinstance(key, HeldCodes) or isinstance(value, HeldCodes):
         return False
     return layer.attention is None or (layer.attention.dim() == 3
-                                       and layer.policy.attention_statistic in ("sum", "pivotal"))
+                                       and layer.policy.attention_statistic in ("sum", "pivotal", "max"))
 
 
 def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: float):

@@ -441,6 +441,13 @@ class EvictionLayer(CacheLayerMixin):
             kept = self.keep_highest(self.view(seen), keep_count)
         self._compact(kept, keep_count)
 
+    def compress(self, seen: torch.Tensor) -> None:
+        """Keep the budget's highest-priority tokens now, between calls (a context scored by a pass of its own:
+        ``Policy.reconstructs``)."""
+        if self.is_initialized and self.slot_budget is not None:
+            keep_count = self.valid[:, :, :self.used].sum(-1).clamp(max=self.slot_budget)
+            self._compact(self.keep_highest(self.view(seen), keep_count), keep_count)
+
     def keep_highest(self, view: TokenView, keep_count: torch.Tensor) -> torch.Tensor:
         """The ``keep_count`` (``[batch, rows]``) highest-priority valid slots of each row (ties: the newer), pinned
         prefix tokens first of all."""

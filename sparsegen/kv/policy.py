@@ -44,7 +44,7 @@ class Policy:
     name: ClassVar[str]
     needs_attention: ClassVar[bool] = False
     # what ``attention`` holds: "sum" over all queries (H2O), the "latest" query's (TOVA), or how often it was
-    # "pivotal", above the average 1/n (Scissorhands)
+    # "pivotal", above the average 1/n (Scissorhands), or the "max" any query paid (KVzip)
     attention_statistic: ClassVar[str] = "sum"
     needs_keys: ClassVar[bool] = False
     needs_values: ClassVar[bool] = False
@@ -59,6 +59,9 @@ class Policy:
     reads_host: ClassVar[bool] = False
     # a multi-token call's evictions wait until every layer has attended, and ``share`` sees them all first
     across_layers: ClassVar[bool] = False
+    # a prompt's first pass (a context) is scored by the attention the model pays it while it reads the context again
+    # right after it (``sparsegen.engine.reconstruct``, KVzip), and compressed once that pass is done
+    reconstructs: ClassVar[bool] = False
 
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:

@@ -52,7 +52,8 @@ def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real:
     """Fold what queries' attention ``probs`` ``[B, Hkv, group, q, T]`` says about each held token into ``attention``
     ``[B, Hkv, T]`` by the policy's statistic: "sum" adds it (H2O), "latest" keeps the last query's (TOVA),
     "pivotal" counts the query heads that gave the token more than the average 1 / ``visible`` (Scissorhands),
-    "window" adds the attention of the call's last ``policy.window`` queries (SnapKV's observation window).
+    "window" adds the attention of the call's last ``policy.window`` queries (SnapKV's observation window), "max"
+    keeps the most any query head paid (KVzip).
     ``real``: which queries are real tokens (padding adds nothing). Under a history window (``policy.history``)
     ``attention`` is ``[B, Hkv, T, history]`` and query ``index`` (``[B, q]``, its ordinal) writes column
     ``index % history`` over what the query ``history`` before it wrote."""
@@ -67,6 +68,9 @@ def observe(policy, attention: torch.Tensor, probs: torch.Tensor, visible, real:
         probs = (probs > 1 / visible).float()
     if real is not None:
         probs = probs.masked_fill(~real, 0)
+    if statistic == "max":
+        attention.copy_(torch.maximum(attention, probs.amax(dim=(2, 3))))
+        return
     if attention.dim() == 4:
         width = attention.shape[-1]
         columns = F.one_hot(index[:, -width:] % width, width).to(probs.dtype)  # [B, q, history]; the last queries win

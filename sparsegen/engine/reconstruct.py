@@ -1,0 +1,69 @@
+"""Context reconstruction (KVzip's scoring, ``Policy.reconstructs``): a context is encoded in one pass, holding every
+token; then the model reads the context again right after it, a chunk at a time, teacher-forced, and each held
+token's score is the most attention a query head of that second reading pays it; the reading's own tokens are
+forgotten after each chunk, and only then is the context compressed to the budget.
+
+The second reading costs about one more prefill of the context (its linears over the same tokens; each chunk's
+attention over the whole context), and holds the whole context plus one chunk while it runs. It needs no question
+and no tokenizer: the repeated text itself is the cue (the model's copying heads look back at the token that came
+next the first time). KVzip's paper puts an instruction ("Repeat the previous context") before the copy; sparsegen
+leaves it out, which also keeps the pass the same for every model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from sparsegen.engine.step import forward
+from sparsegen.kv.policies.full import Full
+from sparsegen.kv.rollback import forget_last
+from sparsegen.quant.fast import prompt_matmuls
+
+
+def reads_whole(cache) -> bool:
+    """Whether a cache's next prompt is encoded whole, then read again: a fresh cache under a reconstructing policy."""
+    return cache.seen is None and cache.policy.reconstructs
+
+
+def reconstruct(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                chunk_size: int) -> torch.Tensor:
+    """Feed the contexts ``ids`` ``[B, n]`` (left-padded where ``mask`` says) at ``positions`` into a fresh ``cache``
+    under a reconstructing policy, score them by reconstruction and compress them to the budget: the last logits
+    ``[B, vocab]``, as a plain prefill gives. Each row reads its own tokens again, at the positions after its own."""
+    policies = [layer.policy for layer in cache.layers]
+    try:
+        for layer in cache.layers:  # the context in one pass, held whole, SDPA's fast path (nothing scored yet)
+            layer.policy = Full()
+        with prompt_matmuls():
+            logits = forward(model, cache, ids, positions, mask, last=True)
+        for layer, policy in zip(cache.layers, policies):  # scored, none evicted (no budget) until all is read
+            if layer.keys.shape[2] < layer.used + chunk_size:  # room for one chunk of the copy, not twice the context
+                layer._reallocate(layer.used + chunk_size)
+            if policy.reconstructs:
+                unbounded = copy.copy(policy)
+                unbounded.budget = None
+                layer.policy = unbounded
+                layer.attention = torch.zeros(layer.valid.shape, dtype=torch.float32, device=layer.device)
+        # each row's own tokens again, from its first (left-aligned: its chunks are those it would read alone), at
+        # the positions after its own
+        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        again = ids.gather(1, torch.argsort((~real).byte(), dim=1, stable=True))
+        columns = torch.arange(ids.shape[1], device=ids.device)
+        again_real, again_positions = columns < real.sum(-1, keepdim=True), positions[:, -1:] + 1 + columns
+        length = cache.length
+        for start in range(0, ids.shape[1], chunk_size):
+            piece = slice(start, start + chunk_size)
+            held = torch.ones_like(ids[:, :length])  # (the cache masks its own held tokens; the model its new)
+            with prompt_matmuls():
+                forward(model, cache, again[:, piece], again_positions[:, piece],
+                        None if mask is None else torch.cat((held, again_real[:, piece].long()), dim=1), last=True)
+            forget_last(cache, again_real[:, piece].sum(-1))
+            cache.length = length  # (rows that forgot different counts, their pads: the context's own length)
+    finally:
+        for layer, policy in zip(cache.layers, policies):
+            layer.policy = policy
+    for layer in cache.layers:
+        layer.compress(cache.seen)
+    return logits

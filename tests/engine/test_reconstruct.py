@@ -1,0 +1,78 @@
+"""KVzip's reconstruction scoring (``sparsegen.engine.reconstruct``) against a reference written out with the model's
+own eager attention: each chunk of the context read again after the whole context, every query head's attention
+probabilities on the context's tokens, the most any paid kept per KV head."""
+
+import pytest
+import torch
+
+from sparsegen.engine.prefill import prefill
+from sparsegen.kv import EvictionCache, make_policy
+from tests.kv.families import VOCAB, tiny_model
+
+CONTEXT, CHUNK, BUDGET = 40, 16, 12
+
+
+def reference_scores(model, ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """Per layer ``[kv_heads, n]``: the most attention any query head of the copy paid each context token, the copy
+    fed a chunk at a time after the context (each chunk sees the context and its own tokens before it)."""
+    n = ids.shape[1]
+    config = model.config
+    kv_heads = config.num_key_value_heads
+    best = None
+    for start in range(0, n, chunk):
+        piece = ids[:, start:start + chunk]
+        positions = torch.cat((torch.arange(n), n + start + torch.arange(piece.shape[1])))[None]
+        out = model(input_ids=torch.cat((ids, piece), dim=1), position_ids=positions, output_attentions=True)
+        scores = [a[0, :, n:, :n].reshape(kv_heads, -1, piece.shape[1], n).amax(dim=(1, 2)) for a in out.attentions]
+        best = scores if best is None else [torch.maximum(b, s) for b, s in zip(best, scores)]
+    return best
+
+
+def reference_kept(scores: torch.Tensor, budget: int, recent: int) -> list[set[int]]:
+    """Each KV head's kept ordinals: the ``recent`` newest, then the highest scores (ties: the newer)."""
+    n = scores.shape[-1]
+    kept = []
+    for head in scores:
+        protected = set(range(n - recent, n))
+        others = sorted((t for t in range(n) if t not in protected), key=lambda t: (float(head[t]), t))
+        kept.append(protected | set(others[len(others) - (budget - recent):]))
+    return kept
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("recent", [0, 3])
+def test_kvzip_keeps_what_the_reconstruction_attends_to_most(recent):
+    ids = torch.randint(3, VOCAB, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    reference = reference_scores(tiny_model("llama", attn="eager"), ids, CHUNK)
+    model = tiny_model("llama")
+    cache = EvictionCache(model, make_policy("kvzip", BUDGET, recent=recent), chunk_size=CHUNK)
+    prefill(model, cache, ids, torch.ones_like(ids), CHUNK, first_chunk=CONTEXT)
+    assert int(cache.seen) == cache.length == CONTEXT  # the copy forgotten
+    for layer, scores in zip(cache.layers, reference):
+        held = [set(layer.index[0, h, :layer.used][layer.valid[0, h, :layer.used]].tolist())
+                for h in range(scores.shape[0])]
+        assert held == reference_kept(scores, BUDGET, recent)
+        assert layer.used == BUDGET
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_each_row_of_a_padded_batch_is_scored_as_if_alone(family):
+    """Left-padded contexts of two lengths: each row reads its own tokens again and keeps what it keeps alone (Gemma
+    3's sliding-window layers their window); the logits are those of a plain prefill."""
+    model = tiny_model(family)
+    rows = [torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+            for length in (CONTEXT, CONTEXT - 7)]
+    ids = torch.cat((rows[0], torch.cat((torch.zeros(1, 7, dtype=torch.long), rows[1]), dim=1)))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    batch = EvictionCache(model, make_policy("kvzip", BUDGET), chunk_size=CHUNK)
+    logits = prefill(model, batch, ids, mask, CHUNK)
+    dense = prefill(model, EvictionCache(model, make_policy("full")), ids, mask, CHUNK)
+    torch.testing.assert_close(logits, dense, rtol=1e-5, atol=1e-5)
+    for row, row_ids in enumerate(rows):
+        alone = EvictionCache(model, make_policy("kvzip", BUDGET), chunk_size=CHUNK)
+        prefill(model, alone, row_ids, torch.ones_like(row_ids), CHUNK)
+        for ours, theirs in zip(batch.layers, alone.layers):
+            held = [set(ours.index[row, h][ours.valid[row, h]].tolist()) for h in range(ours.index.shape[1])]
+            assert held == [set(theirs.index[0, h][theirs.valid[0, h]].tolist()) for h in range(ours.index.shape[1])]
