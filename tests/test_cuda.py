@@ -11,13 +11,12 @@ import torch
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.policies import POLICIES
 from sparsegen.kv.rows import stack
-from tests.kv.families import VOCAB, tiny_model
+from tests.kv.families import VOCAB, named_policies, tiny_model
 from tests.kv.test_host_syncs import READING, SHARED_SLOTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-SYNC_FREE = sorted(set(POLICIES) - SHARED_SLOTS - READING)
+SYNC_FREE = sorted(set(named_policies()) - SHARED_SLOTS - READING)
 BUDGET, PROMPT, STEPS = 10, 6, 16  # the budget fills at the 5th step: steps before and after
 
 

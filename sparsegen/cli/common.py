@@ -95,6 +95,8 @@ def budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
     p.add_argument("--heavy", type=int, default=None, help="heavy-hitter tokens kept (h2o: half the budget)")
     p.add_argument("--history", type=int, default=None,
                    help="scissorhands: count only the latest this many queries' votes (default: all)")
+    p.add_argument("--scorer", default=None, metavar="FILE.safetensors",
+                   help="kvzap: the learned KV scorer `sparsegen fit-scorer` wrote for this model")
     p.add_argument("--positions", choices=["original", "rolling"], default=None,
                    help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
     p.add_argument("--kv-bits", type=int, choices=[16, 8, 4, 2], default=None,
@@ -183,7 +185,8 @@ def policy_spec(args: argparse.Namespace, name: str | None = None, several: bool
 
     name = name or args.policy
     takes = policy_options(policy_class(name))
-    splits = {k: getattr(args, k, None) for k in ("sinks", "recent", "heavy", "history") if not several or k in takes}
+    splits = {k: getattr(args, k, None) for k in ("sinks", "recent", "heavy", "history", "scorer")
+              if not several or k in takes}
     return PolicySpec.sharing(name, args.budget, positions=getattr(args, "positions", None),
                               kv_bits=kv_quantization(args) if hasattr(args, "kv_bits") else None, **splits)
 

@@ -1,4 +1,4 @@
-"""Commands that run a model over a prompt: info, generate, compare, compress (a context, once), inspect."""
+"""Commands that run a model over a prompt: info, generate, compare, compress (a context, once), fit-scorer, inspect."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from sparsegen.cli.common import (
     budget_arg,
+    calibration_tokens,
     check_draft_model,
     compile_arg,
     load_draft_model,
@@ -89,6 +90,26 @@ def cmd_compress(args: argparse.Namespace) -> None:
         print(f"{path}: {summary['context_tokens']:,} context tokens held as {summary['kv_tokens']:,} per layer under "
               f"{args.policy} ({summary['kv_bytes'] / 2**20:,.2f} MiB of K/V, {seconds:.1f} s); ask it with "
               f"`sparsegen generate --model {args.model} --context {path} --prompt QUESTION`")
+
+
+def cmd_fit_scorer(args: argparse.Namespace) -> None:
+    from sparsegen.engine.scorer import fit_scorer, save_scorer
+
+    if args.held_out < 1 or args.nsamples < 1:
+        raise ValueError("--nsamples and --held-out are at least 1 window each")
+    model, tokenizer = load_model(args)
+    args.nsamples += args.held_out
+    ids, calib = calibration_tokens(args, tokenizer, "train")
+    t0 = time.perf_counter()
+    weights, report = fit_scorer(model, ids[:-args.held_out], ids[-args.held_out:], ridge=args.ridge,
+                                 chunk_size=args.chunk_size)
+    report.update(calibration=str(calib), seconds=round(time.perf_counter() - t0, 1))
+    path = save_scorer(args.out, model, weights, report, name=args.model)
+    print(json.dumps({**report, "file": str(path)}, indent=2) if args.json else
+          f"{path}: fit on {report['windows']} windows of {report['tokens']} tokens in {report['seconds']} s; on "
+          f"{report['held_out']} held-out windows it keeps {report['kept_agreement']:.0%} of what KVzip keeps at 30% "
+          f"(per layer {min(report['kept_agreement_by_layer'].values()):.0%}-"
+          f"{max(report['kept_agreement_by_layer'].values()):.0%}); use it with --policy kvzap --scorer {path}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -199,6 +220,20 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to save the compressed context")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compress)
+
+    p = sub.add_parser("fit-scorer", help="fit kvzap's learned KV scorer: KVzip's reconstruction scores on "
+                                          "calibration text, predicted per layer and KV head from each token's K/V")
+    model_args(p, run=True)
+    p.add_argument("--calib", default=None, help="calibration text file or folder (default ../shared/data/books/train)")
+    p.add_argument("--nsamples", type=int, default=8, help="windows fit on (default 8)")
+    p.add_argument("--held-out", type=int, default=2, help="more windows, to measure the fit on (default 2)")
+    p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--ridge", type=float, default=1e-2, help="ridge penalty, relative to the features' scale")
+    p.add_argument("--chunk-size", type=int, default=512, help="KVzip's reconstruction chunk (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the scorer")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fit_scorer)
 
     p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
     model_args(p, run=True)

@@ -23,29 +23,9 @@ from sparsegen.kv.layer import BUFFERS, ROW_STATE
 from sparsegen.kv.policies import policy_class
 from sparsegen.kv.policy import Policy, policy_options
 from sparsegen.kv.quantized import KVQuantization
-from sparsegen.models.anatomy import pinned_tokens
+from sparsegen.models.anatomy import model_fingerprint, pinned_tokens
 
 FORMAT = "sparsegen.compressed_context/2"  # 2: rolling order-policy keys held turned to their token ordinal
-SAMPLE = 4096  # elements of each weight read into the fingerprint (evenly spaced): enough to tell pruned or
-# quantized weights, or another checkpoint of the same architecture, apart without hashing every byte
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of the model's config and a sample of every weight and buffer: equal for the same checkpoint loaded
-    the same way, different for another architecture, checkpoint, pruning or quantization."""
-    digest = hashlib.sha256()
-    config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
-        config.pop(volatile, None)
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, tensor in sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0]):
-        flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous().cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(sample.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
 def _damaged(path: Path, problem: str) -> ValueError:
     return ValueError(f"{str(path)!r} is a damaged compressed context: {problem}; write it again with `sparsegen "
                       "compress`")

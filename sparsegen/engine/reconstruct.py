@@ -66,4 +66,6 @@ def reconstruct(model: torch.nn.Module, cache, ids: torch.Tensor, positions: tor
             layer.policy = policy
     for layer in cache.layers:
         layer.compress(cache.seen)
+        if layer.slot_budget is not None and layer.keys.shape[2] > layer.slot_budget + cache.chunk_size:
+            layer._reallocate(layer.slot_budget + cache.chunk_size)  # (the room the pass took, given back)
     return logits

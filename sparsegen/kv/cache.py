@@ -66,6 +66,7 @@ class EvictionCache(Cache):
         codes (``sparsegen.kv.quantized``); 16 holds them as float16 numbers (llama.cpp's default cache type); None
         holds them as the model computes them."""
         prepare(model)
+        policy.check_model(model)
         self.quantization = as_quantization(kv_bits)
         self.kv_dtype = torch.float16 if self.quantization is not None and not self.quantization.codes else None
         positions = positions or policy.default_positions

@@ -93,6 +93,9 @@ class Policy:
         budget, and the layer's storage is sized by it)."""
         return self
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse a model this policy cannot run on (a learned scorer fit on another); called as a cache is built."""
+
     def describe(self) -> dict:
         return {"policy": self.name, "budget": self.budget}
 

@@ -3,6 +3,10 @@ layout and the attention's head layout. Every kind of sparsity finds the parts i
 
 from __future__ import annotations
 
+import hashlib
+import json
+
+import torch
 from torch import nn
 
 from sparsegen.models.families import FAMILIES, family
@@ -60,3 +64,23 @@ def pinned_tokens(model: nn.Module) -> int:
     """Positions a prompt prefix takes before every sequence (0 without one): caches never evict them, and the
     text's positions start after them."""
     return getattr(model.get_decoder(), PINNED, 0)
+
+
+SAMPLE = 4096  # elements of each weight read into the fingerprint (evenly spaced): enough to tell pruned or
+# quantized weights, or another checkpoint of the same architecture, apart without hashing every byte
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of the model's config and a sample of every weight and buffer: equal for the same checkpoint loaded
+    the same way, different for another architecture, checkpoint, pruning or quantization."""
+    digest = hashlib.sha256()
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(volatile, None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0]):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]

@@ -14,12 +14,11 @@ from sparsegen.engine import graph_calls
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.step import DecodeStep, _step
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.policies import POLICIES
 from sparsegen.kv.quantized import KVQuantization
-from tests.kv.families import VOCAB, tiny_model
+from tests.kv.families import VOCAB, named_policies, tiny_model
 
 BUDGET, PROMPT, STEPS = 10, 6, 8  # the budget fills at the 4th step: steps before and after
-FIXED = sorted(name for name, cls in POLICIES.items() if not cls.shares_slots and not cls.reads_host)
+FIXED = sorted(name for name, cls in named_policies().items() if not cls.shares_slots and not cls.reads_host)
 
 
 def _prefilled(name: str, family: str = "llama", budget: int | None = BUDGET, prompt: int = PROMPT,

@@ -9,7 +9,8 @@ import torch
 import sparsegen
 from sparsegen.engine.prefill import prefill
 from sparsegen.eval.inspect import answer_tokens, inspect, page, write_html
-from sparsegen.kv import POLICIES, EvictionCache, make_policy
+from sparsegen.kv import EvictionCache, make_policy
+from tests.kv.families import named_policies
 
 TEXT = ("The old house stood by the river. The pass key is 4417. Remember it. " + "The grass is green. " * 30)
 QUESTION = " What is the pass key? The pass key is"
@@ -23,7 +24,7 @@ def reference():
 @pytest.fixture(scope="module")
 def inspected(reference):
     model, tokenizer = reference
-    return inspect(model, tokenizer, TEXT, list(POLICIES), budget=48, question=QUESTION, answer="4417",
+    return inspect(model, tokenizer, TEXT, list(named_policies()), budget=48, question=QUESTION, answer="4417",
                    max_new_tokens=4)
 
 

@@ -52,3 +52,17 @@ def tiny_model(family: str, attn: str = "sdpa", dtype=torch.float32, seed: int =
     torch.manual_seed(seed)
     model = cls._from_config(config(), attn_implementation=attn, dtype=dtype)
     return model.eval()
+
+
+def _builds_from_a_name(cls) -> bool:
+    from sparsegen.kv.policy import policy_options
+
+    return "scorer" not in policy_options(cls)
+
+
+def named_policies() -> dict:
+    """Every registered policy a name and a budget build alone: all but those that need a fitted file (kvzap's
+    scorer, tested with one fitted in ``tests/kv/test_kvzap.py``)."""
+    from sparsegen.kv import POLICIES
+
+    return {name: cls for name, cls in POLICIES.items() if _builds_from_a_name(cls)}

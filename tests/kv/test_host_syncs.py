@@ -7,15 +7,14 @@ import torch
 
 from sparsegen.bench.syncs import HostSyncs
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.policies import POLICIES
 from sparsegen.kv.rows import stack
 from sparsegen.models.compat import cache_kwargs
-from tests.kv.families import VOCAB, tiny_model
+from tests.kv.families import VOCAB, named_policies, tiny_model
 
 # heads share a row of slots and hold different counts: their step still reads counts (Ada-KV)
-SHARED_SLOTS = {name for name, cls in POLICIES.items() if cls.shares_slots}
+SHARED_SLOTS = {name for name, cls in named_policies().items() if cls.shares_slots}
 # LagKV scores a partition once it is complete: whether one is due, and how many, is read
-READING = {name for name, cls in POLICIES.items() if cls.reads_host}
+READING = {name for name, cls in named_policies().items() if cls.reads_host}
 
 
 def _decode_syncs(family: str, name: str, kv_bits=None) -> list[int]:
@@ -34,7 +33,7 @@ def _decode_syncs(family: str, name: str, kv_bits=None) -> list[int]:
 
 
 @pytest.mark.parametrize("kv_bits", [None, 4])
-@pytest.mark.parametrize("name", sorted(set(POLICIES) - SHARED_SLOTS - READING))
+@pytest.mark.parametrize("name", sorted(set(named_policies()) - SHARED_SLOTS - READING))
 def test_every_policy_decodes_without_host_reads(name, kv_bits):
     """With 4-bit K/V too: the slots whose token is still in the full-precision residual are found and read in
     shapes that do not depend on the data."""

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from sparsegen.kv import POLICIES
 from sparsegen.serve.schemas import Limits
+from tests.kv.families import named_policies
 from tests.serve.test_server import Running, reference  # noqa: F401  (the fixture)
 from tests.serve.test_server_chaos import _settle
 
@@ -97,14 +97,14 @@ def test_every_policy_at_budgets_1_to_4_inspects_and_generates_or_names_the_fix(
     from sparsegen.eval.inspect import inspect
 
     model, tokenizer = reference
-    for name in POLICIES:
+    for name in named_policies():
         for budget in (1, 2, 3, 4):
             for protocol in ("stream", "context"):
                 try:
                     result = inspect(model, tokenizer, TEXT * 2, [name], budget, question=" Who barked?",
                                      protocol=protocol, chunk_size=16, max_new_tokens=2)
                     held = result["policies"][name]["kv_tokens"]
-                    assert name == "full" or held <= budget * (2 if POLICIES[name].shares_slots else 1) + 16
+                    assert name == "full" or held <= budget * (2 if named_policies()[name].shares_slots else 1) + 16
                 except ValueError as err:  # a budget the policy cannot take: said so, with the fix
                     assert "raise the budget" in str(err), (name, budget, err)
             try:

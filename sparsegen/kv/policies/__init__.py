@@ -10,6 +10,7 @@ from sparsegen.kv.policies import (  # noqa: F401  # noqa: F401  # noqa: F401
     h2o,
     keydiff,
     knorm,
+    kvzap,
     kvzip,
     lagkv,
     pyramid,

@@ -1,0 +1,84 @@
+"""kvzap: a scorer fit to KVzip's reconstruction scores, then a policy that keeps tokens by its prediction."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from sparsegen.cli import main
+from sparsegen.engine.prefill import prefill
+from sparsegen.engine.scorer import KEEP, fit_scorer, save_scorer
+from sparsegen.kv import EvictionCache, make_policy
+from sparsegen.kv.policies.kvzap import token_features
+from sparsegen.models.compat import cache_kwargs
+from tests.kv.families import VOCAB, tiny_model
+
+BUDGET, CHUNK = 12, 16
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    model = tiny_model("llama")
+    windows = torch.randint(3, VOCAB, (5, 48), generator=torch.Generator().manual_seed(0))
+    weights, report = fit_scorer(model, windows[:4], windows[4:], chunk_size=CHUNK, progress=False)
+    path = save_scorer(tmp_path_factory.mktemp("scorer") / "tiny.safetensors", model, weights, report, "tiny")
+    return model, str(path), weights, report
+
+
+def test_the_fit_reports_how_much_of_kvzips_choice_it_keeps(fitted):
+    _, _, weights, report = fitted
+    assert weights.shape == (2, 2, 8 // 2 + 8 + 1)  # [layers, KV heads, rotary pairs + value + 1] (head_dim 8)
+    assert set(report["kept_agreement_by_layer"]) == {0, 1}
+    assert KEEP < report["kept_agreement"] <= 1  # (better than keeping a random 30%)
+
+
+@torch.inference_mode()
+def test_at_full_budget_it_gives_the_dense_caches_logits(fitted):
+    model, path, _, _ = fitted
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    dense = model(input_ids=ids, **cache_kwargs(DynamicCache())).logits[:, -1]
+    cache = EvictionCache(model, make_policy("kvzap", 64, scorer=path))
+    torch.testing.assert_close(prefill(model, cache, ids, torch.ones_like(ids), CHUNK), dense, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_first_layer_keeps_the_highest_predicted_scores(fitted):
+    """Layer 0's K/V do not depend on what was evicted: its kept set, chunk after chunk, is the reference's (the
+    ``recent`` newest, then the highest ``features @ weights``; ties the newer) over the dense cache's K/V."""
+    model, path, weights, _ = fitted
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    dense = DynamicCache()
+    model(input_ids=ids, **cache_kwargs(dense))
+    scores = torch.einsum("htf,hf->ht", token_features(dense.layers[0].keys, dense.layers[0].values)[0], weights[0])
+    policy = make_policy("kvzap", BUDGET, scorer=path)
+    cache = EvictionCache(model, policy, chunk_size=CHUNK)
+    prefill(model, cache, ids, torch.ones_like(ids), CHUNK)
+    held = [set() for _ in range(scores.shape[0])]
+    for end in range(CHUNK, 40 + CHUNK, CHUNK):
+        end = min(end, 40)
+        for h, kept in enumerate(held):
+            candidates = kept | set(range(end - CHUNK if end % CHUNK == 0 else end - end % CHUNK, end))
+            recent = {t for t in candidates if t >= end - policy.recent}
+            others = sorted(candidates - recent, key=lambda t: (float(scores[h, t]), t))
+            held[h] = recent | set(others[len(others) - (BUDGET - len(recent)):]) if len(candidates) > BUDGET \
+                else candidates
+    layer = cache.layers[0]
+    assert [set(layer.index[0, h, :layer.used].tolist()) for h in range(len(held))] == held
+
+
+def test_a_scorer_fit_on_another_model_is_refused(fitted):
+    _, path, _, _ = fitted
+    with pytest.raises(ValueError, match="fit on another model"):
+        EvictionCache(tiny_model("llama", seed=1), make_policy("kvzap", BUDGET, scorer=path))
+    with pytest.raises(ValueError, match="fitted scorer"):
+        make_policy("kvzap", BUDGET)
+    with pytest.raises(FileNotFoundError, match="fit-scorer"):
+        make_policy("kvzap", BUDGET, scorer="missing.safetensors")
+
+
+def test_fit_scorer_then_generate_with_it(tmp_path, capsys):
+    out = tmp_path / "s.safetensors"
+    assert main(["fit-scorer", "--model", "reference", "--nsamples", "2", "--held-out", "1", "--seqlen", "96",
+                 "--chunk-size", "32", "--out", str(out)]) == 0
+    assert "of what KVzip keeps" in capsys.readouterr().out
+    assert main(["generate", "--model", "reference", "--prompt", "Once upon a time, in a quiet village by the sea,",
+                 "--policy", "kvzap", "--scorer", str(out), "--budget", "8", "--max-new-tokens", "4"]) == 0
