@@ -18,8 +18,18 @@ import torch
 
 from sparsegen.engine.step import forward
 from sparsegen.kv.policies.full import Full
+from sparsegen.kv.policy import Policy
 from sparsegen.kv.rollback import forget_last
 from sparsegen.quant.fast import prompt_matmuls
+
+
+def _unbounded(policy: Policy, scores: bool) -> Policy:
+    """``policy`` evicting nothing (no budget), observing attention only if it ``scores``: its layers keep the
+    storage it gave them (heads sharing slots)."""
+    own = copy.copy(policy)
+    own.budget = None
+    own.needs_attention = own.needs_attention and scores
+    return own
 
 
 def reads_whole(cache) -> bool:
@@ -34,17 +44,16 @@ def reconstruct(model: torch.nn.Module, cache, ids: torch.Tensor, positions: tor
     ``[B, vocab]``, as a plain prefill gives. Each row reads its own tokens again, at the positions after its own."""
     policies = [layer.policy for layer in cache.layers]
     try:
-        for layer in cache.layers:  # the context in one pass, held whole, SDPA's fast path (nothing scored yet)
-            layer.policy = Full()
+        for layer, policy in zip(cache.layers, policies):  # the context in one pass, held whole, nothing scored yet
+            layer.policy = _unbounded(policy, scores=False) if policy.reconstructs else Full()
         with prompt_matmuls():
             logits = forward(model, cache, ids, positions, mask, last=True)
         for layer, policy in zip(cache.layers, policies):  # scored, none evicted (no budget) until all is read
-            if layer.keys.shape[2] < layer.used + chunk_size:  # room for one chunk of the copy, not twice the context
-                layer._reallocate(layer.used + chunk_size)
+            room = layer.used + chunk_size * layer.fan  # one chunk of the copy, not twice the context
+            if layer.keys.shape[2] < room:
+                layer._reallocate(room)
             if policy.reconstructs:
-                unbounded = copy.copy(policy)
-                unbounded.budget = None
-                layer.policy = unbounded
+                layer.policy = _unbounded(policy, scores=True)
                 layer.attention = torch.zeros(layer.valid.shape, dtype=torch.float32, device=layer.device)
         # each row's own tokens again, from its first (left-aligned: its chunks are those it would read alone), at
         # the positions after its own
@@ -66,6 +75,7 @@ def reconstruct(model: torch.nn.Module, cache, ids: torch.Tensor, positions: tor
             layer.policy = policy
     for layer in cache.layers:
         layer.compress(cache.seen)
-        if layer.slot_budget is not None and layer.keys.shape[2] > layer.slot_budget + cache.chunk_size:
-            layer._reallocate(layer.slot_budget + cache.chunk_size)  # (the room the pass took, given back)
+        room = None if layer.slot_budget is None else layer.slot_budget + cache.chunk_size * layer.fan
+        if room is not None and layer.keys.shape[2] > room:
+            layer._reallocate(room)  # (the room the pass took, given back)
     return logits

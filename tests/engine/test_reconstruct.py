@@ -76,3 +76,25 @@ def test_each_row_of_a_padded_batch_is_scored_as_if_alone(family):
         for ours, theirs in zip(batch.layers, alone.layers):
             held = [set(ours.index[row, h][ours.valid[row, h]].tolist()) for h in range(ours.index.shape[1])]
             assert held == [set(theirs.index[0, h][theirs.valid[0, h]].tolist()) for h in range(ours.index.shape[1])]
+
+
+@torch.inference_mode()
+def test_kvzip_heads_gives_a_layers_pool_to_its_highest_scores_in_any_head():
+    """The head-budget variant: a layer's ``budget × heads`` slots go to its highest reconstruction scores, whichever
+    head they are in, each head's ``recent`` newest kept."""
+    ids = torch.randint(3, VOCAB, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    reference = reference_scores(tiny_model("llama", attn="eager"), ids, CHUNK)
+    model = tiny_model("llama")
+    policy = make_policy("kvzip-heads", BUDGET)
+    cache = EvictionCache(model, policy, chunk_size=CHUNK)
+    prefill(model, cache, ids, torch.ones_like(ids), CHUNK, first_chunk=CONTEXT)
+    for layer, scores in zip(cache.layers, reference):
+        heads = scores.shape[0]
+        recent = {(h, t) for h in range(heads) for t in range(CONTEXT - policy.recent, CONTEXT)}
+        others = sorted(((h, t) for h in range(heads) for t in range(CONTEXT) if (h, t) not in recent),
+                        key=lambda pair: (float(scores[pair]), pair[1]))
+        expected = recent | set(others[len(others) - (BUDGET * heads - len(recent)):])
+        valid = layer.valid[0, 0, :layer.used]
+        held = set(zip(layer.head[0, 0, :layer.used][valid].tolist(), layer.index[0, 0, :layer.used][valid].tolist()))
+        assert held == expected
+        assert {h for h, _ in held} == set(range(heads)) and len(held) == BUDGET * heads

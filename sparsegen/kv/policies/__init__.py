@@ -12,6 +12,7 @@ from sparsegen.kv.policies import (  # noqa: F401  # noqa: F401  # noqa: F401
     knorm,
     kvzap,
     kvzip,
+    kvzip_heads,
     lagkv,
     pyramid,
     pyramid_snapkv,
