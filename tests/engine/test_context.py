@@ -15,7 +15,8 @@ from tests.kv.families import VOCAB, tiny_model
 CONTEXT = " ".join(["it was the best of times, it was the worst of times, it was the age of wisdom"] * 4)
 QUESTIONS = [" it was the season of", " the age of"]
 POLICIES = [("full", None, None), ("streaming", 16, None), ("h2o", 0.3, None), ("snapkv", 0.25, None),
-            ("h2o", 0.3, 4), ("adakv", 0.3, None), ("pyramid", 24, None)]
+            ("h2o", 0.3, 4), ("adakv", 0.3, None), ("pyramid", 24, None), ("kvzip", 0.3, None), ("kvzip", 0.3, 4),
+            ("kvzip-heads", 0.3, None)]
 
 
 @pytest.fixture(scope="module")
