@@ -18,6 +18,7 @@ import copy
 import torch
 
 from sparsegen.engine.step import forward
+from sparsegen.kv.cache import EvictionCache
 from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.rollback import forget_last
@@ -34,8 +35,9 @@ def _unbounded(policy: Policy, scores: bool) -> Policy:
 
 
 def reads_whole(cache) -> bool:
-    """Whether a cache's next prompt is encoded whole, then read again: a fresh cache under a reconstructing policy."""
-    return cache.seen is None and cache.policy.reconstructs
+    """Whether a cache's next prompt is encoded whole, then read again: a fresh ``EvictionCache`` under a
+    reconstructing policy (a transformers cache, the bench's dense rows, never)."""
+    return isinstance(cache, EvictionCache) and cache.seen is None and cache.policy.reconstructs
 
 
 def reconstruct(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,

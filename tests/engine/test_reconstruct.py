@@ -98,3 +98,20 @@ def test_kvzip_heads_gives_a_layers_pool_to_its_highest_scores_in_any_head():
         held = set(zip(layer.head[0, 0, :layer.used][valid].tolist(), layer.index[0, 0, :layer.used][valid].tolist()))
         assert held == expected
         assert {h for h, _ in held} == set(range(heads)) and len(held) == BUDGET * heads
+
+
+@torch.inference_mode()
+def test_only_a_fresh_eviction_cache_under_kvzip_is_read_again():
+    """A transformers cache (bench's dense rows) prefills as ever; a cache that already holds tokens is not re-read."""
+    from transformers import DynamicCache
+
+    from sparsegen.engine.reconstruct import reads_whole
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
+    assert not reads_whole(DynamicCache()) and not reads_whole(EvictionCache(model, make_policy("h2o", 8)))
+    prefill(model, DynamicCache(), ids, torch.ones_like(ids), CHUNK)
+    cache = EvictionCache(model, make_policy("kvzip", BUDGET), chunk_size=CHUNK)
+    assert reads_whole(cache)
+    prefill(model, cache, ids, torch.ones_like(ids), CHUNK)
+    assert not reads_whole(cache)
