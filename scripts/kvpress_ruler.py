@@ -35,7 +35,8 @@ from sparsegen.kv.policies import policy_class, policy_options
 
 PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress", "tova": "TOVAPress",
            "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress",
-           "pyramid-snapkv": "PyramidKVPress", "kvzip": "KVzipPress"}  # (sparsegen's `pyramid` scores by H2O's sums: no kvpress press does)
+           "pyramid-snapkv": "PyramidKVPress", "kvzip": "KVzipPress"}
+# (sparsegen's `pyramid` scores by H2O's sums: no kvpress press does)
 ADAPTIVE = {"ada-snapkv": "SnapKVPress"}  # kvpress's AdaKVPress over this scorer press
 # kvpress's presses that sparsegen has no policy for, run as reference rows (the sparsegen libraries skip them)
 REFERENCE = {"expected-attention": "ExpectedAttentionPress"}

@@ -4,11 +4,11 @@ token's score is the most attention a query head of that second reading pays it;
 forgotten after each chunk, and only then is the context compressed to the budget.
 
 The second reading runs the linears over the context's tokens again and each of its queries attends to the whole
-context (twice a causal prefill's average), in fp32 grouped matmuls, since the scores need the probabilities; it
-holds the whole context plus one chunk while it runs. It needs no question
-and no tokenizer: the repeated text itself is the cue (the model's copying heads look back at the token that came
-next the first time). KVzip's paper puts an instruction ("Repeat the previous context") before the copy; sparsegen
-leaves it out, which also keeps the pass the same for every model.
+context (twice a causal prefill's average), in fp32 grouped matmuls, since the scores need the probabilities; it holds
+the whole context plus one chunk while it runs. It needs no question and no tokenizer: the repeated text itself is the
+cue (the model's copying heads look back at the token that came next the first time). KVzip's paper puts an
+instruction ("Repeat the previous context") before the copy; sparsegen leaves it out, which also keeps the pass the
+same for every model.
 """
 
 from __future__ import annotations
