@@ -8,9 +8,8 @@ import torch
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
-from sparsegen.kv.policies import POLICIES
 from sparsegen.models.compat import cache_kwargs
-from tests.kv.families import VOCAB, tiny_model
+from tests.kv.families import VOCAB, named_policies, tiny_model
 from tests.kv.test_host_syncs import READING, SHARED_SLOTS
 
 STILL_READING = SHARED_SLOTS | READING
@@ -58,7 +57,7 @@ def _breaks(name: str, kv_bits=None, family: str = "llama") -> int:
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("kv_bits", [None, 4])
-@pytest.mark.parametrize("name", sorted(set(POLICIES) - STILL_READING))
+@pytest.mark.parametrize("name", sorted(set(named_policies()) - STILL_READING))
 def test_every_sync_free_policy_compiles_as_one_graph(name, kv_bits):
     torch._dynamo.reset()
     assert _breaks(name, kv_bits) == 0
