@@ -1,12 +1,12 @@
 import copy
 import json
-import math
 import weakref
 from pathlib import Path
 
 import torch
 
-from sparsegen.kv.policy import Policy, TokenView, register_policy
+from sparsegen.kv.policies.kvzip import KVzip
+from sparsegen.kv.policy import TokenView, register_policy
 
 FORMAT = "sparsegen.kv_scorer/1"
 
@@ -38,27 +38,26 @@ def load_scorer(path: str | Path) -> tuple[torch.Tensor, dict]:
 
 
 @register_policy
-class KVzap(Policy):
+class KVzap(KVzip):
     """A learned stand-in for KVzip's scores (in the spirit of KVzap, Jegou et al., 2025): per layer and KV head, a
     linear model of what each held token carries (``token_features``) predicts the log of the score KVzip's
     reconstruction would give it, fit on calibration text by ``sparsegen fit-scorer``. No second pass over the
     context: the prefill and every decode step score held tokens from their keys and values alone. The ``recent``
-    newest tokens are kept."""
+    newest tokens and the ``sinks`` are kept as KVzip keeps them."""
 
     name = "kvzap"
+    needs_attention = False
+    attention_statistic = "sum"
+    reconstructs = False
     needs_keys = True
     needs_values = True
 
     def __init__(self, budget: int | None, scorer: str | None = None, recent: int | None = None, sinks: int = 0):
-        super().__init__(budget)
+        super().__init__(budget, recent=recent, sinks=sinks)
         if scorer is None:
             raise ValueError("kvzap scores with a fitted scorer: give scorer=PATH (--scorer PATH), a file "
                              "`sparsegen fit-scorer` wrote")
-        recent = min(64, budget // 8) if recent is None and budget is not None else recent or 0
-        if budget is not None and not 0 <= sinks + recent < budget:
-            raise ValueError(f"{self.name}: sinks + recent ({sinks} + {recent}) must be at least 0 and under the "
-                             f"budget ({budget})")
-        self.scorer, self.recent, self.sinks = str(scorer), recent, sinks
+        self.scorer = str(scorer)
         self.weights, self.meta = load_scorer(scorer)
         self.layer: torch.Tensor | None = None  # [kv_heads, features]: this layer's (``for_layer``)
         self._checked: weakref.WeakSet = weakref.WeakSet()
@@ -81,8 +80,7 @@ class KVzap(Policy):
 
     def priority(self, view: TokenView) -> torch.Tensor:
         weights = self.layer.to(view.keys.device)
-        scores = torch.einsum("bhtf,hf->bht", token_features(view.keys, view.values), weights)
-        return scores.masked_fill(view.is_recent(self.recent) | view.is_sink(self.sinks), math.inf)
+        return self.protected(view, torch.einsum("bhtf,hf->bht", token_features(view.keys, view.values), weights))
 
     def describe(self):
-        return {**super().describe(), "scorer": self.scorer, "recent": self.recent, "sinks": self.sinks}
+        return {**super().describe(), "scorer": self.scorer}

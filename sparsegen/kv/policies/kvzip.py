@@ -27,7 +27,11 @@ class KVzip(Policy):
         self.recent, self.sinks = recent, sinks
 
     def priority(self, view: TokenView) -> torch.Tensor:
-        return view.attention.masked_fill(view.is_recent(self.recent) | view.is_sink(self.sinks), math.inf)
+        return self.protected(view, view.attention)
+
+    def protected(self, view: TokenView, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` with the ``recent`` newest tokens and the ``sinks`` kept whatever they score."""
+        return scores.masked_fill(view.is_recent(self.recent) | view.is_sink(self.sinks), math.inf)
 
     def describe(self):
         return {**super().describe(), "recent": self.recent, "sinks": self.sinks}
