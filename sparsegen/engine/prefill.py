@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from sparsegen.engine.reconstruct import reads_whole, reconstruct
+from sparsegen.engine.reconstruct import compress_whole, reads_whole
 from sparsegen.engine.step import forward
 from sparsegen.quant.fast import prompt_matmuls
 
@@ -20,21 +20,21 @@ def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor
     logits ``[B, vocab]``. ``first_chunk``: the first chunk's length instead (kvpress's protocol: a whole context in
     one pass, compressed once, then the question in chunks). ``start``: the first token's position (a cache that
     already holds a context). ``after_chunk``: called after each chunk (it may raise to stop a long prefill). Under a
-    policy that ``reconstructs`` (KVzip), a fresh cache's first chunk (the whole prompt without ``first_chunk``) is
-    scored by reading it again (``sparsegen.engine.reconstruct``) before it is compressed."""
+    policy that ``compresses_whole`` (KVzip, Expected Attention), a fresh cache's first chunk (the whole prompt
+    without ``first_chunk``) is held whole and compressed at its end (``sparsegen.engine.reconstruct``)."""
     length = ids.shape[1]
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0) + start
     padded = not bool(mask.all())
     show = progress if progress is not None else length > 8 * chunk_size
-    reconstructs = reads_whole(cache)  # (KVzip: a fresh cache's first pass, scored by reading it again)
-    if reconstructs:
+    whole = reads_whole(cache)  # (a fresh cache's first pass, compressed as a whole)
+    if whole:
         first_chunk = first_chunk or length
     starts = [0] + list(range(first_chunk, length, chunk_size)) if first_chunk else range(0, length, chunk_size)
     ends = list(starts[1:]) + [length]
     for start, end in tqdm(list(zip(starts, ends)), desc="prefill", unit="chunk", disable=not show, leave=False):
-        if reconstructs and start == 0:
-            logits = reconstruct(model, cache, ids[:, :end], position_ids[:, :end], mask[:, :end] if padded else None,
-                                 chunk_size)
+        if whole and start == 0:
+            logits = compress_whole(model, cache, ids[:, :end], position_ids[:, :end],
+                                    mask[:, :end] if padded else None, chunk_size)
         else:
             with prompt_matmuls():  # (a packed model's chunk by its dequantized weights)
                 logits = forward(model, cache, ids[:, start:end], position_ids[:, start:end],

@@ -1,7 +1,9 @@
-"""Context reconstruction (KVzip's scoring, ``Policy.reconstructs``): a context is encoded in one pass, holding every
-token; then the model reads the context again right after it, a chunk at a time, teacher-forced, and each held
-token's score is the most attention a query head of that second reading pays it; the reading's own tokens are
-forgotten after each chunk, and only then is the context compressed to the budget.
+"""A context compressed as a whole (``Policy.compresses_whole``): encoded in one pass, holding every token, and only
+then compressed to the budget, by scores that saw all of it (kvpress's protocol).
+
+Context reconstruction (KVzip's scoring, ``Policy.reconstructs``) comes between: the model reads the context again
+right after it, a chunk at a time, teacher-forced, and each held token's score is the most attention a query head of
+that second reading pays it; the reading's own tokens are forgotten after each chunk.
 
 The second reading runs the linears over the context's tokens again and each of its queries attends to the whole
 context (twice a causal prefill's average), in fp32 grouped matmuls, since the scores need the probabilities; it holds
@@ -35,44 +37,24 @@ def _unbounded(policy: Policy, scores: bool) -> Policy:
 
 
 def reads_whole(cache) -> bool:
-    """Whether a cache's next prompt is encoded whole, then read again: a fresh ``EvictionCache`` under a
-    reconstructing policy (a transformers cache, the bench's dense rows, never)."""
-    return isinstance(cache, EvictionCache) and cache.seen is None and cache.policy.reconstructs
+    """Whether a cache's next prompt is encoded whole, then compressed: a fresh ``EvictionCache`` under a policy that
+    ``compresses_whole`` (a transformers cache, the bench's dense rows, never)."""
+    return isinstance(cache, EvictionCache) and cache.seen is None and cache.policy.compresses_whole
 
 
-def reconstruct(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                chunk_size: int) -> torch.Tensor:
+def compress_whole(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor,
+                   mask: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
     """Feed the contexts ``ids`` ``[B, n]`` (left-padded where ``mask`` says) at ``positions`` into a fresh ``cache``
-    under a reconstructing policy, score them by reconstruction and compress them to the budget: the last logits
-    ``[B, vocab]``, as a plain prefill gives. Each row reads its own tokens again, at the positions after its own."""
+    under a policy that ``compresses_whole``, score them (by reconstruction, where it ``reconstructs``) and compress
+    them to the budget: the last logits ``[B, vocab]``, as a plain prefill gives."""
     policies = [layer.policy for layer in cache.layers]
     try:
-        for layer, policy in zip(cache.layers, policies):  # the context in one pass, held whole, nothing scored yet
-            layer.policy = _unbounded(policy, scores=False) if policy.reconstructs else Full()
+        for layer, policy in zip(cache.layers, policies):  # the context in one pass, held whole
+            layer.policy = _unbounded(policy, scores=not policy.reconstructs) if policy.compresses_whole else Full()
         with prompt_matmuls():
             logits = forward(model, cache, ids, positions, mask, last=True)
-        for layer, policy in zip(cache.layers, policies):  # scored, none evicted (no budget) until all is read
-            room = layer.used + chunk_size * layer.fan  # one chunk of the copy, not twice the context
-            if layer.keys.shape[2] < room:
-                layer._reallocate(room)
-            if policy.reconstructs:
-                layer.policy = _unbounded(policy, scores=True)
-                layer.attention = torch.zeros(layer.valid.shape, dtype=torch.float32, device=layer.device)
-        # each row's own tokens again, from its first (left-aligned: its chunks are those it would read alone), at
-        # the positions after its own
-        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-        again = ids.gather(1, torch.argsort((~real).byte(), dim=1, stable=True))
-        columns = torch.arange(ids.shape[1], device=ids.device)
-        again_real, again_positions = columns < real.sum(-1, keepdim=True), positions[:, -1:] + 1 + columns
-        length = cache.length
-        for start in range(0, ids.shape[1], chunk_size):
-            piece = slice(start, start + chunk_size)
-            held = torch.ones_like(ids[:, :length])  # (the cache masks its own held tokens; the model its new)
-            with prompt_matmuls():
-                forward(model, cache, again[:, piece], again_positions[:, piece],
-                        None if mask is None else torch.cat((held, again_real[:, piece].long()), dim=1), last=True)
-            forget_last(cache, again_real[:, piece].sum(-1))
-            cache.length = length  # (rows that forgot different counts, their pads: the context's own length)
+        if any(policy.reconstructs for policy in policies):
+            _read_again(model, cache, ids, positions, mask, chunk_size, policies)
     finally:
         for layer, policy in zip(cache.layers, policies):
             layer.policy = policy
@@ -82,3 +64,31 @@ def reconstruct(model: torch.nn.Module, cache, ids: torch.Tensor, positions: tor
         if room is not None and layer.keys.shape[2] > room:
             layer._reallocate(room)  # (the room the pass took, given back)
     return logits
+
+
+def _read_again(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                chunk_size: int, policies: list[Policy]) -> None:
+    """KVzip's scores: the contexts held whole are read again, each row its own tokens at the positions after its own,
+    and every held token keeps the most attention a query head of that reading pays it; the reading is forgotten."""
+    for layer, policy in zip(cache.layers, policies):  # scored, none evicted (no budget) until all is read
+        room = layer.used + chunk_size * layer.fan  # one chunk of the copy, not twice the context
+        if layer.keys.shape[2] < room:
+            layer._reallocate(room)
+        if policy.reconstructs:
+            layer.policy = _unbounded(policy, scores=True)
+            layer.attention = torch.zeros(layer.valid.shape, dtype=torch.float32, device=layer.device)
+    # each row's own tokens again, from its first (left-aligned: its chunks are those it would read alone), at the
+    # positions after its own
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    again = ids.gather(1, torch.argsort((~real).byte(), dim=1, stable=True))
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    again_real, again_positions = columns < real.sum(-1, keepdim=True), positions[:, -1:] + 1 + columns
+    length = cache.length
+    for start in range(0, ids.shape[1], chunk_size):
+        piece = slice(start, start + chunk_size)
+        held = torch.ones_like(ids[:, :length])  # (the cache masks its own held tokens; the model its new)
+        with prompt_matmuls():
+            forward(model, cache, again[:, piece], again_positions[:, piece],
+                    None if mask is None else torch.cat((held, again_real[:, piece].long()), dim=1), last=True)
+        forget_last(cache, again_real[:, piece].sum(-1))
+        cache.length = length  # (rows that forgot different counts, their pads: the context's own length)

@@ -33,7 +33,7 @@ from sparsegen.detokenize import Detokenizer
 from sparsegen.engine.context import CompressedContext
 from sparsegen.engine.memory import KVMemory, kv_costs
 from sparsegen.engine.prefill import PrefillBudget
-from sparsegen.engine.reconstruct import reads_whole, reconstruct
+from sparsegen.engine.reconstruct import compress_whole, reads_whole
 from sparsegen.engine.sampling import next_token
 from sparsegen.engine.session import (
     Job,
@@ -397,7 +397,7 @@ class Engine:
         positions, ids = torch.arange(start, start + len(chunk), device=self.device)[None], torch.tensor([chunk])
         started = time.perf_counter()
         with prompt_matmuls():
-            logits = reconstruct(self.model, cache, ids.to(self.device), positions, None, self.chunk_size) if whole \
+            logits = compress_whole(self.model, cache, ids.to(self.device), positions, None, self.chunk_size) if whole \
                 else forward(self.model, cache, ids.to(self.device), positions, last=True)
         if budget is not None and len(chunk) == tokens:
             budget.encoded(tokens, time.perf_counter() - started)

@@ -49,6 +49,8 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
         return shared_attention(cache, layer, query, key, value, scaling, sliding_window)
     if cache.stepwise and query.shape[2] > 1 and layer.policy.budget is not None and layer.policy.query_view() is None:
         return stepwise_attention(cache, layer, query, key, value, scaling, sliding_window)
+    if layer.query_moments is not None:
+        layer.observe_queries(query, scaling)
     step = cache.step
     q = query.shape[2]
     # a few queries per sequence (a decode step, a speculative verification) on a CPU in fp32: grouped matmuls beat

@@ -73,6 +73,9 @@ class EvictionCache(Cache):
         if positions not in ("original", "rolling"):
             raise ValueError(f"positions must be 'original' or 'rolling', got {positions!r}")
         self.rolling = positions == "rolling"
+        if self.rolling and policy.needs_queries:
+            raise ValueError(f"policy {policy.name!r} turns its queries to the positions that follow the text, which "
+                             "rolling positions do not have: use positions='original' (--positions original)")
         if self.rolling and policy.shares_slots:
             raise ValueError(f"policy {policy.name!r} holds a different number of tokens per head, so a key has no "
                              "single rank in the cache to rotate to: use positions='original' (--positions original)")
@@ -82,6 +85,7 @@ class EvictionCache(Cache):
         if rollback < 0:
             raise ValueError("rollback must be >= 0")
         self.rollback = rollback
+        self.query_heads = model.config.get_text_config().num_attention_heads  # (a layer's query moments, if kept)
         self.pinned = pinned_tokens(model)  # the first tokens of every sequence are a prompt prefix: never evicted
         if policy.budget is not None and policy.budget <= self.pinned:
             raise ValueError(f"a budget of {policy.budget} tokens cannot hold the model's {self.pinned}-token prompt "
@@ -119,7 +123,9 @@ class EvictionCache(Cache):
         rotaries: dict[str, Rotary] = {}
         layers = []
         for i, layer_type in enumerate(layer_types):
-            if self.rolling and layer_type not in rotaries:
+            # (a policy that turns its queries to later positions: by each layer's own RoPE, where the model has one)
+            ropes = self.rolling or (self.policy.needs_queries and hasattr(model.get_decoder(), "rotary_emb"))
+            if ropes and layer_type not in rotaries:
                 rotaries[layer_type] = Rotary.of(model, i)
             rotary = rotaries.get(layer_type)
             if mixed and layer_type == "sliding_attention":

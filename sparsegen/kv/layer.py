@@ -30,7 +30,8 @@ KV_BUFFERS = BUFFERS[:6]  # what a slot's K and V cost
 # per-row state of a quantized cache: each key channel's scale [B, H, 1, D]; the full-precision residual of the newest
 # tokens, at slot (token ordinal % residual) of a ring (one slot more, where other tokens' writes go) [B, H, R + 1, D]
 # with the ordinal each ring slot holds [B, R + 1]
-ROW_STATE = ("key_channels", "ring_keys", "ring_values", "ring_index")
+# the running moments of the queries a policy that ``needs_queries`` reads [B, Hq, D + 1, D + 1] (``TokenView.queries``)
+ROW_STATE = ("key_channels", "ring_keys", "ring_values", "ring_index", "query_moments")
 
 
 @dataclass
@@ -134,6 +135,10 @@ class EvictionLayer(CacheLayerMixin):
                                    device=self.device)
         if self.fan > 1:
             self.head = torch.zeros(batch, 1, capacity, dtype=torch.long, device=self.device)
+        if self.policy.needs_queries:  # (per query head: the model's, the number of its attention heads)
+            q_heads = self.cache.query_heads
+            self.query_moments = torch.zeros(batch, q_heads, head_dim + 1, head_dim + 1, dtype=torch.float32,
+                                             device=self.device)
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
@@ -339,6 +344,18 @@ class EvictionLayer(CacheLayerMixin):
         """Let a policy with a memo write what it can now, from the held keys and values as attention reads them."""
         self.policy.memorize(replace(self.view(seen), keys=keys, values=values))
 
+    def observe_queries(self, query: torch.Tensor, scaling: float, tokens: slice = slice(None)) -> None:
+        """Add the call's real queries ``query[B, Hq, q, D]`` (its ``tokens``) past the policy's sinks to each query
+        head's moments (``TokenView.queries``): un-rotated, so that a policy can turn them to any position, and scaled
+        as attention scales them."""
+        step = self.cache.step
+        positions, valid, index = step.positions[:, tokens], step.new_valid[:, tokens], step.new_index[:, tokens]
+        whole = tokens == slice(None)
+        raw = query if self.rotary is None else self.rotary.unrotate(query, positions, step.memo if whole else None)
+        counted = valid & (index >= getattr(self.policy, "sinks", 0))  # (attention sinks' queries are outliers)
+        x = torch.cat((raw.float() * scaling, raw.new_ones(*raw.shape[:-1], 1, dtype=torch.float32)), -1)
+        self.query_moments += (x * counted[:, None, :, None]).transpose(-1, -2) @ x
+
     def query_view(self) -> tuple[int, int] | None:
         """The policy's ``(sinks, recent)`` with the pinned prefix counted among the sinks."""
         view = self.policy.query_view()
@@ -392,6 +409,7 @@ class EvictionLayer(CacheLayerMixin):
             values=values if self.policy.needs_values else None,
             head=None if self.head is None else self.head[:, :, :t], heads=self.fan,
             memo=None if self.memo is None else self.memo[:, :, :t],
+            queries=self.query_moments, rotary=self.rotary if self.policy.needs_queries else None,
         )
 
     def observed(self, end: int) -> torch.Tensor:

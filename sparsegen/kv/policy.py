@@ -13,6 +13,8 @@ from typing import ClassVar
 
 import torch
 
+from sparsegen.kv.rotary import Rotary
+
 
 @dataclass(frozen=True)
 class TokenView:
@@ -30,6 +32,11 @@ class TokenView:
     heads: int = 1  # number of them; every tensor above is then [batch, 1, slot, ...]
     memo: torch.Tensor | None = None  # float64 [batch, kv_head, slot, memo_width]: the policy's own numbers per token
     # (policies that set memo_width), NaN until ``memorize`` writes them; the cache moves them with the tokens
+    queries: torch.Tensor | None = None  # fp32 [batch, query_head, head_dim + 1, head_dim + 1] (``needs_queries``):
+    # per query head (a KV head's are consecutive), the sums of x x^T over the real queries seen past the policy's
+    # ``sinks``, where x is a query un-rotated and times attention's scaling, with a 1 appended: their count, sum and
+    # second moments
+    rotary: Rotary | None = None  # the layer's rotary embedding (``needs_queries``; None: the model has no RoPE)
 
     def is_recent(self, recent: int) -> torch.Tensor:
         return self.index >= (self.seen - recent)[:, None, None]
@@ -59,9 +66,14 @@ class Policy:
     reads_host: ClassVar[bool] = False
     # a multi-token call's evictions wait until every layer has attended, and ``share`` sees them all first
     across_layers: ClassVar[bool] = False
-    # a prompt's first pass (a context) is scored by the attention the model pays it while it reads the context again
-    # right after it (``sparsegen.engine.reconstruct``, KVzip), and compressed once that pass is done
+    # a fresh cache's first pass (a context, or the whole prompt) is encoded whole, evicting nothing, and compressed
+    # once at its end (``sparsegen.engine.reconstruct``): a query-agnostic score of a context as a whole
+    compresses_whole: ClassVar[bool] = False
+    # ... scored, before that compression, by the attention the model pays the context while it reads it again right
+    # after it (KVzip)
     reconstructs: ClassVar[bool] = False
+    # the layer keeps running moments of the queries it sees (``TokenView.queries``)
+    needs_queries: ClassVar[bool] = False
 
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:

@@ -75,12 +75,15 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         if attention is not None:
             observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None],
                     index=step.new_index[:, i:i + 1])
+        if layer.query_moments is not None:
+            layer.observe_queries(query[:, :, i:i + 1], scaling, slice(i, i + 1))
         over = alive.sum(-1, keepdim=True) > budget  # at most one over, as after a decode
         if over.any():  # below the budget no policy is asked (a key-reading rule costs a pass over the held keys)
             view = TokenView(index=index, valid=alive, seen=step.seen - (q - 1 - i),
                              attention=None if attention is None else layer.observed(total),
                              keys=keys_held, values=values_held,
-                             memo=None if layer.memo is None else layer.memo[:, :, :total])
+                             memo=None if layer.memo is None else layer.memo[:, :, :total],
+                             queries=layer.query_moments, rotary=layer.rotary)
             alive = layer.drop_lowest(view, over)
     out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
     layer.pending = 0

@@ -16,7 +16,7 @@ CONTEXT = " ".join(["it was the best of times, it was the worst of times, it was
 QUESTIONS = [" it was the season of", " the age of"]
 POLICIES = [("full", None, None), ("streaming", 16, None), ("h2o", 0.3, None), ("snapkv", 0.25, None),
             ("h2o", 0.3, 4), ("adakv", 0.3, None), ("pyramid", 24, None), ("kvzip", 0.3, None), ("kvzip", 0.3, 4),
-            ("kvzip-heads", 0.3, None)]
+            ("kvzip-heads", 0.3, None), ("expected-attention", 0.3, None)]
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +98,14 @@ def test_another_model_or_a_bad_file_is_refused(model_and_tokenizer, tiny_checkp
         sparsegen.generate(model, tokenizer, context=loaded)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
-def test_restored_caches_continue_as_the_original(family):
+@pytest.mark.parametrize("family,name", [("gemma3", "h2o"), ("qwen2", "h2o"), ("qwen2", "expected-attention")])
+def test_restored_caches_continue_as_the_original(family, name):
     """Token level, on a model with sliding-window layers too: a restored snapshot decodes what the cache it was
     taken from decodes."""
     model = tiny_model(family)
     ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     question = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
-    policy = make_policy("h2o", 12)
+    policy = make_policy(name, 12)
     original = EvictionCache(model, policy)
     prefill(model, original, ids, torch.ones_like(ids), 64, first_chunk=40)
     restored = CompressedContext.of(model, original, ids).cache(model)
@@ -119,8 +119,10 @@ def test_restored_caches_continue_as_the_original(family):
         logits = [step(cache, token, torch.tensor([position])) for cache in (original, restored)]
     assert restored.held_tokens() == original.held_tokens() and max(original.held_tokens()) == 12
     for a, b in zip(original.layers, restored.layers):  # the same slots, scores and positions after evicting
-        for (name, x), (_, y) in zip(a.buffers(), b.buffers()):
-            assert torch.equal(x[:, :, :a.used], y[:, :, :b.used]), name
+        for (buffer, x), (_, y) in zip(a.buffers(), b.buffers()):
+            assert torch.equal(x[:, :, :a.used], y[:, :, :b.used]), buffer
+        for (state, x), (_, y) in zip(a.row_state(), b.row_state()):  # (expected-attention: the queries' moments)
+            assert torch.equal(x, y), state
 
 
 def test_nothing_evicted_after_the_context_when_asked(model_and_tokenizer):

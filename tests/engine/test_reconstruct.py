@@ -57,21 +57,22 @@ def test_kvzip_keeps_what_the_reconstruction_attends_to_most(recent):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_each_row_of_a_padded_batch_is_scored_as_if_alone(family):
-    """Left-padded contexts of two lengths: each row reads its own tokens again and keeps what it keeps alone (Gemma
-    3's sliding-window layers their window); the logits are those of a plain prefill."""
+@pytest.mark.parametrize("name", ["kvzip", "expected-attention"])
+def test_each_row_of_a_padded_batch_is_scored_as_if_alone(family, name):
+    """Left-padded contexts of two lengths, compressed whole: each row (KVzip: reading its own tokens again) keeps
+    what it keeps alone (Gemma 3's sliding-window layers their window); the logits are those of a plain prefill."""
     model = tiny_model(family)
     rows = [torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
             for length in (CONTEXT, CONTEXT - 7)]
     ids = torch.cat((rows[0], torch.cat((torch.zeros(1, 7, dtype=torch.long), rows[1]), dim=1)))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    batch = EvictionCache(model, make_policy("kvzip", BUDGET), chunk_size=CHUNK)
+    batch = EvictionCache(model, make_policy(name, BUDGET), chunk_size=CHUNK)
     logits = prefill(model, batch, ids, mask, CHUNK)
     dense = prefill(model, EvictionCache(model, make_policy("full")), ids, mask, CHUNK)
     torch.testing.assert_close(logits, dense, rtol=1e-5, atol=1e-5)
     for row, row_ids in enumerate(rows):
-        alone = EvictionCache(model, make_policy("kvzip", BUDGET), chunk_size=CHUNK)
+        alone = EvictionCache(model, make_policy(name, BUDGET), chunk_size=CHUNK)
         prefill(model, alone, row_ids, torch.ones_like(row_ids), CHUNK)
         for ours, theirs in zip(batch.layers, alone.layers):
             held = [set(ours.index[row, h][ours.valid[row, h]].tolist()) for h in range(ours.index.shape[1])]

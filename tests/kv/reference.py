@@ -141,6 +141,11 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                     rank = torch.arange(len(visible))
                     k = _rotate(k, rank - torch.tensor(visible), inv_freq)
                     qh = _rotate(qh[:, None], torch.tensor([len(visible) - 1 - t]), inv_freq)[:, 0]
+                if policy["policy"] == "expected-attention" and t >= policy["sinks"]:  # un-rotated, scaled
+                    unturned = qh.double() if inv_freq is None else _rotate(qh.double(), torch.full((group,), -t),
+                                                                            inv_freq)
+                    for g in range(group):
+                        state["queries"].setdefault((layer, b, h * group + g), []).append(unturned[g] * scaling)
                 probs = torch.softmax((qh.float() @ k.float().T) * scaling, dim=-1)
                 if policy["policy"] == "tova":  # the latest query's attention only
                     scores.clear()
@@ -165,6 +170,10 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
             elif policy["policy"] == "lagkv":  # spread against the next partition's range, shared out
                 scores.clear()
                 scores.update(_lagkv_scores(policy, candidates, key[b, h], value[b, h], seen=total))
+            elif policy["policy"] == "expected-attention":
+                scores.update(_expected_attention_scores(policy, candidates, key[b, h], value[b, h], total, inv_freq,
+                                                         [state["queries"].get((layer, b, h * group + g), [])
+                                                          for g in range(group)]))
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
             if policy["policy"] in ADAPTIVE or _layer_wise(policy):  # chosen with the layer's other heads, below
@@ -242,6 +251,31 @@ def _lagkv_scores(policy: dict, candidates: list[int], keys, values, seen: int) 
     return scores
 
 
+def _expected_attention_scores(policy: dict, candidates: list[int], keys, values, seen: int, inv_freq,
+                               queries: list[list[torch.Tensor]]) -> dict[int, float]:
+    """Expected Attention written out, as kvpress scores: each query head's mean and covariance of the queries it
+    saw, each future query ``R_p q`` for p in the next ``future`` positions replaced by the mean rotation ``R`` (a
+    matrix, averaged here position by position); per query head a softmax over the candidates of ``R mu . k +
+    k^T R S R^T k / 2``, averaged over the KV head's query heads, times ``|v|``."""
+    dim = keys.shape[-1]
+    turn = torch.eye(dim, dtype=torch.float64)
+    if inv_freq is not None:  # _rotate turns rows: each row i of I becomes (R_p e_i)^T, so the rows give R_p^T
+        turn = sum(_rotate(torch.eye(dim, dtype=torch.float64), torch.full((dim,), p), inv_freq).T
+                   for p in range(seen, seen + policy["future"])) / policy["future"]
+    expected = {t: 0.0 for t in candidates}
+    for seen_by_head in queries:
+        stacked = torch.stack(seen_by_head) if seen_by_head else torch.zeros(0, dim, dtype=torch.float64)
+        mean = stacked.mean(0) if seen_by_head else torch.zeros(dim, dtype=torch.float64)
+        spread = (stacked - mean).T @ (stacked - mean) / max(len(seen_by_head), 1)
+        mean, spread = turn @ mean, turn @ spread @ turn.T
+        logits = torch.tensor([float(keys[t].double() @ mean) + (float(keys[t].double() @ spread @ keys[t].double())
+                                                                  / 2 if policy["covariance"] else 0.0)
+                               for t in candidates])
+        for t, p in zip(candidates, torch.softmax(logits, 0).tolist()):
+            expected[t] += p / len(queries)
+    return {t: expected[t] * float(values[t].double().norm()) for t in candidates}
+
+
 AttentionInterface.register("reference_masked", _reference_attention)
 AttentionMaskInterface.register("reference_masked", sdpa_mask)
 
@@ -270,6 +304,7 @@ class ReferenceRun:
             "kept": [[[set() for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "scores": [[[{} for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "votes": {},
+            "queries": {},  # expected-attention: each (layer, row, KV head)'s queries seen, un-rotated and scaled
             "voted": [{} for _ in range(batch)],  # snapkv-layers: the voting layers' share each token last got
             "deferred": None,  # snapkv-layers: the tokens seen by a call whose evictions wait for its end
         }

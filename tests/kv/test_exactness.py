@@ -91,6 +91,7 @@ SMALL = {"window": {}, "streaming": {"sinks": 2}, "h2o": {"recent": 4}, "streami
          "knorm": {}, "keydiff": {}, "lagkv": {"sinks": 2}, "random": {}, "pyramid": {},
          "adakv": {"recent": 4}, "ada-snapkv": {"window": 2},
          "scissorhands-history": {"recent": 4, "history": 3}, "tova-each": {"heads": "each"},
+         "expected-attention": {"future": 16, "sinks": 2},
          # (snapkv-layers: 2 layers at a mean of 10, 19 and 1, which holds a window of 1)
          "pyramid-snapkv": {"window": 1}, "snapkv-layers": {}}
 
@@ -344,7 +345,7 @@ def test_order_policies_compute_chunks_as_if_token_by_token(family, name, option
 
 @pytest.mark.parametrize("name", ["h2o", "streaming-h2o", "tova", "scissorhands", "snapkv", "knorm", "keydiff", "lagkv",
                                   "random", "pyramid", "pyramid-snapkv", "adakv", "ada-snapkv",
-                                  "scissorhands-history", "tova-each"])
+                                  "scissorhands-history", "tova-each", "expected-attention"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_stepwise_chunks_equal_one_token_per_call(family, name):
     """Under ``stepwise`` a chunk of tokens gets exactly what feeding them one per call gives (the reference fed

@@ -3,9 +3,10 @@ itself the same way, in a file of its own, or from an installed package through 
 point group."""
 
 # imported for their registration, in the order the CLI lists them
-from sparsegen.kv.policies import (  # noqa: F401  # noqa: F401  # noqa: F401
+from sparsegen.kv.policies import (  # noqa: F401
     ada_snapkv,
     adakv,
+    expected_attention,
     full,
     h2o,
     keydiff,

@@ -16,7 +16,7 @@ class KVzip(Policy):
     name = "kvzip"
     needs_attention = True
     attention_statistic = "max"
-    reconstructs = True
+    compresses_whole = reconstructs = True
 
     def __init__(self, budget: int | None, recent: int | None = None, sinks: int = 0):
         super().__init__(budget)
