@@ -35,18 +35,16 @@ from sparsegen.kv.policies import policy_class, policy_options
 
 PRESSES = {"snapkv": "SnapKVPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress", "tova": "TOVAPress",
            "keydiff": "KeyDiffPress", "random": "RandomPress", "lagkv": "LagKVPress",
-           "pyramid-snapkv": "PyramidKVPress", "kvzip": "KVzipPress"}
+           "pyramid-snapkv": "PyramidKVPress", "kvzip": "KVzipPress", "expected-attention": "ExpectedAttentionPress"}
 # (sparsegen's `pyramid` scores by H2O's sums: no kvpress press does)
 ADAPTIVE = {"ada-snapkv": "SnapKVPress"}  # kvpress's AdaKVPress over this scorer press
-# kvpress's presses that sparsegen has no policy for, run as reference rows (the sparsegen libraries skip them)
-REFERENCE = {"expected-attention": "ExpectedAttentionPress"}
 
 
 def make_press(kvpress, method: str, budget: float):
     """kvpress's press for a sparsegen policy name, keeping ``budget`` of what it presses."""
     if method in ADAPTIVE:
         return kvpress.AdaKVPress(getattr(kvpress, ADAPTIVE[method])(compression_ratio=1 - budget))
-    return getattr(kvpress, {**PRESSES, **REFERENCE}[method])(compression_ratio=1 - budget)
+    return getattr(kvpress, PRESSES[method])(compression_ratio=1 - budget)
 
 
 def global_layers(model) -> list[int]:
@@ -156,12 +154,10 @@ def main() -> None:
         return
     libraries = args.libraries.split(",")
     methods = args.methods.split(",")
-    unmatched = [m for m in methods if m not in PRESSES and m not in ADAPTIVE and m not in REFERENCE]
+    unmatched = [m for m in methods if m not in PRESSES and m not in ADAPTIVE]
     if "kvpress" in libraries and unmatched:
         parser.error(f"no kvpress press is matched to {', '.join(unmatched)}; choose from "
-                     f"{', '.join([*PRESSES, *ADAPTIVE, *REFERENCE])}")
-    if "kvpress" not in libraries and (alone := [m for m in methods if m in REFERENCE]):
-        parser.error(f"{', '.join(alone)} is a kvpress press only; add kvpress to --libraries")
+                     f"{', '.join([*PRESSES, *ADAPTIVE])}")
     import kvpress
 
     model, tokenizer = sparsegen.load(args.model)
@@ -203,7 +199,7 @@ def main() -> None:
         record("kvpress", method, results, time.perf_counter() - t0)
     protocols = {"sparsegen": args.protocol, "sparsegen-once": f"{args.protocol}-once"}
     for library in [lib for lib in libraries if lib in protocols]:
-        for method in [m for m in methods if m not in REFERENCE]:
+        for method in methods:
             t0 = time.perf_counter()
             options = {"window": args.window} if "window" in policy_options(policy_class(method)) else {}
             results = ruler.evaluate(model, tokenizer, samples,

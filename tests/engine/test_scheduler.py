@@ -25,7 +25,8 @@ def _run(engine, job):
     return job
 
 
-@pytest.mark.parametrize("policy,budget", [("full", None), ("streaming", 24), ("h2o", 24), ("kvzip", 24)])
+@pytest.mark.parametrize("policy,budget", [("full", None), ("streaming", 24), ("h2o", 24), ("kvzip", 24),
+                                           ("expected-attention", 24)])
 def test_a_completion_equals_sparsegen_generate(reference, policy, budget):
     model, tokenizer = reference
     engine = Engine(model, tokenizer, PolicySpec(policy, budget), chunk_size=16)
@@ -37,13 +38,13 @@ def test_a_completion_equals_sparsegen_generate(reference, policy, budget):
 
 @pytest.mark.parametrize("policy,kv_bits", [("full", None), ("window", None), ("streaming", None), ("h2o", None),
                                             ("streaming-h2o", None), ("h2o", 4), ("streaming", 8), ("adakv", None),
-                                            ("scissorhands", 4), ("kvzip", None)])
+                                            ("scissorhands", 4), ("kvzip", None), ("expected-attention", None)])
 @pytest.mark.parametrize("packed", [True, False])
 def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits, packed):
     """Sessions at different lengths, stacked into one batch (joining and leaving at different steps), give the
     tokens each gives alone, and their caches come back as they would be (quantized ones too); a prompt that
-    arrives while they decode is encoded in their steps' forwards (``packed``) or in forwards of its own (a KVzip
-    session's first prompt always: it is read whole, then again)."""
+    arrives while they decode is encoded in their steps' forwards (``packed``) or in forwards of its own (a session's first
+    prompt under a policy that compresses it whole, KVzip's, always)."""
     _assert_batched_sessions_equal_each_alone(policy, kv_bits, packed)
 
 
@@ -79,7 +80,7 @@ def _assert_batched_sessions_equal_each_alone(policy: str, kv_bits, packed: bool
     while not all(j.done for j in jobs):
         engine.step(jobs)
     # (the fourth prompt, 11 tokens, came in 3 chunks)
-    assert (engine.counters["packed_steps"] > 0) == (packed and not policy_class(policy).reconstructs)
+    assert (engine.counters["packed_steps"] > 0) == (packed and not policy_class(policy).compresses_whole)
     for job, single in zip(jobs, alone):
         assert job.tokens == single.tokens
         mine, theirs = job.session.cache, single.session.cache

@@ -604,7 +604,7 @@ def test_the_memory_bound_counts_quantized_caches_as_they_are_stored(reference):
     assert 0 < engine.kv_bytes() <= bounds[4] < bounds[None]
 
 
-@pytest.mark.parametrize("policy", ["streaming", "kvzip"])
+@pytest.mark.parametrize("policy", ["streaming", "kvzip", "expected-attention"])
 def test_a_compressed_context_is_served_by_name(reference, policy):
     """Requests that name a --context continue it from its compressed cache: the same text as generate on it, with
     only the request's own tokens encoded (a query-agnostic one, KVzip's, too)."""
