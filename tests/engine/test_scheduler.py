@@ -43,8 +43,8 @@ def test_a_completion_equals_sparsegen_generate(reference, policy, budget):
 def test_batched_decode_of_separate_sessions_equals_each_alone(policy, kv_bits, packed):
     """Sessions at different lengths, stacked into one batch (joining and leaving at different steps), give the
     tokens each gives alone, and their caches come back as they would be (quantized ones too); a prompt that
-    arrives while they decode is encoded in their steps' forwards (``packed``) or in forwards of its own (a session's first
-    prompt under a policy that compresses it whole, KVzip's, always)."""
+    arrives while they decode is encoded in their steps' forwards (``packed``) or in forwards of its own (a
+    session's first prompt under a policy that compresses it whole, KVzip's, always)."""
     _assert_batched_sessions_equal_each_alone(policy, kv_bits, packed)
 
 
