@@ -188,11 +188,15 @@ class DecodeStep:
                 graph = graph_calls.graph_passing_guards(_step, self._region, arguments)
             if graph is not None:
                 logits = graph(self.model, cache, token, position)
-            elif compiled and self.mode == "regional":  # (watched for a compile at a shape's first step only)
+            elif compiled and self.mode == "regional":
+                # watched (a notice while it waits) at a shape's first step; a state within a known shape that
+                # compiles anew (rolling sinks passing their budget) is told and counted once it is done
                 shape = token.shape[0], tuple(layer.fixed_slots for layer in cache.layers)
-                with (nullcontext() if shape in self._shapes else
-                      _compiling(token.shape[0], cache, self.notice, f"its blocks of {self.block_size} layers")):
+                watch = _compiling(token.shape[0], cache, self.notice, f"its blocks of {self.block_size} layers")
+                with nullcontext() if shape in self._shapes else watch:
                     logits = run(cache, token, position)
+                if shape in self._shapes:
+                    watch.record(time.perf_counter() - started)
                 self._shapes.add(shape)
             elif compiled:
                 with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
@@ -282,10 +286,14 @@ class _compiling:
     on stderr what is compiling and, at the end, how long it took; counted in ``COMPILES``."""
 
     def __init__(self, batch: int, cache, notice: bool, unit: str = "one graph"):
-        slots = [layer.fixed_slots or 0 for layer in getattr(cache, "layers", ())]
-        policy = getattr(getattr(cache, "policy", None), "name", "")
-        self.what = f"{policy + ', ' if policy else ''}batch {batch}, {max(slots, default=0):,} slots; {unit}"
+        self.batch, self.cache, self.unit = batch, cache, unit
         self.notice, self.done = notice, threading.Event()
+
+    @property
+    def what(self) -> str:
+        slots = [layer.fixed_slots or 0 for layer in getattr(self.cache, "layers", ())]
+        policy = getattr(getattr(self.cache, "policy", None), "name", "")
+        return f"{policy + ', ' if policy else ''}batch {self.batch}, {max(slots, default=0):,} slots; {self.unit}"
 
     def __enter__(self):
         self.started = time.perf_counter()
@@ -300,7 +308,10 @@ class _compiling:
 
     def __exit__(self, *exc) -> None:
         self.done.set()
-        seconds = time.perf_counter() - self.started
+        self.record(time.perf_counter() - self.started)
+
+    def record(self, seconds: float) -> None:
+        """A step through dynamo that took ``seconds``: past ``COMPILE_NOTICE_AFTER``, a compile, told and counted."""
         if seconds > COMPILE_NOTICE_AFTER:
             COMPILES.add(seconds)
             if self.notice:

@@ -4,6 +4,7 @@ one graph compiled once for all of them, updates the cache's state in place and 
 graphs need; replaying on a GPU: tests/test_cuda.py)."""
 
 import re
+import time
 import sys
 from functools import partial
 
@@ -669,3 +670,31 @@ def test_a_regional_step_compiles_one_block_for_every_block_and_gives_the_eager_
     expected = _decode(DecodeStep(model), model, caches[0], token, position)
     torch.testing.assert_close(_decode(step, model, caches[1], token, position), expected, rtol=1e-4, atol=1e-4)
     assert step.compiled_steps == STEPS and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # (sinks)
+
+
+def test_a_regional_compile_within_a_known_shape_is_told_and_counted(monkeypatch, capsys):
+    """A new state within a shape the step has run (rolling sinks passing their budget) compiles its blocks anew
+    without the shape's watch: once the step is done, past the notice's wait, it is counted and told."""
+    import sparsegen.engine.step as decoding
+
+    slow = {"steps": 0}
+
+    def run(layers, hidden, calls):  # (the blocks eager; the third step as long as a compile)
+        if slow["steps"] == 2 and layers[0] is model.model.layers[0]:
+            time.sleep(0.2)
+        return decoding.run_block(layers, hidden, calls)
+
+    model = _deep_llama()
+    monkeypatch.setattr(decoding, "_compiled_block", lambda: run)
+    monkeypatch.setattr(decoding, "COMPILE_NOTICE_AFTER", 0.1)
+    step = DecodeStep(model, compile="regional")
+    cache = EvictionCache(model, make_policy("h2o", 12), chunk_size=8)
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        token = prefill(model, cache, ids, torch.ones_like(ids), 8).argmax(-1)
+        before = decoding.COMPILES.count
+        for position in range(10, 13):
+            token = step(cache, token, torch.tensor([position])).argmax(-1)
+            slow["steps"] += 1
+    assert decoding.COMPILES.count == before + 1
+    assert "decode step compiled in" in capsys.readouterr().err
