@@ -4,8 +4,8 @@ one graph compiled once for all of them, updates the cache's state in place and 
 graphs need; replaying on a GPU: tests/test_cuda.py)."""
 
 import re
-import time
 import sys
+import time
 from functools import partial
 
 import pytest
