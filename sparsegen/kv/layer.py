@@ -62,6 +62,7 @@ class EvictionLayer(CacheLayerMixin):
         self.policy, self.pinned, self.rotary, self.is_sliding = policy, pinned, rotary, is_sliding
         self.used = 0  # slots in use (the largest held count of any sequence, plus the pending chunk)
         self.pending = 0  # tokens appended by update() and not yet attended
+        self.stored = 0  # tokens the latest update() stored (``TokenView.new``)
         self.peak_tokens = 0
         self.parked = 0  # slots it had when its cache was parked (kv.rows.park), given back after
         self.storage: dict[str, torch.Tensor] | None = None  # a stacked cache's buffers for all its row capacity
@@ -131,7 +132,8 @@ class EvictionLayer(CacheLayerMixin):
             if self.policy.needs_attention else None
         )
         if self.policy.memo_width:
-            self.memo = torch.full((batch, rows, capacity, self.policy.memo_width), torch.nan, dtype=torch.float64,
+            width = self.policy.memo_width * (self.cache.query_heads // heads if self.policy.memo_per_query_head else 1)
+            self.memo = torch.full((batch, rows, capacity, width), torch.nan, dtype=torch.float64,
                                    device=self.device)
         if self.fan > 1:
             self.head = torch.zeros(batch, 1, capacity, dtype=torch.long, device=self.device)
@@ -329,7 +331,7 @@ class EvictionLayer(CacheLayerMixin):
             self.attention[:, :, slots] = 0
         if self.memo is not None:
             self.memo[:, :, slots] = torch.nan
-        self.used, self.pending = end, q
+        self.used, self.pending, self.stored = end, q, q
         if not fixed:  # (a fixed step's caller counts: a number read here would be one the graph specialises on)
             self.peak_tokens = max(self.peak_tokens, end)
         if self.incoming is not None:  # attention reads the held slots and ``incoming``
@@ -409,7 +411,7 @@ class EvictionLayer(CacheLayerMixin):
             values=values if self.policy.needs_values else None,
             head=None if self.head is None else self.head[:, :, :t], heads=self.fan,
             memo=None if self.memo is None else self.memo[:, :, :t],
-            queries=self.query_moments, rotary=self.rotary if self.policy.needs_queries else None,
+            queries=self.query_moments, rotary=self.rotary if self.policy.needs_queries else None, new=self.stored,
         )
 
     def observed(self, end: int) -> torch.Tensor:
@@ -527,13 +529,14 @@ class EvictionLayer(CacheLayerMixin):
             buf[rows] = incoming[name][:, :, 0] if name in incoming else buf[:, :, newest].clone()
         self.incoming = None
         self.valid[:, :, self.slots(newest, newest + 1)] = False
-        self.used = newest
+        self.used, self.stored = newest, 0
 
     def _compact(self, kept: torch.Tensor, keep_count: torch.Tensor, moves: int | None = None,
                  used: int | None = None) -> None:
         """Move kept tokens from behind ``keep_count`` into the holes in front of it. ``moves`` (at least the most
         holes of any row) and ``used`` (the most kept of any row) may be given when the caller knows them; else
         they are read from the device."""
+        self.stored = 0  # (the last slots no longer hold the call's own tokens)
         t = kept.shape[-1]
         slot = torch.arange(t, device=self.device)
         front = slot < keep_count[..., None]

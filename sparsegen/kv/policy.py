@@ -37,6 +37,7 @@ class TokenView:
     # ``sinks``, where x is a query un-rotated and times attention's scaling, with a 1 appended: their count, sum and
     # second moments
     rotary: Rotary | None = None  # the layer's rotary embedding (``needs_queries``; None: the model has no RoPE)
+    new: int = 0  # the tokens the latest call stored: the view's last ``new`` slots (a decode step's: 1)
 
     def is_recent(self, recent: int) -> torch.Tensor:
         return self.index >= (self.seen - recent)[:, None, None]
@@ -62,6 +63,7 @@ class Policy:
 
     history: int | None = None  # count only the latest `history` queries' attention (None: all of them)
     memo_width: ClassVar[int] = 0  # numbers per token the policy keeps in ``TokenView.memo`` (0: none)
+    memo_per_query_head: ClassVar[bool] = False  # ... ``memo_width`` for each of the KV head's query heads
     # its decode step reads device values on the host to choose (so it cannot be compiled as one graph)
     reads_host: ClassVar[bool] = False
     # a multi-token call's evictions wait until every layer has attended, and ``share`` sees them all first

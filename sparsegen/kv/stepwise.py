@@ -75,7 +75,13 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
         if attention is not None:
             observe(layer.policy, attention, p[:, :, :, None], visible.sum(-1)[:, :, None, None, None],
                     index=step.new_index[:, i:i + 1])
-        if layer.query_moments is not None:
+        if layer.query_moments is not None:  # the token scored by the queries before it, as a one-token call's
+            if layer.memo is not None:
+                end = start + i + 1
+                layer.policy.memorize(TokenView(
+                    index=index[:, :, :end], valid=alive[:, :, :end], seen=step.seen - (q - 1 - i), attention=None,
+                    keys=key[:, :, :end], values=value[:, :, :end], memo=layer.memo[:, :, :end],
+                    queries=layer.query_moments, rotary=layer.rotary, new=1))
             layer.observe_queries(query[:, :, i:i + 1], scaling, slice(i, i + 1))
         over = alive.sum(-1, keepdim=True) > budget  # at most one over, as after a decode
         if over.any():  # below the budget no policy is asked (a key-reading rule costs a pass over the held keys)
@@ -83,7 +89,7 @@ def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_
                              attention=None if attention is None else layer.observed(total),
                              keys=keys_held, values=values_held,
                              memo=None if layer.memo is None else layer.memo[:, :, :total],
-                             queries=layer.query_moments, rotary=layer.rotary)
+                             queries=layer.query_moments, rotary=layer.rotary, new=1)
             alive = layer.drop_lowest(view, over)
     out = (probs.to(value.dtype).view(batch, kv_heads, group * q, total) @ value).view(batch, q_heads, q, -1)
     layer.pending = 0

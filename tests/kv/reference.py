@@ -128,6 +128,8 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
         for h in range(kv_heads):
             kept = state["kept"][layer][b][h]
             scores = state["scores"][layer][b][h]
+            if policy["policy"] == "expected-attention":  # the call's tokens, by the queries before the call
+                _expected_logits(state, policy, (layer, b, h), group, range(start, total), key[b, h], total, inv_freq)
             for i in range(q):
                 t = start + i
                 visible = sorted(kept | set(range(start, t + 1)))
@@ -171,9 +173,10 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 scores.clear()
                 scores.update(_lagkv_scores(policy, candidates, key[b, h], value[b, h], seen=total))
             elif policy["policy"] == "expected-attention":
-                scores.update(_expected_attention_scores(policy, candidates, key[b, h], value[b, h], total, inv_freq,
-                                                         [state["queries"].get((layer, b, h * group + g), [])
-                                                          for g in range(group)]))
+                if q > 1 and policy["budget"] is not None and len(candidates) > policy["budget"]:  # all anew
+                    _expected_logits(state, policy, (layer, b, h), group, candidates, key[b, h], total, inv_freq)
+                logits = state["logits"][(layer, b, h)]
+                scores.update(_expected_attention_scores(candidates, logits, value[b, h]))
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
             if policy["policy"] in ADAPTIVE or _layer_wise(policy):  # chosen with the layer's other heads, below
@@ -251,29 +254,36 @@ def _lagkv_scores(policy: dict, candidates: list[int], keys, values, seen: int) 
     return scores
 
 
-def _expected_attention_scores(policy: dict, candidates: list[int], keys, values, seen: int, inv_freq,
-                               queries: list[list[torch.Tensor]]) -> dict[int, float]:
-    """Expected Attention written out, as kvpress scores: each query head's mean and covariance of the queries it
-    saw, each future query ``R_p q`` for p in the next ``future`` positions replaced by the mean rotation ``R`` (a
-    matrix, averaged here position by position); per query head a softmax over the candidates of ``R mu . k +
-    k^T R S R^T k / 2``, averaged over the KV head's query heads, times ``|v|``."""
+def _expected_logits(state: dict, policy: dict, where: tuple, group: int, tokens, keys, seen: int, inv_freq) -> None:
+    """Expected Attention's logits of ``tokens`` written out, kept per token in ``state["logits"][where]``: for each
+    query head of the KV head, the mean and covariance of the queries it saw, each future query ``R_p q`` for p in the
+    next ``future`` positions replaced by the mean rotation ``R`` (a matrix, averaged here position by position),
+    ``R mu . k + k^T R S R^T k / 2``."""
+    layer, b, h = where
     dim = keys.shape[-1]
     turn = torch.eye(dim, dtype=torch.float64)
     if inv_freq is not None:  # _rotate turns rows: each row i of I becomes (R_p e_i)^T, so the rows give R_p^T
         turn = sum(_rotate(torch.eye(dim, dtype=torch.float64), torch.full((dim,), p), inv_freq).T
                    for p in range(seen, seen + policy["future"])) / policy["future"]
-    expected = {t: 0.0 for t in candidates}
-    for seen_by_head in queries:
+    kept = state["logits"].setdefault(where, {})
+    for g in range(group):
+        seen_by_head = state["queries"].get((layer, b, h * group + g), [])
         stacked = torch.stack(seen_by_head) if seen_by_head else torch.zeros(0, dim, dtype=torch.float64)
         mean = stacked.mean(0) if seen_by_head else torch.zeros(dim, dtype=torch.float64)
         spread = (stacked - mean).T @ (stacked - mean) / max(len(seen_by_head), 1)
         mean, spread = turn @ mean, turn @ spread @ turn.T
-        logits = torch.tensor([float(keys[t].double() @ mean) + (float(keys[t].double() @ spread @ keys[t].double())
-                                                                  / 2 if policy["covariance"] else 0.0)
-                               for t in candidates])
-        for t, p in zip(candidates, torch.softmax(logits, 0).tolist()):
-            expected[t] += p / len(queries)
-    return {t: expected[t] * float(values[t].double().norm()) for t in candidates}
+        for t in tokens:
+            k = keys[t].double()
+            logit = float(k @ mean) + (float(k @ spread @ k) / 2 if policy["covariance"] else 0.0)
+            kept.setdefault(t, [0.0] * group)[g] = logit
+
+
+def _expected_attention_scores(candidates: list[int], logits: dict[int, list[float]], values) -> dict[int, float]:
+    """Expected Attention's scores, as kvpress's: per query head a softmax of the kept logits over the candidates,
+    averaged over the KV head's query heads, times ``|v|``."""
+    table = torch.tensor([logits[t] for t in candidates])  # [candidates, group]
+    expected = torch.softmax(table, 0).mean(1)
+    return {t: float(p) * float(values[t].double().norm()) for t, p in zip(candidates, expected)}
 
 
 AttentionInterface.register("reference_masked", _reference_attention)
@@ -304,7 +314,8 @@ class ReferenceRun:
             "kept": [[[set() for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "scores": [[[{} for _ in range(kv_heads)] for _ in range(batch)] for _ in range(layers)],
             "votes": {},
-            "queries": {},  # expected-attention: each (layer, row, KV head)'s queries seen, un-rotated and scaled
+            "queries": {},  # expected-attention: each (layer, row, query head)'s queries seen, un-rotated and scaled
+            "logits": {},  # expected-attention: each (layer, row, KV head)'s tokens' logits, as they last got them
             "voted": [{} for _ in range(batch)],  # snapkv-layers: the voting layers' share each token last got
             "deferred": None,  # snapkv-layers: the tokens seen by a call whose evictions wait for its end
         }

@@ -10,13 +10,17 @@ class ExpectedAttention(Policy):
     Gaussian, with the mean and covariance of those it has seen (un-rotated, past the ``sinks``), turned by RoPE's
     rotation averaged over the next ``future`` positions. A key's expected logit under them is ``mu . k + k^T S k / 2``
     (the log of ``E[exp(q . k)]``); its softmax over the held tokens, averaged over the KV head's query heads and times
-    the value's norm (what the token would move the output by), is the token's score. The sinks are kept. A fresh
-    cache's first pass (a context) is scored whole, once all its queries are seen (``compresses_whole``); after it,
-    each eviction scores the held tokens by the queries seen by then."""
+    the value's norm (what the token would move the output by), is the token's score. The sinks are kept.
+
+    A fresh cache's first pass (a context) is scored whole, once all its queries are seen (``compresses_whole``); so is
+    every token a row holds when a later multi-token call takes it over its budget. A decode step's eviction ranks by
+    the logits the held tokens last got (kept in ``memo``), its own token's by the queries before it: a pass over the
+    held keys per step would cost several times the step's weights (a ``D x D`` form per key and query head)."""
 
     name = "expected-attention"
     needs_keys = needs_values = needs_queries = True
     compresses_whole = True
+    memo_width, memo_per_query_head = 1, True  # each query head's logit of the token
 
     def __init__(self, budget: int | None, future: int = 512, sinks: int = 4, covariance: bool = True):
         super().__init__(budget)
@@ -26,7 +30,9 @@ class ExpectedAttention(Policy):
             raise ValueError(f"{self.name}: sinks ({sinks}) must be at least 0 and under the budget ({budget})")
         self.future, self.sinks, self.covariance = future, sinks, covariance
 
-    def priority(self, view: TokenView) -> torch.Tensor:
+    def logits(self, view: TokenView, keys: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, T, group]``: each of ``keys``' (``[B, Hkv, T, D]``) expected logit under each of its KV head's
+        query heads' future queries."""
         moments = view.queries  # [B, Hq, D + 1, D + 1]
         count = moments[..., -1:, -1:].clamp(min=1)
         mean = moments[..., :-1, -1:] / count  # [B, Hq, D, 1]
@@ -37,12 +43,22 @@ class ExpectedAttention(Policy):
             mean = view.rotary.rotate(mean.transpose(-1, -2), None, angles=angles).transpose(-1, -2)
             spread = view.rotary.rotate(view.rotary.rotate(spread, None, angles=angles).transpose(-1, -2), None,
                                         angles=angles)
-        batch, kv_heads, slots, dim = view.keys.shape
-        keys = view.keys.float()[:, :, None]  # [B, Hkv, 1, T, D] against each of the KV head's query heads
+        batch, kv_heads, _, dim = keys.shape
+        keys = keys.float()[:, :, None]  # [B, Hkv, 1, T, D] against each of the KV head's query heads
         logit = (keys @ mean.view(batch, kv_heads, -1, dim, 1))[..., 0]  # [B, Hkv, group, T]
         if self.covariance:
             logit = logit + ((keys @ spread.view(batch, kv_heads, -1, dim, dim)) * keys).sum(-1) / 2
-        expected = logit.masked_fill(~view.valid[:, :, None], -torch.inf).softmax(-1).mean(2)
+        return logit.transpose(-1, -2)
+
+    def memorize(self, view: TokenView) -> None:
+        if view.new:  # the call's own tokens, by the queries before them
+            view.memo[:, :, -view.new:] = self.logits(view, view.keys[:, :, -view.new:]).double()
+
+    def priority(self, view: TokenView) -> torch.Tensor:
+        if view.new != 1:  # a prompt chunk's eviction, or a context's compression: the rows over budget anew
+            over = (view.valid.sum(-1) > self.budget)[..., None, None]
+            view.memo.copy_(torch.where(over, self.logits(view, view.keys).double(), view.memo))
+        expected = view.memo.float().masked_fill(~view.valid[..., None], -torch.inf).softmax(-2).mean(-1)
         return (expected * view.values.float().norm(dim=-1)).masked_fill(view.is_sink(self.sinks), torch.inf)
 
     def describe(self):
