@@ -176,7 +176,9 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
                 if q > 1 and policy["budget"] is not None and len(candidates) > policy["budget"]:  # all anew
                     _expected_logits(state, policy, (layer, b, h), group, candidates, key[b, h], total, inv_freq)
                 logits = state["logits"][(layer, b, h)]
-                scores.update(_expected_attention_scores(candidates, logits, value[b, h]))
+                sinks = [t for t in candidates if t < policy["sinks"]]  # kept whatever they score (keep_rule)
+                scores.update(_expected_attention_scores([t for t in candidates if t not in sinks], logits,
+                                                         value[b, h]))
             elif policy["policy"] == "random":  # a fixed hash of the position
                 scores.update({t: float((t * MULTIPLIER) % SPAN) for t in candidates})
             if policy["policy"] in ADAPTIVE or _layer_wise(policy):  # chosen with the layer's other heads, below
@@ -279,8 +281,10 @@ def _expected_logits(state: dict, policy: dict, where: tuple, group: int, tokens
 
 
 def _expected_attention_scores(candidates: list[int], logits: dict[int, list[float]], values) -> dict[int, float]:
-    """Expected Attention's scores, as kvpress's: per query head a softmax of the kept logits over the candidates,
-    averaged over the KV head's query heads, times ``|v|``."""
+    """Expected Attention's scores, as kvpress's: per query head a softmax of the kept logits over the candidates (the
+    sinks left out), averaged over the KV head's query heads, times ``|v|``."""
+    if not candidates:
+        return {}
     table = torch.tensor([logits[t] for t in candidates])  # [candidates, group]
     expected = torch.softmax(table, 0).mean(1)
     return {t: float(p) * float(values[t].double().norm()) for t, p in zip(candidates, expected)}

@@ -9,7 +9,7 @@ class ExpectedAttention(Policy):
     Queries Distribution", 2025), as kvpress's press computes it: each query head's queries still to come are taken as
     Gaussian, with the mean and covariance of those it has seen (un-rotated, past the ``sinks``), turned by RoPE's
     rotation averaged over the next ``future`` positions. A key's expected logit under them is ``mu . k + k^T S k / 2``
-    (the log of ``E[exp(q . k)]``); its softmax over the held tokens, averaged over the KV head's query heads and times
+    (the log of ``E[exp(q . k)]``); its softmax over the held tokens but the sinks, averaged over the KV head's query heads and times
     the value's norm (what the token would move the output by), is the token's score. The sinks are kept.
 
     A fresh cache's first pass (a context) is scored whole, once all its queries are seen (``compresses_whole``); so is
@@ -58,8 +58,9 @@ class ExpectedAttention(Policy):
         if view.new != 1:  # a prompt chunk's eviction, or a context's compression: the rows over budget anew
             over = (view.valid.sum(-1) > self.budget)[..., None, None]
             view.memo.copy_(torch.where(over, self.logits(view, view.keys).double(), view.memo))
-        expected = view.memo.float().masked_fill(~view.valid[..., None], -torch.inf).softmax(-2).mean(-1)
-        return (expected * view.values.float().norm(dim=-1)).masked_fill(view.is_sink(self.sinks), torch.inf)
+        sink = view.is_sink(self.sinks)  # (kept, and left out of the softmax, as kvpress scores only the others)
+        expected = view.memo.float().masked_fill(~view.valid[..., None] | sink[..., None], -torch.inf)
+        return (expected.softmax(-2).mean(-1) * view.values.float().norm(dim=-1)).masked_fill(sink, torch.inf)
 
     def describe(self):
         return {**super().describe(), "future": self.future, "sinks": self.sinks, "covariance": self.covariance}
