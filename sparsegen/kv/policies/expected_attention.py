@@ -9,8 +9,9 @@ class ExpectedAttention(Policy):
     Queries Distribution", 2025), as kvpress's press computes it: each query head's queries still to come are taken as
     Gaussian, with the mean and covariance of those it has seen (un-rotated, past the ``sinks``), turned by RoPE's
     rotation averaged over the next ``future`` positions. A key's expected logit under them is ``mu . k + k^T S k / 2``
-    (the log of ``E[exp(q . k)]``); its softmax over the held tokens but the sinks, averaged over the KV head's query heads and times
-    the value's norm (what the token would move the output by), is the token's score. The sinks are kept.
+    (the log of ``E[exp(q . k)]``); its softmax over the held tokens but the sinks, averaged over the KV head's query
+    heads and times the value's norm (what the token would move the output by), is the token's score. The sinks are
+    kept.
 
     A fresh cache's first pass (a context) is scored whole, once all its queries are seen (``compresses_whole``); so is
     every token a row holds when a later multi-token call takes it over its budget. A decode step's eviction ranks by
