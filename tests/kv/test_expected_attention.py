@@ -57,5 +57,6 @@ def test_bad_settings_and_rolling_positions_are_refused():
         EvictionCache(model, make_policy("expected-attention", BUDGET), positions="rolling")
     with pytest.raises(ValueError, match="future is a number of positions"):
         make_policy("expected-attention", BUDGET, future=0)
-    with pytest.raises(ValueError, match="under the budget"):
+    with pytest.raises(ValueError, match="raise the budget"):
         make_policy("expected-attention", 4, sinks=4)
+    assert make_policy("expected-attention", 2).sinks == 1 and make_policy("expected-attention", 64).sinks == 4

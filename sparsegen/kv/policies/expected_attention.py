@@ -23,12 +23,15 @@ class ExpectedAttention(Policy):
     compresses_whole = True
     memo_width, memo_per_query_head = 1, True  # each query head's logit of the token
 
-    def __init__(self, budget: int | None, future: int = 512, sinks: int = 4, covariance: bool = True):
+    def __init__(self, budget: int | None, future: int = 512, sinks: int | None = None, covariance: bool = True):
         super().__init__(budget)
         if isinstance(future, bool) or not isinstance(future, int) or future < 1:
             raise ValueError(f"{self.name}: future is a number of positions, at least 1, got {future!r}")
+        if sinks is None:  # kvpress's 4, fewer where the budget is smaller
+            sinks = 4 if budget is None else min(4, budget - 1)
         if budget is not None and not 0 <= sinks < budget:
-            raise ValueError(f"{self.name}: sinks ({sinks}) must be at least 0 and under the budget ({budget})")
+            raise ValueError(f"{self.name}: sinks ({sinks}) must be at least 0 and under the budget ({budget}): raise "
+                             "the budget or lower --sinks")
         self.future, self.sinks, self.covariance = future, sinks, covariance
 
     def logits(self, view: TokenView, keys: torch.Tensor) -> torch.Tensor:
