@@ -14,7 +14,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -192,12 +191,15 @@ class DecodeStep:
                 # watched (a notice while it waits) at a shape's first step; a state within a known shape that
                 # compiles anew (rolling sinks passing their budget) is told and counted once it is done
                 shape = token.shape[0], tuple(layer.fixed_slots for layer in cache.layers)
-                watch = _compiling(token.shape[0], cache, self.notice, f"its blocks of {self.block_size} layers")
-                with nullcontext() if shape in self._shapes else watch:
-                    logits = run(cache, token, position)
+                unit = f"its blocks of {self.block_size} layers"
                 if shape in self._shapes:
-                    watch.record(time.perf_counter() - started)
-                self._shapes.add(shape)
+                    logits = run(cache, token, position)
+                    if (seconds := time.perf_counter() - started) > COMPILE_NOTICE_AFTER:
+                        _compiling(token.shape[0], cache, self.notice, unit).record(seconds)
+                else:
+                    with _compiling(token.shape[0], cache, self.notice, unit):
+                        logits = run(cache, token, position)
+                    self._shapes.add(shape)
             elif compiled:
                 with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
                     logits = run(cache, token, position)
@@ -286,14 +288,10 @@ class _compiling:
     on stderr what is compiling and, at the end, how long it took; counted in ``COMPILES``."""
 
     def __init__(self, batch: int, cache, notice: bool, unit: str = "one graph"):
-        self.batch, self.cache, self.unit = batch, cache, unit
+        slots = [layer.fixed_slots or 0 for layer in getattr(cache, "layers", ())]
+        policy = getattr(getattr(cache, "policy", None), "name", "")
+        self.what = f"{policy + ', ' if policy else ''}batch {batch}, {max(slots, default=0):,} slots; {unit}"
         self.notice, self.done = notice, threading.Event()
-
-    @property
-    def what(self) -> str:
-        slots = [layer.fixed_slots or 0 for layer in getattr(self.cache, "layers", ())]
-        policy = getattr(getattr(self.cache, "policy", None), "name", "")
-        return f"{policy + ', ' if policy else ''}batch {self.batch}, {max(slots, default=0):,} slots; {self.unit}"
 
     def __enter__(self):
         self.started = time.perf_counter()
