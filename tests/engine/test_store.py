@@ -53,11 +53,15 @@ def test_a_stale_foreign_or_damaged_snapshot_is_not_used(model_and_tokenizer, tm
     here = _engine(model_and_tokenizer, SessionStore(tmp_path, 1 << 30))
     first = _turn(here, FIRST)
     here.store.flush()
-    other = _turn(_engine(model_and_tokenizer, SessionStore(tmp_path, 1 << 30)),
-                  [{"role": "user", "content": "Something else entirely."}])  # not an extension: starts over
+    # (each engine's background write of "s" is waited for before the next one reads the folder: a directory listed
+    # while a snapshot is renamed over its name may miss it, and a late write would replace the damaged file below)
+    elsewhere = _engine(model_and_tokenizer, SessionStore(tmp_path, 1 << 30))
+    other = _turn(elsewhere, [{"role": "user", "content": "Something else entirely."}])  # not an extension
+    elsewhere.store.flush()
     assert other.cached_tokens == 0
     streaming = _engine(model_and_tokenizer, SessionStore(tmp_path, 1 << 30), PolicySpec("streaming", 24))
     assert _turn(streaming, _second(first)).reencoded  # written under h2o: not restored into streaming
+    streaming.store.flush()
     path = next(tmp_path.glob("*.safetensors"))
     path.write_bytes(path.read_bytes()[:100])
     damaged = _engine(model_and_tokenizer, SessionStore(tmp_path, 1 << 30))
