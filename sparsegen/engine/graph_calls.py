@@ -10,7 +10,7 @@ import dis
 import sys
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,43 +58,49 @@ class GraphCall:
     """A state's compiled graph, called on its own inputs. Dynamo's code for a graph gathers its inputs by attribute
     before the call (SmolLM2: 308 tensors in 4,397 bytecodes) and, after it, sets back what the step assigned in
     Python (each layer's ``pending``, ``used``, ``incoming``, the cache's ``step``), interpreted every step. The
-    first call runs that code and records the inputs, where the token and position went, the output returned and
-    the assignments; later calls of the same state (the same buffers and settings, ``DecodeStep._state``) pass the
-    recorded inputs with this step's token and position, and make the same assignments. Code that does anything
-    else (a store or a call beside dynamo's own helpers for assignments and for an input's sizes and strides, an
-    assigned value other than a number, string or None) keeps running as it is."""
+    first call runs that code and records the inputs, where the call's ``fresh`` tensors went (those made anew for
+    each call: the step's token and position; a block's hidden states, the layers' arguments and the step's own
+    tensors), the output returned and the assignments; later calls of the same state (the same buffers and settings,
+    ``DecodeStep._state``) pass the recorded inputs with this call's fresh tensors, and make the same assignments.
+    ``confirm``: the second call records again and replay starts only if it recorded the same inputs, every one not
+    fresh the same object (so a tensor made anew each call outside ``fresh`` is never replayed stale). Code that
+    does anything else (a store or a call beside dynamo's own helpers for assignments and for an input's sizes and
+    strides, an assigned value other than a number, string or None) keeps running as it is."""
 
     _STORES = frozenset({"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_SUBSCR"})
 
-    def __init__(self, function: Callable):
-        self.function, self.code = function, function.__code__
-        self.recorded: tuple | None = None  # (graph, inputs, token's and position's index, output's, assignments)
+    def __init__(self, function: Callable, confirm: bool = False):
+        self.function, self.code, self.confirm = function, function.__code__, confirm
+        # (graph, inputs, (input's index, fresh tensor's index) pairs, output's index, assignments)
+        self.recorded: tuple | None = None
+        self.first: tuple | None = None  # (``confirm``) the first recording, until the second matches it
         self.replayable = True
 
-    def __call__(self, model: torch.nn.Module, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    def __call__(self, args: tuple, fresh: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.recorded is not None:
-            graph, inputs, token_at, position_at, output_at, assignments = self.recorded
+            graph, inputs, fresh_at, output_at, assignments = self.recorded
             inputs = list(inputs)
-            inputs[token_at], inputs[position_at] = token, position
+            for at, which in fresh_at:
+                inputs[at] = fresh[which]
             outputs = graph(*inputs)
             for owner, values in assignments:
                 _assign(owner(), values)
             return outputs[output_at]
         if not self.replayable:
-            return self.function(model, cache, token, position)
-        return self._record(model, cache, token, position)
+            return self.function(*args)
+        return self._record(args, fresh)
 
     def forget(self) -> None:
         """Let go of the recorded inputs (another state's buffers took their place)."""
-        self.recorded = None
+        self.recorded = self.first = None
 
-    def _record(self, model: torch.nn.Module, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    def _record(self, args: tuple, fresh: Sequence[torch.Tensor]) -> torch.Tensor:
         if sys.getprofile() is not None:  # (a profiler runs: recording would take its hook; run the code as it is)
-            return self.function(model, cache, token, position)
+            return self.function(*args)
         graphs = [name for name in self.code.co_names if name.startswith("__compiled_fn")]
         if len(graphs) != 1 or any(i.opname in self._STORES for i in dis.get_instructions(self.code)):
             self.replayable = False
-            return self.function(model, cache, token, position)
+            return self.function(*args)
         graph = self.function.__globals__[graphs[0]]
         calls, assignments, unknown = [], [], []
 
@@ -136,25 +142,46 @@ class GraphCall:
                      "__import_torch_dot__dynamo_dot_utils": Helpers()}
         sys.setprofile(watch)
         try:
-            result = types.FunctionType(self.code, namespace, self.function.__name__)(model, cache, token, position)
+            result = types.FunctionType(self.code, namespace, self.function.__name__)(*args)
         finally:
             sys.setprofile(None)
         if unknown or len(calls) != 1 or any(type(value) not in _CONSTANTS for _, _, value in assignments):
             self.replayable = False
             return result
         inputs, outputs = calls[0]
-        token_at = [i for i, x in enumerate(inputs) if x is token]
-        position_at = [i for i, x in enumerate(inputs) if x is position]
+        which = {id(x): i for i, x in enumerate(fresh)}
+        fresh_at = tuple((at, which[id(x)]) for at, x in enumerate(inputs) if id(x) in which)
         output_at = [i for i, x in enumerate(outputs) if x is result]
-        if len(token_at) != 1 or len(position_at) != 1 or len(output_at) != 1:
+        if len(output_at) != 1:
             self.replayable = False
             return result
         owners: dict[int, tuple[object, dict]] = {}  # (each owner's assignments, the last of a name kept)
         for owner, name, value in assignments:
             owners.setdefault(id(owner), (owner, {}))[1][name] = value
-        self.recorded = (graph, tuple(inputs), token_at[0], position_at[0], output_at[0],
-                         [(_weak(owner), values) for owner, values in owners.values()])
+        recording = (graph, tuple(inputs), fresh_at, output_at[0], list(owners.values()))
+        if self.confirm and self.first is None:
+            self.first = recording
+            return result
+        if self.confirm and not _same_recording(self.first, recording):
+            self.replayable, self.first = False, None
+            return result
+        graph, inputs, fresh_at, output_at, owners = recording
+        self.recorded = (graph, inputs, fresh_at, output_at, [(_weak(owner), values) for owner, values in owners])
+        self.first = None
         return result
+
+
+def _same_recording(first: tuple, second: tuple) -> bool:
+    """Whether two calls' recordings are alike: the same graph and output, the fresh tensors in the same places,
+    every other input the same tensor or number (a graph compiled for dynamic sizes takes them as numbers, read from
+    its inputs' shapes: fixed for a state), the same owners given the same values."""
+    (graph, inputs, fresh_at, output_at, owners), (graph2, inputs2, fresh_at2, output_at2, owners2) = first, second
+    fresh = {at for at, _ in fresh_at}
+    return (graph is graph2 and fresh_at == fresh_at2 and output_at == output_at2 and len(inputs) == len(inputs2)
+            and all(x is y or (type(x) is int and x == y) for at, (x, y) in enumerate(zip(inputs, inputs2))
+                    if at not in fresh)
+            and len(owners) == len(owners2)
+            and all(a is b and values == values2 for (a, values), (b, values2) in zip(owners, owners2)))
 
 
 _CONSTANTS = (int, float, bool, str, type(None))  # values an assignment replays (a tensor or a container of them
@@ -178,3 +205,52 @@ def _weak(owner: object) -> Callable[[], object]:
         return weakref.ref(owner)
     except TypeError:
         return lambda: owner
+
+
+class BlockCalls:
+    """A regional step's blocks (``sparsegen.kv.regions``) called without dynamo once its guards have chosen each
+    block's graph for a cache's state: what dynamo adds to a block call is its guards over the block's ~90 inputs
+    (~170 µs a call, six calls a SmolLM2 step). ``state`` is set by the step around each call: ``(cache, the
+    state's key)``, or None (every block through ``compiled``). A block's fresh tensors are its hidden states, the
+    tensors in its layers' arguments (rotary tables, masks, positions) and the cache's ``step``'s; its recordings
+    are confirmed (``GraphCall``'s ``confirm``)."""
+
+    def __init__(self, compiled: Callable, function: Callable):
+        self.compiled, self.function = compiled, function
+        self.region = compiled._isolate_recompiles_id
+        self.state: tuple | None = None
+        self.replayed = 0  # block calls of the current step that ran a recorded graph
+        # cache: {(state, the block's first layer): its graph}, one state's (a new state's forget the last's buffers)
+        self._graphs: weakref.WeakKeyDictionary[object, dict[tuple, GraphCall]] = weakref.WeakKeyDictionary()
+
+    def __call__(self, layers: tuple, hidden: torch.Tensor, calls: tuple) -> torch.Tensor:
+        if self.state is None:
+            return self.compiled(layers, hidden, calls)
+        cache, state = self.state
+        graphs = self._graphs.setdefault(cache, {})
+        key = state, id(layers[0])
+        graph = graphs.get(key)
+        if graph is None or not still_cached(self.function, self.region, graph):
+            arguments = {"layers": layers, "hidden": hidden, "calls": calls}
+            graph = graph_passing_guards(self.function, self.region, arguments)
+            if graph is None:
+                return self.compiled(layers, hidden, calls)  # (none passes: dynamo compiles one)
+            if any(known_state != state for known_state, _ in graphs):
+                graphs.clear()
+            graph.confirm = True
+            graphs[key] = graph
+        self.replayed += graph.recorded is not None
+        return graph((layers, hidden, calls), _tensors((hidden, calls, vars(cache.step)), []))
+
+
+def _tensors(value, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor in ``value``'s tuples, lists and dictionaries, in order, appended to ``found``."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found)
+    return found

@@ -139,6 +139,7 @@ class DecodeStep:
         self._run = self.eager
         self._region: int | None = None  # the compiled step's own graphs in dynamo's cache
         self.direct_calls = False  # whether a state's graph, once chosen by dynamo's guards, is called directly
+        self._blocks: graph_calls.BlockCalls | None = None  # (regional, where it calls blocks directly)
         self.block_size = block_size(model) if self.mode == "regional" else None
         self._shapes: set[tuple] = set()  # (batch, slots) a regional step has run (the first of one compiles)
         if self.mode == "whole":
@@ -147,7 +148,11 @@ class DecodeStep:
             self.direct_calls = graph_calls.available(compiled)
             self._region = getattr(compiled, "_isolate_recompiles_id", None)
         elif self.mode == "regional":
-            self._run = partial(self._regional, _compiled_block())
+            compiled = _compiled_block()
+            if graph_calls.available(compiled):
+                self._blocks = graph_calls.BlockCalls(compiled, run_block)
+            self.direct_calls = self._blocks is not None
+            self._run = partial(self._regional, self._blocks or compiled)
 
     def eager(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The step uncompiled (what the compiled step traces)."""
@@ -176,17 +181,19 @@ class DecodeStep:
         token, position = _unit_stride(token), _unit_stride(position)
         # (a stance the caller set goes through dynamo)
         direct = compiled and self.direct_calls and graph_calls.no_stance()
-        graphs = self._graphs.setdefault(cache, {}) if direct else {}
         state = self._state(cache, token, position) if direct else None
-        graph = graphs.get(state)
+        graphs = self._graphs.setdefault(cache, {}) if direct and self._blocks is None else None
+        graph = graphs.get(state) if graphs is not None else None
         unguarded = graph is not None and graph_calls.still_cached(_step, self._region, graph)
+        if self._blocks is not None:  # (its blocks' graphs, kept by state: ``BlockCalls``)
+            self._blocks.state, self._blocks.replayed = ((cache, state) if direct else None), 0
         started = time.perf_counter()
         with cache.fixed_shape_step():
-            if direct and not unguarded:
+            if graphs is not None and not unguarded:
                 arguments = {"model": self.model, "cache": cache, "token": token, "position": position}
                 graph = graph_calls.graph_passing_guards(_step, self._region, arguments)
             if graph is not None:
-                logits = graph(self.model, cache, token, position)
+                logits = graph((self.model, cache, token, position), (token, position))
             elif compiled and self.mode == "regional":
                 # watched (a notice while it waits) at a shape's first step; a state within a known shape that
                 # compiles anew (rolling sinks passing their budget) is told and counted once it is done
@@ -200,6 +207,9 @@ class DecodeStep:
                     with _compiling(token.shape[0], cache, self.notice, unit):
                         logits = run(cache, token, position)
                     self._shapes.add(shape)
+                if self._blocks is not None:
+                    unguarded = self._blocks.replayed == len(cache._blocks.blocks)
+                    self._blocks.state = None
             elif compiled:
                 with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
                     logits = run(cache, token, position)

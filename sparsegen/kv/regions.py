@@ -65,7 +65,10 @@ class BlockStep:
         if len(self.calls) < len(layers):
             return hidden  # (the block runs at its last layer, from this input on)
         calls, self.calls = tuple(self.calls), []
-        self.cache.step.memo.clear()  # (what one block memoized is the next one's to compute: one graph for all)
+        # (no memo in a block: what one block memoized would be the next one's to compute (one graph for all), and a
+        # memo filled inside a graph is a dictionary dynamo's code fills after it, which a direct call could not
+        # replay; the graph computes what the layers share once anyway, as its common subexpressions)
+        self.cache.step.memo = None
         return self.run_block(layers, hidden, calls)
 
 

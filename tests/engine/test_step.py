@@ -283,7 +283,7 @@ def test_every_decode_step_shares_the_compiled_graphs_and_counting_breaks_keeps_
     first, second = (DecodeStep(tiny_model("llama"), compile="whole") for _ in range(2))
     assert first._run.func is second._run.func
     first, second = (DecodeStep(tiny_model("llama"), compile="regional") for _ in range(2))
-    assert first._run.args[0] is second._run.args[0]  # (the compiled block)
+    assert first._run.args[0].compiled is second._run.args[0].compiled  # (the compiled block, called directly)
     torch._dynamo.reset()
     model, cache, token, position = _prefilled("h2o")
     step = _through_dynamo(model)
@@ -383,7 +383,7 @@ def test_a_steady_step_calls_its_graph_on_recorded_inputs_and_makes_the_recorded
     results = []
     for replay in (True, False):
         if not replay:
-            monkeypatch.setattr(graph_calls.GraphCall, "_record", lambda self, *args: self.function(*args))
+            monkeypatch.setattr(graph_calls.GraphCall, "_record", lambda self, args, fresh: self.function(*args))
         torch._dynamo.reset()
         budget, room = _sizes(name)
         model, cache, token, position = _prefilled(name, budget=budget, **room)
@@ -569,13 +569,7 @@ def test_a_regional_step_gives_the_eager_steps_logits_kept_tokens_and_counts(nam
     model = _deep_llama() if family == "deep llama" else tiny_model(family)
     cache = {}
     for which in ("reference", "regional"):
-        cache[which] = EvictionCache(model, make_policy(name, budget), chunk_size=8, **options)
-        ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(0))
-        mask = torch.ones_like(ids)
-        mask[1, :3] = 0
-        with torch.inference_mode():
-            token = prefill(model, cache[which], ids, mask, 8).argmax(-1)
-            position = mask.sum(-1)
+        cache[which], token, position = _prefilled_with(model, name, budget, options)
     step = _regional(model, monkeypatch)
     torch._dynamo.utils.counters.clear()
     expected = _decode(DecodeStep(model), model, cache["reference"], token, position)
@@ -591,6 +585,80 @@ def test_a_regional_step_gives_the_eager_steps_logits_kept_tokens_and_counts(nam
         assert (ours.used, ours.peak_tokens) == (theirs.used, theirs.peak_tokens)
         assert torch.equal(_kept(ours), _kept(theirs))
     assert cache["regional"].block_step is None  # (only during a step)
+
+
+@pytest.mark.parametrize("name, family", [(name, "deep llama") for name in ("full", "streaming", "h2o")]
+                         + [("h2o", "gemma3")])
+def test_a_regional_steps_steady_blocks_run_their_graphs_without_dynamo_and_give_the_eager_logits(name, family,
+                                                                                                   monkeypatch):
+    """Each block's graph, once dynamo's guards have chosen it for a state, is recorded on two calls and, where both
+    recorded the same inputs, called on them from the third (``graph_calls.BlockCalls``): the eager step's logits,
+    the same logits, kept tokens and counts as every block through dynamo, and every block of a steady step direct
+    (rolling sinks: a second state, once they may evict)."""
+    import sparsegen.engine.step as decoding
+
+    budget, room = _sizes(name)
+    model = _deep_llama() if family == "deep llama" else tiny_model(family)
+    monkeypatch.setattr(decoding, "BLOCK_LAYERS", 2)
+    results = []
+    for direct in (True, False):
+        torch._dynamo.reset()
+        compiled = torch.compile(decoding.run_block, fullgraph=True, backend="eager", isolate_recompiles=True)
+        monkeypatch.setattr(decoding, "_compiled_block", lambda: compiled)
+        (cache, token, position), (reference, _, _) = (_prefilled_with(model, name, budget, room) for _ in range(2))
+        step = DecodeStep(model, compile="regional")
+        step.direct_calls = direct
+        logits = _decode(step, model, cache, token, position)
+        results.append((logits, cache, step))
+        if direct:
+            torch.testing.assert_close(logits, _decode(DecodeStep(model), model, reference, token, position),
+                                       rtol=1e-5, atol=1e-5)
+            assert step.unguarded_steps == STEPS - 3 * _graph_states(cache)
+        else:
+            assert step.unguarded_steps == 0
+    (logits, cache, _), (expected, expected_cache, _) = results
+    assert torch.equal(logits, expected)
+    for ours, theirs in zip(cache.layers, expected_cache.layers):
+        assert (ours.used, ours.peak_tokens) == (theirs.used, theirs.peak_tokens)
+        assert torch.equal(_kept(ours), _kept(theirs))
+
+
+def _prefilled_with(model, name: str, budget: int | None, room: dict):
+    """``model``'s cache of two rows of ``PROMPT`` tokens (the second left-padded by 3), its next tokens and
+    positions."""
+    cache = EvictionCache(model, make_policy(name, budget), chunk_size=8, **room)
+    ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.inference_mode():
+        return cache, prefill(model, cache, ids, mask, 8).argmax(-1), mask.sum(-1)
+
+
+def test_a_confirmed_graph_call_is_replayed_only_where_its_inputs_are_the_calls_fresh_ones_or_the_same():
+    """A graph recorded with ``confirm`` is called on its recorded inputs from its third call, the call's fresh
+    tensors in their places; one whose graph reads a tensor made anew for each call outside ``fresh`` (here an
+    attribute) records two different inputs, so it is never replayed: every call runs dynamo's code, and is right."""
+
+    class Holder:
+        pass
+
+    def add(holder, x):
+        return x + holder.addend
+
+    compiled = torch.compile(add, fullgraph=True, backend="eager", isolate_recompiles=True)
+    for addend_each_call in (False, True):
+        holder = Holder()
+        holder.addend = torch.ones(3)
+        compiled(holder, torch.zeros(3))
+        graph = graph_calls.graph_passing_guards(add, compiled._isolate_recompiles_id,
+                                                 {"holder": holder, "x": torch.zeros(3)})
+        graph.confirm = True
+        for i in range(5):
+            if addend_each_call:
+                holder.addend = torch.full((3,), float(i))
+            x = torch.full((3,), 10.0 * i)
+            assert torch.equal(graph((holder, x), (x,)), x + holder.addend)
+        assert (graph.recorded is not None) == (not addend_each_call) and graph.replayable == (not addend_each_call)
 
 
 def _llama_of(layers: int, **config):
