@@ -1,20 +1,23 @@
-"""A/B in one process: ``DecodeStep``'s direct graph calls (``sparsegen.engine.graph_calls``) against the same
-compiled graphs through dynamo's public path every step, interleaved; SmolLM2 at its GGUF's widths, batch 1, caches
-filled as a prefill would leave them (docs/benchmarks.md, "The compiled step's direct calls").
+"""A/B in one process: ``DecodeStep``'s direct graph calls (``sparsegen.engine.graph_calls``: the whole step's graph,
+or a regional step's blocks) against the same compiled graphs through dynamo's public path every call, interleaved;
+SmolLM2 at its GGUF's widths, batch 1, caches filled as a prefill would leave them (docs/benchmarks.md, "The compiled
+step's direct calls").
 
-    python scripts/direct_calls_ab.py
+    python scripts/direct_calls_ab.py [regional|whole ...]   # default: both
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
+import sys
 import time
 
 import torch
 
 import sparsegen
 from sparsegen.bench.fill import fill_random
-from sparsegen.engine.step import DecodeStep
+from sparsegen.engine.step import COMPILE_MODES, DecodeStep
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.models.spec import kv_shape
 
@@ -47,8 +50,8 @@ def interleaved_times(steps: dict[str, DecodeStep], caches: dict, token: torch.T
 def main() -> None:
     torch.set_num_threads(2)
     model, _ = sparsegen.load("smollm2")
-    for policy, budget, context in SHAPES:
-        steps = {"direct": DecodeStep(model), "public": DecodeStep(model)}
+    for mode, (policy, budget, context) in itertools.product(sys.argv[1:] or COMPILE_MODES, SHAPES):
+        steps = {"direct": DecodeStep(model, compile=mode), "public": DecodeStep(model, compile=mode)}
         steps["public"].direct_calls = False  # every step through dynamo: its guards, its bytecode
         caches = {name: filled_cache(model, policy, budget, context) for name in steps}
         token, position = torch.tensor([5]), torch.tensor([context])
@@ -58,7 +61,7 @@ def main() -> None:
                     step(caches[name], token, position)
             times = interleaved_times(steps, caches, token, position)
         direct, public = (statistics.median(times[name]) * 1e3 for name in ("direct", "public"))
-        print(f"{policy} {context}: direct {direct:.2f} ms, public {public:.2f} ms, public/direct "
+        print(f"{mode} {policy} {context}: direct {direct:.2f} ms, public {public:.2f} ms, public/direct "
               f"{public / direct:.3f}; unguarded {steps['direct'].unguarded_steps}/{steps['direct'].compiled_steps}")
 
 
