@@ -210,35 +210,47 @@ def _weak(owner: object) -> Callable[[], object]:
 class BlockCalls:
     """A regional step's blocks (``sparsegen.kv.regions``) called without dynamo once its guards have chosen each
     block's graph for a cache's state: what dynamo adds to a block call is its guards over the block's ~90 inputs
-    (~170 µs a call, six calls a SmolLM2 step). ``state`` is set by the step around each call: ``(cache, the
-    state's key)``, or None (every block through ``compiled``). A block's fresh tensors are its hidden states, the
+    (~170 µs a call, six calls a SmolLM2 step). The step calls ``begin`` with its cache's state before its blocks
+    and ``end`` after them. A block's fresh tensors are its hidden states, the
     tensors in its layers' arguments (rotary tables, masks, positions) and the cache's ``step``'s; its recordings
     are confirmed (``GraphCall``'s ``confirm``)."""
 
     def __init__(self, compiled: Callable, function: Callable):
         self.compiled, self.function = compiled, function
         self.region = compiled._isolate_recompiles_id
-        self.state: tuple | None = None
         self.replayed = 0  # block calls of the current step that ran a recorded graph
-        # cache: {(state, the block's first layer): its graph}, one state's (a new state's forget the last's buffers)
-        self._graphs: weakref.WeakKeyDictionary[object, dict[tuple, GraphCall]] = weakref.WeakKeyDictionary()
+        self._cache = None  # the current step's cache (None: every block through dynamo)
+        self._current: dict[int, GraphCall] = {}  # its state's graphs, by the block's first layer
+        # cache: (its last state, that state's graphs): one state's (a new state's forget the last's buffers)
+        self._graphs: weakref.WeakKeyDictionary[object, tuple[tuple, dict[int, GraphCall]]] = \
+            weakref.WeakKeyDictionary()
+
+    def begin(self, cache, state: tuple | None) -> None:
+        """Before a step's blocks: ``cache``'s state (``DecodeStep._state``; compared once a step, not hashed once a
+        block: it has a thousand entries), or None (every block through dynamo)."""
+        self.replayed, self._cache = 0, cache if state is not None else None
+        if state is not None:
+            known = self._graphs.get(cache)
+            if known is None or known[0] != state:
+                known = self._graphs[cache] = state, {}
+            self._current = known[1]
+
+    def end(self) -> None:
+        """After a step's blocks (``replayed`` stays readable)."""
+        self._cache, self._current = None, {}
 
     def __call__(self, layers: tuple, hidden: torch.Tensor, calls: tuple) -> torch.Tensor:
-        if self.state is None:
+        cache = self._cache
+        if cache is None:
             return self.compiled(layers, hidden, calls)
-        cache, state = self.state
-        graphs = self._graphs.setdefault(cache, {})
-        key = state, id(layers[0])
-        graph = graphs.get(key)
+        graph = self._current.get(id(layers[0]))
         if graph is None or not still_cached(self.function, self.region, graph):
             arguments = {"layers": layers, "hidden": hidden, "calls": calls}
             graph = graph_passing_guards(self.function, self.region, arguments)
             if graph is None:
                 return self.compiled(layers, hidden, calls)  # (none passes: dynamo compiles one)
-            if any(known_state != state for known_state, _ in graphs):
-                graphs.clear()
             graph.confirm = True
-            graphs[key] = graph
+            self._current[id(layers[0])] = graph
         self.replayed += graph.recorded is not None
         return graph((layers, hidden, calls), _tensors((hidden, calls, vars(cache.step)), []))
 

@@ -160,8 +160,12 @@ class DecodeStep:
 
     def _regional(self, run: Callable, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The step with its decoder layers run a block at a time through ``run`` (``sparsegen.kv.regions``)."""
-        with block_step(cache, self.model, self.block_size, run):
-            return _step(self.model, cache, token, position)
+        try:
+            with block_step(cache, self.model, self.block_size, run):
+                return _step(self.model, cache, token, position)
+        finally:
+            if self._blocks is not None:
+                self._blocks.end()  # (the cache is not held past its step, even one that failed)
 
     def __call__(self, cache, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return self._fixed(cache, token, position, compiled=True)
@@ -186,7 +190,7 @@ class DecodeStep:
         graph = graphs.get(state) if graphs is not None else None
         unguarded = graph is not None and graph_calls.still_cached(_step, self._region, graph)
         if self._blocks is not None:  # (its blocks' graphs, kept by state: ``BlockCalls``)
-            self._blocks.state, self._blocks.replayed = ((cache, state) if direct else None), 0
+            self._blocks.begin(cache, state)
         started = time.perf_counter()
         with cache.fixed_shape_step():
             if graphs is not None and not unguarded:
@@ -209,7 +213,6 @@ class DecodeStep:
                     self._shapes.add(shape)
                 if self._blocks is not None:
                     unguarded = self._blocks.replayed == len(cache._blocks.blocks)
-                    self._blocks.state = None
             elif compiled:
                 with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
                     logits = run(cache, token, position)
