@@ -218,7 +218,7 @@ class BlockCalls:
     def __init__(self, compiled: Callable, function: Callable):
         self.compiled, self.function = compiled, function
         self.region = compiled._isolate_recompiles_id
-        self.replayed = 0  # block calls of the current step that ran a recorded graph
+        self.calls = self.replayed = 0  # the current step's block calls, and those that ran a recorded graph
         self._cache = None  # the current step's cache (None: every block through dynamo)
         self._current: dict[int, GraphCall] = {}  # its state's graphs, by the block's first layer
         # cache: (its last state, that state's graphs): one state's (a new state's forget the last's buffers)
@@ -228,7 +228,8 @@ class BlockCalls:
     def begin(self, cache, state: tuple | None) -> None:
         """Before a step's blocks: ``cache``'s state (``DecodeStep._state``; compared once a step, not hashed once a
         block: it has a thousand entries), or None (every block through dynamo)."""
-        self.replayed, self._cache = 0, cache if state is not None else None
+        self.calls = self.replayed = 0
+        self._cache = cache if state is not None else None
         if state is not None:
             known = self._graphs.get(cache)
             if known is None or known[0] != state:
@@ -236,10 +237,16 @@ class BlockCalls:
             self._current = known[1]
 
     def end(self) -> None:
-        """After a step's blocks (``replayed`` stays readable)."""
+        """After a step's blocks (``all_replayed`` stays readable)."""
         self._cache, self._current = None, {}
 
+    @property
+    def all_replayed(self) -> bool:
+        """Whether every block of the last step ran its recorded graph (the step evaluated no guard)."""
+        return 0 < self.replayed == self.calls
+
     def __call__(self, layers: tuple, hidden: torch.Tensor, calls: tuple) -> torch.Tensor:
+        self.calls += 1
         cache = self._cache
         if cache is None:
             return self.compiled(layers, hidden, calls)

@@ -212,7 +212,7 @@ class DecodeStep:
                         logits = run(cache, token, position)
                     self._shapes.add(shape)
                 if self._blocks is not None:
-                    unguarded = self._blocks.replayed == len(cache._blocks.blocks)
+                    unguarded = self._blocks.all_replayed
             elif compiled:
                 with _compiling(token.shape[0], cache, self.notice):  # through dynamo: it compiles for this state
                     logits = run(cache, token, position)

@@ -42,7 +42,8 @@ class Step:
     new_index: torch.Tensor  # int64 [batch, q]: ordinal of each new token among its sequence's real tokens
     positions: torch.Tensor  # int64 [batch, q]: the positions the model rotates the new tokens with
     seen: torch.Tensor  # int64 [batch]: real tokens seen, this step included
-    memo: dict | None = field(default_factory=dict)  # what every layer of this step would compute alike, computed once
+    # what every layer of this step would compute alike, computed once (None inside a regional step's blocks)
+    memo: dict | None = field(default_factory=dict)
 
 
 class EvictionLayer(CacheLayerMixin):
