@@ -35,17 +35,17 @@ def _graphs_of(step: Callable, region: int) -> list:
     return torch._C._dynamo.eval_frame._get_cache_entries_for_region(step.__code__, region)
 
 
-def graph_passing_guards(step: Callable, region: int, arguments: dict) -> GraphCall | None:
+def graph_passing_guards(step: Callable, region: int, arguments: dict, confirm: bool = False) -> GraphCall | None:
     """The graph dynamo would run ``step`` through on these arguments, as a function that runs it without dynamo:
     the code of the first of the compiled step's graphs whose guards pass (dynamo's guard managers; its own choice),
     or None (none passes: dynamo compiles one). What dynamo adds to a steady step is mostly its guards, even under
     ``skip_guard_eval_unsafe``, which still checks every input tensor that is not a parameter (the cache's slots, the
-    packed weights)."""
+    packed weights). ``confirm``: the ``GraphCall``'s."""
     for entry in _graphs_of(step, region):
         if entry.guard_manager.check(arguments):
             if entry.code is None:  # (an entry with no code of its own, as dynamo leaves some: it runs it itself)
                 return None
-            return GraphCall(types.FunctionType(entry.code, step.__globals__, step.__name__))
+            return GraphCall(types.FunctionType(entry.code, step.__globals__, step.__name__), confirm)
     return None
 
 
@@ -211,9 +211,9 @@ class BlockCalls:
     """A regional step's blocks (``sparsegen.kv.regions``) called without dynamo once its guards have chosen each
     block's graph for a cache's state: what dynamo adds to a block call is its guards over the block's ~90 inputs
     (~170 µs a call, six calls a SmolLM2 step). The step calls ``begin`` with its cache's state before its blocks
-    and ``end`` after them. A block's fresh tensors are its hidden states, the
-    tensors in its layers' arguments (rotary tables, masks, positions) and the cache's ``step``'s; its recordings
-    are confirmed (``GraphCall``'s ``confirm``)."""
+    and ``end`` after them. A block's fresh tensors are its hidden states, the tensors in its layers' arguments
+    (rotary tables, masks, positions) and the cache's ``step``'s; its recordings are confirmed (``GraphCall``'s
+    ``confirm``)."""
 
     def __init__(self, compiled: Callable, function: Callable):
         self.compiled, self.function = compiled, function
@@ -253,10 +253,9 @@ class BlockCalls:
         graph = self._current.get(id(layers[0]))
         if graph is None or not still_cached(self.function, self.region, graph):
             arguments = {"layers": layers, "hidden": hidden, "calls": calls}
-            graph = graph_passing_guards(self.function, self.region, arguments)
+            graph = graph_passing_guards(self.function, self.region, arguments, confirm=True)
             if graph is None:
                 return self.compiled(layers, hidden, calls)  # (none passes: dynamo compiles one)
-            graph.confirm = True
             self._current[id(layers[0])] = graph
         self.replayed += graph.recorded is not None
         return graph((layers, hidden, calls), _tensors((hidden, calls, vars(cache.step)), []))

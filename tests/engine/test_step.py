@@ -651,8 +651,7 @@ def test_a_confirmed_graph_call_is_replayed_only_where_its_inputs_are_the_calls_
         holder.addend = torch.ones(3)
         compiled(holder, torch.zeros(3))
         graph = graph_calls.graph_passing_guards(add, compiled._isolate_recompiles_id,
-                                                 {"holder": holder, "x": torch.zeros(3)})
-        graph.confirm = True
+                                                 {"holder": holder, "x": torch.zeros(3)}, confirm=True)
         for i in range(5):
             if addend_each_call:
                 holder.addend = torch.full((3,), float(i))
