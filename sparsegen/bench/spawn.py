@@ -7,7 +7,9 @@ throughput the cap allows, H2O's serving measure) and end-to-end tokens/s (over 
 time to first token and inter-token latency percentiles, failed requests, peak K/V bytes and the server's peak RSS.
 ``baseline="llama.cpp"`` adds a row for llama.cpp's own server (``llama-server``, continuous batching over parallel
 slots) on the model's GGUF under the same cap: as many slots as the cap holds sessions of ``context`` tokens in
-llama.cpp's own K/V (f16), measured by the same clients.
+llama.cpp's own K/V (f16), measured by the same clients; once with its prompt cache in RAM off (``llama.cpp``: the cap
+is all it keeps) and once with its default prompt cache (``llama.cpp+cache``: a conversation whose slot went to another
+keeps its prompt in RAM beyond the cap).
 """
 
 from __future__ import annotations
@@ -268,22 +270,34 @@ def stop_server(server: subprocess.Popen, seconds: float = 30) -> None:
         server.kill()
 
 
-def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path) -> dict:
+LLAMACPP_PROMPT_CACHE = {"llama.cpp": False, "llama.cpp+cache": True}  # a baseline row's name: its prompt cache on?
+
+
+def llamacpp_server_command(binary: Path, gguf: Path, setup: SpawnSetup, slots: int, port: int,
+                            prompt_cache: bool) -> list[str]:
+    """``llama-server`` with ``slots`` parallel slots of ``context`` tokens each. Without ``prompt_cache`` its prompt
+    cache in RAM is off (``--cache-ram 0``), so that the cap is all the K/V it keeps; with it, its default cache (the
+    prompts of conversations whose slot went to another, kept beyond the cap) stays on."""
+    threads = str(setup.threads or os.cpu_count() or 1)
+    return [str(binary), "-m", str(gguf), "-c", str(slots * setup.context), "-np", str(slots), "--no-kv-unified",
+            *([] if prompt_cache else ["--cache-ram", "0"]), "--metrics", "-t", threads, "-tb", threads,
+            "-b", str(setup.chunk_size), "--host", "127.0.0.1", "--port", str(port)]
+
+
+def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path, variant: str = "llama.cpp") -> dict:
     """llama.cpp's server on the model's GGUF under ``cap``: as many parallel slots of ``context`` tokens (continuous
     batching) as its K/V allocation fits in the cap — read from its own start-up log, first for one slot, then for
-    the count chosen — its prompt cache in RAM off so that the cap is all the K/V it keeps; the same clients drive
-    it."""
+    the count chosen — driven by the same clients. ``variant`` (a key of ``LLAMACPP_PROMPT_CACHE``): ``llama.cpp`` with
+    its prompt cache in RAM off, so that the cap is all it keeps; ``llama.cpp+cache`` with its default prompt cache."""
     from sparsegen.bench import llamacpp
     from sparsegen.models.gguf import gguf_file
 
     binary, gguf = llamacpp.server_binary(), gguf_file(setup.model)
-    threads = str(setup.threads or os.cpu_count() or 1)
 
     def start(slots: int, out, *flags: str) -> tuple[subprocess.Popen, str]:
         port = free_port()
-        server = subprocess.Popen([str(binary), "-m", str(gguf), "-c", str(slots * setup.context), "-np", str(slots),
-                                   "--no-kv-unified", "--cache-ram", "0", "--metrics", "-t", threads, "-tb", threads,
-                                   "-b", str(setup.chunk_size), "--host", "127.0.0.1", "--port", str(port), *flags],
+        server = subprocess.Popen([*llamacpp_server_command(binary, gguf, setup, slots, port,
+                                                            LLAMACPP_PROMPT_CACHE[variant]), *flags],
                                   stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, server, log)
@@ -298,8 +312,8 @@ def serve_llamacpp(setup: SpawnSetup, cap: int, openings: list[str], log: Path) 
     slots = min(setup.sessions, cap // per_session)
     while slots > 1 and allocated(slots) > cap:  # (sliding-window caches do not grow by whole sessions)
         slots -= 1
-    row = {"policy": "llama.cpp", "kv_memory_bytes": cap, "engine": f"llama-server ({gguf.name})",
-           "kv_bytes_per_session": per_session}
+    row = {"policy": variant, "kv_memory_bytes": cap, "engine": f"llama-server ({gguf.name})",
+           "prompt_cache_in_ram": LLAMACPP_PROMPT_CACHE[variant], "kv_bytes_per_session": per_session}
     if slots == 0:
         return {**row, "skipped": f"one {setup.context}-token session takes {per_session / 2**20:.1f} MiB of "
                                   f"llama.cpp's K/V", "sessions_admitted": 0, "failed": 0, "server_errors": 0,
@@ -353,10 +367,10 @@ def run(setup: SpawnSetup, tokenizer, work: Path, on_row=None) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for cap in setup.kv_memory:
-        for spec in setup.policies + ([setup.baseline] if setup.baseline else []):
+        for spec in setup.policies + (list(LLAMACPP_PROMPT_CACHE) if setup.baseline else []):
             log = work / f"serve-{spec.replace(':', '-')}-{cap}.log"
-            if spec == setup.baseline:
-                row = serve_llamacpp(setup, cap, openings, log)
+            if spec in LLAMACPP_PROMPT_CACHE:
+                row = serve_llamacpp(setup, cap, openings, log, spec)
             else:
                 row = serve_one(setup, spec, cap, openings, log)
             rows.append(row)

@@ -1,6 +1,7 @@
 """``bench-serve --spawn``: real servers started per policy and cap, long conversations against them, one row each."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,17 @@ def test_the_llamacpp_baseline_without_its_server_says_how_to_build_it(monkeypat
                  "--baseline", "llama.cpp"]) == 2
 
 
+def test_the_llamacpp_baseline_runs_with_its_prompt_cache_off_and_on_and_nothing_else_differs(tmp_path):
+    from sparsegen.bench.spawn import LLAMACPP_PROMPT_CACHE, SpawnSetup, llamacpp_server_command
+
+    setup = SpawnSetup("smollm2", ["full"], [2**26], context=4096, threads=2, chunk_size=128)
+    off, on = (llamacpp_server_command(Path("llama-server"), Path("m.gguf"), setup, 3, 8080, LLAMACPP_PROMPT_CACHE[name])
+               for name in ("llama.cpp", "llama.cpp+cache"))
+    at = off.index("--cache-ram")
+    assert off[at + 1] == "0" and "--cache-ram" not in on and off[:at] + off[at + 2:] == on
+    assert on[on.index("-c") + 1] == str(3 * 4096) and on[on.index("-np") + 1] == "3" and "--no-kv-unified" in on
+
+
 def _llama_server() -> bool:
     from sparsegen.bench.llamacpp import server_binary
 
@@ -119,3 +131,7 @@ def test_llamacpps_server_runs_under_the_same_cap_and_clients(tmp_path):
     assert llama["kv_bytes_peak"] == llama["sessions_admitted"] * per_session <= 64 * 2**20
     assert llama["streamed_tokens_per_s"] > 0 and llama["tokens_per_s"] > 0 and llama["decode_tokens_per_s"] is None
     assert rows["full"]["streamed_tokens_per_s"] > 0 and llama["streamed_ratio_vs_full"] > 0
+    cached = rows["llama.cpp+cache"]  # its default prompt cache on: the same slots, every reply served
+    assert not llama["prompt_cache_in_ram"] and cached["prompt_cache_in_ram"]
+    assert cached["sessions_admitted"] == llama["sessions_admitted"] and cached["failed"] == 0
+    assert cached["completion_tokens"] == 6 * 8
