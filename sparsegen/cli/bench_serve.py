@@ -160,7 +160,7 @@ def add_parsers(sub) -> None:
                        help="one more flag for every spawned server, e.g. --serve-arg=--kv-bits=4 (repeatable)")
     spawn.add_argument("--baseline", choices=["llama.cpp"], default=None,
                        help="also run llama.cpp's server (llama-server, `make llama-server`) on the model's GGUF under "
-                            "each cap: as many parallel slots as the cap holds sessions in its own K/V; twice, with its "
-                            "prompt cache in RAM off (row llama.cpp: the cap is all it keeps) and on (llama.cpp+cache, "
-                            "its default)")
+                            "each cap: as many parallel slots as the cap holds sessions in its own K/V; twice, with "
+                            "its prompt cache in RAM off (row llama.cpp: the cap is all it keeps) and on "
+                            "(llama.cpp+cache, its default)")
     p.set_defaults(func=cmd_bench_serve)

@@ -98,8 +98,8 @@ def test_the_llamacpp_baseline_runs_with_its_prompt_cache_off_and_on_and_nothing
     from sparsegen.bench.spawn import LLAMACPP_PROMPT_CACHE, SpawnSetup, llamacpp_server_command
 
     setup = SpawnSetup("smollm2", ["full"], [2**26], context=4096, threads=2, chunk_size=128)
-    off, on = (llamacpp_server_command(Path("llama-server"), Path("m.gguf"), setup, 3, 8080, LLAMACPP_PROMPT_CACHE[name])
-               for name in ("llama.cpp", "llama.cpp+cache"))
+    off, on = (llamacpp_server_command(Path("llama-server"), Path("m.gguf"), setup, 3, 8080,
+                                       LLAMACPP_PROMPT_CACHE[name]) for name in ("llama.cpp", "llama.cpp+cache"))
     at = off.index("--cache-ram")
     assert off[at + 1] == "0" and "--cache-ram" not in on and off[:at] + off[at + 2:] == on
     assert on[on.index("-c") + 1] == str(3 * 4096) and on[on.index("-np") + 1] == "3" and "--no-kv-unified" in on
