@@ -1,11 +1,37 @@
-// What sparsegen's C++ kernels share on x86: AVX2 code paths (functions compiled for AVX2, FMA and F16C, which a
-// kernel calls only after checking the CPU at run time; the rest of the extension runs on any x86-64 or other CPU).
+// What sparsegen's C++ kernels share on x86: AVX2 code paths (functions compiled for AVX2, FMA and F16C, and some
+// also for AVX-512 VNNI, which a kernel calls only after checking the CPU at run time: simd_level; the rest of the
+// extension runs on any x86-64 or other CPU).
 #pragma once
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <c10/util/Exception.h>
 #include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
 #define SPARSEGEN_X86 1
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+enum class Simd { kScalar, kAvx2, kAvx512Vnni };
+
+// The widest instructions this CPU gives the kernels, capped by SPARSEGEN_KERNELS ("scalar" or "avx2": the paths a
+// CPU without them takes, which the tests force).
+inline Simd simd_level() {
+  static const Simd level = [] {
+    const char* cap = std::getenv("SPARSEGEN_KERNELS");
+    TORCH_CHECK(cap == nullptr || *cap == '\0' || std::strcmp(cap, "scalar") == 0 || std::strcmp(cap, "avx2") == 0,
+                "SPARSEGEN_KERNELS=", cap, ": give scalar or avx2 (the widest path the kernels may take), or unset it");
+    if ((cap != nullptr && std::strcmp(cap, "scalar") == 0) || !__builtin_cpu_supports("avx2") ||
+        !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+      return Simd::kScalar;
+    if ((cap != nullptr && std::strcmp(cap, "avx2") == 0) || !__builtin_cpu_supports("avx512vnni") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512bw"))
+      return Simd::kAvx2;
+    return Simd::kAvx512Vnni;
+  }();
+  return level;
+}
 
 // The sum of a vector's eight lanes.
 AVX2 static inline float lanes_sum(__m256 lanes) {

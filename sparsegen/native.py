@@ -1,8 +1,9 @@
 """sparsegen's C++ kernels, the shared layer under ``quant`` (the w8a8 and w4a8 linears) and ``kv`` (decode
 attention): the ``sparsegen`` op library, and one ``cpp_extension`` build of every kernel source, once a process
 (~30 s the first time, then cached by PyTorch in ``~/.cache/torch_extensions``). ``torch.compile`` keeps each op
-whole in its graph, by its fake (shape) function. Each kernel takes AVX2 where the CPU has it, a portable path
-otherwise (``SPARSEGEN_SCALAR_KERNELS=1`` forces that one, as the tests do)."""
+whole in its graph, by its fake (shape) function. Each kernel takes AVX2 where the CPU has it (the w4a8, w5a8 and Q8_0
+dot products AVX-512 VNNI, where it has that), a portable path otherwise (``SPARSEGEN_KERNELS=avx2`` or ``=scalar``
+caps the path, as the tests do)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 LIBRARY = torch.library.Library("sparsegen", "DEF")
 SOURCES = ("quant/w8a8_linear.cpp", "quant/w4a8_linear.cpp", "kv/decode_attention.cpp")
-HEADER = "avx2.h"  # (what the AVX2 paths share)
+HEADERS = ("avx2.h", "quant/w4a8_dots.h")  # (the AVX2 paths share one; the w4a8 kernel includes the other twice)
 
 
 @functools.cache
@@ -36,8 +37,8 @@ def build() -> str | None:
         if not any(root.glob(f"**/{name}/{name}.so")):  # (else a silent half minute)
             print("sparsegen: building its C++ kernels, once (~30 s; cached in ~/.cache/torch_extensions)",
                   file=sys.stderr, flush=True)
-        # (PyTorch rebuilds when a source or a flag changes, not a header: the header's digest is a flag)
-        header = hashlib.sha256((package / HEADER).read_bytes()).hexdigest()[:16]
+        # (PyTorch rebuilds when a source or a flag changes, not a header: the headers' digest is a flag)
+        header = hashlib.sha256(b"".join((package / name).read_bytes() for name in HEADERS)).hexdigest()[:16]
         cpp_extension.load(name, [str(package / source) for source in SOURCES],
                            extra_cflags=["-O3", "-fopenmp", f"-DSPARSEGEN_HEADER={header}"],
                            extra_ldflags=["-fopenmp"], is_python_module=False)  # (ATen's parallel_for is inlined)

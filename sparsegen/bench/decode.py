@@ -41,6 +41,7 @@ from sparsegen.kv.quantized import policy_and_bits
 from sparsegen.memory import PeakMemory, available_bytes
 from sparsegen.models.anatomy import weights_of
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
+from sparsegen.quant.fast import kernel_path
 
 BASELINES = ("dense", "recompute")
 SYNC_STEPS = 2  # decode steps whose host reads are counted, after the timed ones
@@ -106,7 +107,8 @@ class Setup:
         return {
             "model": self.model_name, "random_weights": self.random_weights, "device": str(device),
             "weights": weights_of(self.model),
-            "machine": machine, "vector_extensions": flags, "dtype": str(self.dtype).removeprefix("torch."),
+            "machine": machine, "vector_extensions": flags, "kernels": None if device.type == "cuda" else kernel_path(),
+            "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "compiled": self.compiled,
             "prefill": self.prefill, "contextual": self.contextual,

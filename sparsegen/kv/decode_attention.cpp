@@ -424,11 +424,6 @@ AVX2 void chunk_avx2(Problem<T>& p, int64_t task) {
   }
 }
 
-bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the portable path, as a CPU without AVX2 runs it; tests use it)
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c") && std::getenv("SPARSEGEN_SCALAR_KERNELS") == nullptr;
-  return supported;
-}
 #endif
 
 void check_rows(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t batch, int64_t heads,
@@ -473,7 +468,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   p.sums.resize(tasks * group);
   p.outputs.resize(tasks * group * value_dim);
 #ifdef SPARSEGEN_X86
-  const bool vector = has_avx2() && dim % 8 == 0 && value_dim % 64 == 0;
+  const bool vector = simd_level() != Simd::kScalar && dim % 8 == 0 && value_dim % 64 == 0;
 #endif
   p.spans.resize(tasks);
   for (int64_t task = 0; task < tasks; ++task) p.spans[task] = p.span(task);

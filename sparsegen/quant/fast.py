@@ -229,6 +229,12 @@ def _code_slots(groups: int) -> torch.Tensor:
     return torch.where(block < groups // 2 * 2, paired, block * 32 + i)
 
 
+def kernel_path() -> str:
+    """Which dot products the w4a8, w5a8 and Q8_0 kernels take here: ``avx512-vnni``, ``avx2``, ``scalar`` (the C++
+    kernels' paths, by the CPU and ``SPARSEGEN_KERNELS``), or ``python`` (they could not be built)."""
+    return torch.ops.sparsegen_cpu.simd() if _native_kernels() == "c++" else "python"
+
+
 @functools.cache
 def _native_kernels() -> str:
     """Give ``sparsegen::w8a8_linear``, ``w4a8_linear``, ``w5a8_linear`` and ``q8_0_linear`` their CPU kernels, once:

@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "../avx2.h"
@@ -134,137 +135,19 @@ float dot_q8_0_scalar(const int8_t* codes, const uint8_t* scales, QuantizedRow& 
 }
 
 #ifdef SPARSEGEN_X86
-// ROWS input rows against one Q8_0 weight row, as llama.cpp's AVX2 Q8_0 dot product: |code| times q with code's sign
-// (unsigned times signed bytes, pair sums of at most 2 * 127 * 127: 16 bits never saturate); one row alternates two
-// accumulators, as dot_avx2 does.
-template <int ROWS>
-AVX2 void dot_q8_0_avx2(const int8_t* codes, const uint8_t* scales, const QuantizedRow* rows, int64_t blocks,
-                        float* out, int64_t stride) {
-  constexpr int kChains = ROWS == 1 ? 2 : ROWS;
-  __m256 sums[kChains];
-  for (int c = 0; c < kChains; ++c) sums[c] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  alignas(32) float steps[ROWS][8];  // (d * dx of eight blocks, each row: one conversion and one product for eight)
-  for (int64_t first = 0; first < blocks; first += 8) {
-    const int64_t count = blocks - first < 8 ? blocks - first : 8;
-    for (int r = 0; r < ROWS; ++r) {
-      if (count == 8) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * first)));
-        _mm256_store_ps(steps[r], _mm256_mul_ps(d, _mm256_loadu_ps(rows[r].scale.data() + first)));
-      } else {
-        for (int64_t k = 0; k < count; ++k)
-          steps[r][k] = half_bits(scales + 2 * (first + k)) * rows[r].scale[first + k];
-      }
-    }
-    for (int64_t k = 0; k < count; ++k) {
-      const int64_t b = first + k;
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kBlock));
-      const __m256i magnitude = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r].codes.data() + b * kBlock));
-        const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, w)), ones);
-        const int c = ROWS == 1 ? k % 2 : r;
-        sums[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&steps[r][k]), _mm256_cvtepi32_ps(products), sums[c]);
-      }
-    }
-  }
-  if (ROWS == 1) sums[0] = _mm256_add_ps(sums[0], sums[kChains - 1]);
-  for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]);
-}
+namespace avx2 {
+#define SIMD AVX2
+#include "w4a8_dots.h"
+#undef SIMD
+}  // namespace avx2
 
-// A pair of blocks' codes, low nibbles (codes 0-15 of each) and high (16-31), and scales spread to their sums' lanes.
-struct PairCodes {
-  __m256i low, high;
-  __m256 scales;
-};
-
-// Bit ``bit`` of each byte of a plane, moved to bit 4 (16 where it is set, else 0): one 16-bit shift and a mask (bits
-// a shift carries across bytes land outside bit 4). ``bit`` is a constant where the callers' loops unroll.
-AVX2 inline __m256i fifth_bits(__m256i plane, int bit) {
-  const __m256i moved = bit <= 4 ? _mm256_slli_epi16(plane, 4 - bit) : _mm256_srli_epi16(plane, bit - 4);
-  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
-}
-
-AVX2 inline __m256i load_plane(const uint8_t* weights, int64_t blocks, int64_t pair) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 20 * blocks + pair / 4 * 32));
-}
-
-// A pair's codes; 5 bits: ``plane`` is its plane, ``bit`` its place there (pair % 4).
-template <int kBits>
-AVX2 inline PairCodes pair_codes(const uint8_t* weights, int64_t blocks, int64_t pair, __m256i plane, int bit) {
-  const __m256i nibble = _mm256_set1_epi8(0xF);
-  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 4 * blocks + pair * 32));
-  int32_t two_scales;
-  std::memcpy(&two_scales, weights + pair * 4, 4);
-  const __m256 scales = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two_scales)));
-  PairCodes codes{_mm256_and_si256(packed, nibble), _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
-                  _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))};
-  if (kBits == 5) {
-    codes.low = _mm256_or_si256(codes.low, fifth_bits(plane, bit));
-    codes.high = _mm256_or_si256(codes.high, fifth_bits(plane, bit + 4));
-  }
-  return codes;
-}
-
-// sum(code * q) of the pair's two blocks, four lanes each: unsigned codes (0-31) times signed q, pair sums of at most
-// 2 * 31 * 127, two of them added: 16 bits never saturate.
-AVX2 inline __m256 pair_sums(const PairCodes& codes, const int8_t* q) {
-  const __m256i low = _mm256_maddubs_epi16(codes.low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  const __m256i high = _mm256_maddubs_epi16(codes.high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(low, high), _mm256_set1_epi16(1)));
-}
-
-// sum(m * dx * sum(q)) over a row's blocks, eight at a time, and its odd last block's whole product.
-template <int kBits>
-AVX2 inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& row, int64_t blocks) {
-  const uint8_t* minimums = weights + 2 * blocks;
-  __m256 sums = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimums + 2 * b)));
-    sums = _mm256_fmadd_ps(m, _mm256_loadu_ps(row.scaled_sum.data() + b), sums);
-  }
-  float total = lanes_sum(sums);
-  for (; b < blocks; ++b) total += _cvtsh_ss(minimums[2 * b] | (minimums[2 * b + 1] << 8)) * row.scaled_sum[b];
-  if (blocks % 2) {  // (the odd last block: codes 0-15 low, 16-31 high, q in its own order)
-    const int64_t last = blocks - 1;
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
-    __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
-    if (kBits == 5) codes = _mm256_or_si256(codes, fifth_bits(load_plane(weights, blocks, last / 2), last / 2 % 4));
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes.data() + last * kBlock));
-    const __m256 sums_last =
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1)));
-    total += _cvtsh_ss(weights[2 * last] | (weights[2 * last + 1] << 8)) * row.scale[last] * lanes_sum(sums_last);
-  }
-  return total;
-}
-
-// ROWS input rows against one weight row: each pair's codes unpacked once for every row (a batch of decode steps or
-// a prefill chunk is bound by these instructions, not by bytes), one accumulator per row; one row alternates two,
-// as a single chain of fused multiply-adds would wait on its own latency.
-template <int ROWS, int kBits>
-AVX2 void dot_avx2(const uint8_t* weights, const QuantizedRow* rows, int64_t blocks, float* out, int64_t stride) {
-  constexpr int kChains = ROWS == 1 ? 2 : ROWS;
-  __m256 sums[kChains];
-  for (int c = 0; c < kChains; ++c) sums[c] = _mm256_setzero_ps();
-  const int64_t pairs = blocks / 2;
-  for (int64_t first = 0; first < pairs; first += 4) {  // (a plane's four pairs, unrolled: its shifts are constants)
-    const __m256i plane = kBits == 5 ? load_plane(weights, blocks, first) : _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int bit = 0; bit < 4; ++bit) {
-      const int64_t pair = first + bit;
-      if (pair == pairs) break;
-      const PairCodes codes = pair_codes<kBits>(weights, blocks, pair, plane, bit);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256 scales = _mm256_mul_ps(codes.scales, _mm256_loadu_ps(rows[r].pair_scales.data() + pair * 8));
-        const int c = ROWS == 1 ? bit % 2 : r;
-        sums[c] = _mm256_fmadd_ps(scales, pair_sums(codes, rows[r].codes.data() + pair * 2 * kBlock), sums[c]);
-      }
-    }
-  }
-  if (ROWS == 1) sums[0] = _mm256_add_ps(sums[0], sums[kChains - 1]);
-  for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]) + minimums_and_last<kBits>(weights, rows[r], blocks);
-}
+namespace vnni {
+#define SIMD AVX512_VNNI
+#define SPARSEGEN_VNNI
+#include "w4a8_dots.h"
+#undef SPARSEGEN_VNNI
+#undef SIMD
+}  // namespace vnni
 
 // quantize_row's work with AVX2 (the same values: round half to even, the same float operations), a block at a time.
 AVX2 void quantize_row_avx2(const float* x, int64_t blocks, QuantizedRow& row) {
@@ -306,18 +189,13 @@ AVX2 void quantize_row_avx2(const float* x, int64_t blocks, QuantizedRow& row) {
   }
 }
 
-bool has_avx2() {  // (SPARSEGEN_SCALAR_KERNELS set: the scalar path, as a CPU without AVX2 runs it; tests use it)
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c") && std::getenv("SPARSEGEN_SCALAR_KERNELS") == nullptr;
-  return supported;
-}
 #endif
 
 // Every row of ``flat`` quantized (``paired``: in code_slot's order), a prefill chunk's rows split across threads.
 std::vector<QuantizedRow> quantized_rows(const at::Tensor& flat, int64_t count, bool paired) {
   const int64_t rows = flat.size(0), in_features = flat.size(1);
 #ifdef SPARSEGEN_X86
-  const bool vector = has_avx2();
+  const bool vector = simd_level() != Simd::kScalar;
 #endif
   std::vector<QuantizedRow> quantized(rows);
   at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {
@@ -343,8 +221,9 @@ struct BlocksKernel {
   int64_t stride, count;  // (stride: row_bytes(kBits, count), checked by the caller)
 #ifdef SPARSEGEN_X86
   template <int ROWS>
-  void dot(int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
-    dot_avx2<ROWS, kBits>(row(n), rows, count, out, out_stride);
+  void dot(bool vnni, int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
+    if (vnni) return vnni::dot<ROWS, kBits>(row(n), rows, count, out, out_stride);
+    avx2::dot<ROWS, kBits>(row(n), rows, count, out, out_stride);
   }
 #endif
   const uint8_t* row(int64_t n) const { return weights + n * stride; }
@@ -359,8 +238,9 @@ struct Q8_0Kernel {
   int64_t count;
 #ifdef SPARSEGEN_X86
   template <int ROWS>
-  void dot(int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
-    dot_q8_0_avx2<ROWS>(row(n), scales + n * count * 2, rows, count, out, out_stride);
+  void dot(bool vnni, int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
+    if (vnni) return vnni::dot_q8_0<ROWS>(row(n), scales + n * count * 2, rows, count, out, out_stride);
+    avx2::dot_q8_0<ROWS>(row(n), scales + n * count * 2, rows, count, out, out_stride);
   }
 #endif
   const int8_t* row(int64_t n) const { return codes + n * row_bytes(); }  // (its codes; its scales lie apart)
@@ -379,7 +259,8 @@ at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<Quanti
   at::Tensor out = at::empty({rows, out_features}, x.options());
   float* y = out.data_ptr<float>();
 #ifdef SPARSEGEN_X86
-  const bool vector = has_avx2();
+  const Simd level = simd_level();
+  const bool vector = level != Simd::kScalar, vnni = level == Simd::kAvx512Vnni;
 #endif
   const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / kernel.row_bytes());
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
@@ -391,8 +272,9 @@ at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<Quanti
       int64_t r = 0;
 #ifdef SPARSEGEN_X86
       if (vector) {
-        for (; r + 4 <= rows; r += 4) kernel.template dot<4>(n, &quantized[r], y + r * out_features + n, out_features);
-        for (; r < rows; ++r) kernel.template dot<1>(n, &quantized[r], y + r * out_features + n, 0);
+        for (; r + 4 <= rows; r += 4)
+          kernel.template dot<4>(vnni, n, &quantized[r], y + r * out_features + n, out_features);
+        for (; r < rows; ++r) kernel.template dot<1>(vnni, n, &quantized[r], y + r * out_features + n, 0);
       }
 #endif
       for (; r < rows; ++r) y[r * out_features + n] = kernel.scalar(n, quantized[r]);
@@ -434,7 +316,21 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return outputs(x, kernel, quantized, out_features);
 }
 
+// The dot products the w4a8, w5a8 and Q8_0 kernels take on this CPU (simd_level): what a benchmark records.
+std::string simd_name() {
+#ifdef SPARSEGEN_X86
+  switch (simd_level()) {
+    case Simd::kAvx512Vnni: return "avx512-vnni";
+    case Simd::kAvx2: return "avx2";
+    case Simd::kScalar: break;
+  }
+#endif
+  return "scalar";
+}
+
 }  // namespace
+
+TORCH_LIBRARY(sparsegen_cpu, m) { m.def("simd() -> str", simd_name); }
 
 TORCH_LIBRARY_IMPL(sparsegen, CPU, m) {
   m.impl("w4a8_linear", linear<4>);

@@ -155,7 +155,7 @@ def test_bad_operands_are_refused_with_what_is_expected():
 
 @pytest.mark.heavy
 def test_the_portable_path_is_the_reference_too():
-    """The path a CPU without AVX2 takes, forced by ``SPARSEGEN_SCALAR_KERNELS``, in a process of its own."""
+    """The path a CPU without AVX2 takes, forced by ``SPARSEGEN_KERNELS=scalar``, in a process of its own."""
     script = """
 import torch
 from tests.kv.test_native_attention import _case, reference
@@ -170,7 +170,7 @@ widened = reference(query, key.half().float(), value.half().float(), tuple(x.hal
                     None, None, 0.125)[0]
 print(float((half - widened).abs().max()) < 1e-5)
 """
-    env = {**os.environ, "SPARSEGEN_SCALAR_KERNELS": "1"}
+    env = {**os.environ, "SPARSEGEN_KERNELS": "scalar"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout
     assert out.split() == ["True", "True", "True"], out
 

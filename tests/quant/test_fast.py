@@ -170,20 +170,20 @@ def test_block_kernel_is_its_reference_and_a_gguf_weight_lands_on_its_own_grid(w
     kind, on_grid, bits = BLOCK_KERNELS[weights]
     op = getattr(torch.ops.sparsegen, f"{weights}_linear")
     torch.manual_seed(0)
-    linear = torch.nn.Linear(608, 192)  # (19 blocks: the kernel takes two a turn)
+    linear = torch.nn.Linear(608, 190)  # (19 blocks: the kernel takes two a turn; 190 outputs: four a turn)
     with torch.no_grad():
-        linear.weight.copy_(on_grid(192, 608))
+        linear.weight.copy_(on_grid(190, 608))
     kernel = kind(linear)
     assert fast._native_kernels() == "c++"
     assert torch.equal(kernel.dequantized(), linear.weight)  # (a GGUF's weights, back on their grid)
     # 5 bits a weight, as Q4_1; w5a8: 6 and the last plane of fifth bits rounded up (19 blocks: 3 planes of 32 bytes)
-    assert kernel.blocks.shape == (192, 19 * 20 + (3 * 32 if bits == 5 else 0))
+    assert kernel.blocks.shape == (190, 19 * 20 + (3 * 32 if bits == 5 else 0))
     for rows in (1, 5, 40):
         x = torch.randn(rows, 608) * torch.linspace(0.1, 10, rows)[:, None]
         x[0, 7] = 0  # (a zero block of inputs is not a division by zero)
         x[0, :32] = 0
-        called = op(x, kernel.blocks, 192)
-        reference = fast.blocks_reference(x, kernel.blocks, 192, bits)
+        called = op(x, kernel.blocks, 190)
+        reference = fast.blocks_reference(x, kernel.blocks, 190, bits)
         torch.testing.assert_close(called, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
         exact = x @ linear.weight.T
         assert ((kernel(x) - linear.bias - exact).norm() / exact.norm()) < 0.01  # (8-bit inputs: ~0.3% here)
@@ -319,7 +319,7 @@ def test_q8_0_kernel_is_its_reference_on_either_path(shape):
     script = f"""
 import torch
 from sparsegen.quant import fast
-kernels = fast._native_kernels()
+kernels = fast.kernel_path()
 codes = torch.randint(-127, 128, {shape}, dtype=torch.int8)
 scales = (torch.rand({out}, {width // 32}) * 1e-2).half()
 x = torch.randn(5, {width})
@@ -327,9 +327,9 @@ reference = fast.q8_0_reference(x, codes, scales, {out})
 error = (torch.ops.sparsegen.q8_0_linear(x, codes, scales, {out}) - reference).abs().max() / reference.abs().max()
 print(kernels, float(error) < 1e-5)
 """
-    env = {**os.environ, "SPARSEGEN_SCALAR_KERNELS": "1"}
+    env = {**os.environ, "SPARSEGEN_KERNELS": "scalar"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
-    assert result.stdout.split() == ["c++", "True"], result.stdout
+    assert result.stdout.split() == ["scalar", "True"], result.stdout
     with pytest.raises(RuntimeError, match="codes must be int8 .out_features, in_features."):
         torch.ops.sparsegen.q8_0_linear(torch.randn(1, width), codes.T.contiguous(), scales, out)
 
@@ -358,7 +358,7 @@ def test_a_gguf_models_tied_head_multiplies_by_its_tables_own_blocks():
 @pytest.mark.heavy
 @pytest.mark.parametrize("weights", BLOCK_KERNELS)
 def test_block_kernels_scalar_path_is_the_reference_too(weights):
-    """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_SCALAR_KERNELS``), in a process of its own."""
+    """The path a CPU without AVX2 takes (forced here by ``SPARSEGEN_KERNELS=scalar``), in a process of its own."""
     import os
     import subprocess
 
@@ -372,11 +372,48 @@ for rows in (1, 6):
     x = torch.randn(rows, 608)
     reference = fast.blocks_reference(x, kernel.blocks, 64, {bits})
     error = (torch.ops.sparsegen.{weights}_linear(x, kernel.blocks, 64) - reference).abs().max() / reference.abs().max()
-    print(fast._native_kernels(), float(error) < 1e-5)
+    print(fast.kernel_path(), float(error) < 1e-5)
 """
-    env = {**os.environ, "SPARSEGEN_SCALAR_KERNELS": "1"}
+    env = {**os.environ, "SPARSEGEN_KERNELS": "scalar"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout
-    assert out.split() == ["c++", "True"] * 2, out
+    assert out.split() == ["scalar", "True"] * 2, out
+
+
+_DOT_PRODUCTS = """
+import sys
+import torch
+from sparsegen.quant import fast
+torch.manual_seed(0)
+outputs = {"path": fast.kernel_path()}
+codes, scales = torch.randint(-127, 128, (94, 608), dtype=torch.int8), (torch.rand(94, 19) * 1e-2).half()
+for rows in (1, 4, 5, 9):
+    x = torch.randn(rows, 608) * 3
+    for kind in (fast.W4A8Linear, fast.W5A8Linear):
+        kernel = kind(torch.nn.Linear(608, 94))
+        outputs[kind.__name__, rows] = kernel(x)
+    outputs["q8_0", rows] = torch.ops.sparsegen.q8_0_linear(x, codes, scales, 94)
+torch.save(outputs, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(fast.kernel_path() != "avx512-vnni", reason="this CPU has no AVX-512 VNNI")
+def test_the_vnni_dot_products_give_the_avx2_outputs_to_the_bit(tmp_path):
+    """On a CPU with AVX-512 VNNI the w4a8, w5a8 and Q8_0 kernels take vpdpbusd, where AVX2 takes two instructions for
+    each: the same integer sums and the same float operations, so the same outputs, bit for bit (each path in a process
+    of its own: ``SPARSEGEN_KERNELS`` is read once a process). A bad cap is refused by name."""
+    import os
+    import subprocess
+
+    for path, cap in (("vnni", None), ("avx2", "avx2")):
+        env = {k: v for k, v in os.environ.items() if k != "SPARSEGEN_KERNELS"}
+        env.update({"SPARSEGEN_KERNELS": cap} if cap else {})
+        subprocess.run([sys.executable, "-c", _DOT_PRODUCTS, str(tmp_path / path)], check=True, env=env)
+    vnni, avx2 = torch.load(tmp_path / "vnni"), torch.load(tmp_path / "avx2")
+    assert (vnni.pop("path"), avx2.pop("path")) == ("avx512-vnni", "avx2")
+    assert vnni.keys() == avx2.keys() and all(torch.equal(vnni[key], avx2[key]) for key in vnni)
+    bad = subprocess.run([sys.executable, "-c", "from sparsegen.quant import fast; fast.kernel_path()"],
+                         capture_output=True, text=True, env={**os.environ, "SPARSEGEN_KERNELS": "avx3"})
+    assert bad.returncode != 0 and "SPARSEGEN_KERNELS=avx3: give scalar or avx2" in bad.stderr
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "w8a8", "w4a8", "w5a8"])
