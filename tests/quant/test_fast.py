@@ -170,7 +170,7 @@ def test_block_kernel_is_its_reference_and_a_gguf_weight_lands_on_its_own_grid(w
     kind, on_grid, bits = BLOCK_KERNELS[weights]
     op = getattr(torch.ops.sparsegen, f"{weights}_linear")
     torch.manual_seed(0)
-    linear = torch.nn.Linear(608, 190)  # (19 blocks: the kernel takes two a turn; 190 outputs: four a turn)
+    linear = torch.nn.Linear(608, 190)  # (19 blocks: the kernel takes two a turn; 190 outputs: 95 a thread)
     with torch.no_grad():
         linear.weight.copy_(on_grid(190, 608))
     kernel = kind(linear)
