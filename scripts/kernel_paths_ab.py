@@ -1,10 +1,10 @@
 """The w4a8, w5a8 and Q8_0 kernels on AVX-512 VNNI against their AVX2 path, on a CPU that has both: each path in
 processes of its own (``SPARSEGEN_KERNELS=avx2`` caps one; the path is read once a process), alternated ``--repeats``
 times in one run. Per path: ms for every linear of one token of the model (its blocks' q/k/v, o, gate/up and down as
-w4a8, and its tied head as Q8_0) at ROWS tokens a call, the kernels alone; with ``--bench``, also the decode ms a token
-of ``sparsegen bench`` on the model's defaults. The two paths' outputs are the same to the bit (tests/quant).
+w4a8, and its tied head as Q8_0) at ROWS tokens a call, the kernels alone. The two paths' outputs are the same to
+the bit (tests/quant).
 
-    python scripts/kernel_paths_ab.py [--model smollm2|gemma3-270m] [--repeats 3] [--bench] [ROWS ...]  (default 1 4)
+    python scripts/kernel_paths_ab.py [--model smollm2|gemma3-270m] [--repeats 3] [ROWS ...]  (default 1 4)
 """
 
 import argparse
@@ -13,7 +13,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 SHAPES = {"smollm2": ([(576, 960), (576, 576), (576, 3072), (1536, 576)], 30, (576, 49152)),
@@ -60,23 +59,10 @@ def kernels_ms(model: str, rows: list[int], cap: str | None) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def bench_ms(model: str, cap: str | None) -> dict:
-    """``sparsegen bench``'s decode ms a token on the defaults: full at 512 and 2,048, streaming 1,024 at 2,048."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "bench.json")
-        subprocess.run([sys.executable, "-m", "sparsegen", "bench", "--model", model, "--policies", "full,streaming",
-                        "--budget", "1024", "--contexts", "512,2048", "--threads", "2", "--json", out],
-                       env=env_for(cap), capture_output=True, text=True, check=True)
-        with open(out) as f:
-            rows = json.load(f)["rows"]
-    return {f"{r['policy']} {r['context']}": r["ms_per_token"] for r in rows}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=SHAPES, default="smollm2")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bench", action="store_true", help="also the decode step of `sparsegen bench`, per path")
     parser.add_argument("rows", type=int, nargs="*", default=[1, 4])
     args = parser.parse_args()
     measured = {path: [] for path in PATHS}
@@ -86,16 +72,14 @@ def main() -> None:
             row = kernels_ms(args.model, args.rows, cap)
             if row.pop("path") != path:
                 sys.exit(f"this CPU's kernels do not take the {path} path: nothing to compare")
-            if args.bench:
-                row.update(bench_ms(args.model, cap))
             measured[path].append(row)
             print(f"run {repeat + 1} {path:<12}" + "  ".join(f"{key}: {ms:.2f} ms" for key, ms in row.items())
                   + f"  ({time.perf_counter() - started:.0f} s)", flush=True)
     print(f"\n{args.model}: median ms over {args.repeats} runs (kernels at ROWS rows: every linear of one token)")
     for key in measured["avx2"][0]:
         vnni, avx2 = (statistics.median(run[key] for run in measured[path]) for path in PATHS)
-        name = f"kernels, {key} rows" if key.isdigit() else f"decode, {key}"
-        print(f"  {name:<24} avx512-vnni {vnni:7.2f}   avx2 {avx2:7.2f}   avx2 / vnni {avx2 / vnni:.2f}x")
+        print(f"  kernels, {key + ' rows':<15} avx512-vnni {vnni:7.2f}   avx2 {avx2:7.2f}   "
+              f"avx2 / vnni {avx2 / vnni:.2f}x")
 
 
 if __name__ == "__main__":

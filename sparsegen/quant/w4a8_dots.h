@@ -27,8 +27,8 @@ SIMD inline __m256i byte_dots(__m256i u, __m256i s, __m256i u2, __m256i s2) {
 // (unsigned times signed bytes, pair sums of at most 2 * 127 * 127: 16 bits never saturate); one row alternates two
 // accumulators, as dot does.
 template <int ROWS>
-SIMD void dot_q8_0(const int8_t* codes, const uint8_t* scales, const QuantizedRow* rows, int64_t blocks,
-                        float* out, int64_t stride) {
+SIMD void dot_q8_0(const int8_t* codes, const uint8_t* scales, const QuantizedRow* rows, int64_t blocks, float* out,
+                   int64_t stride) {
   constexpr int kChains = ROWS == 1 ? 2 : ROWS;
   __m256 sums[kChains];
   for (int c = 0; c < kChains; ++c) sums[c] = _mm256_setzero_ps();
