@@ -1,5 +1,5 @@
 """A prompt into a cache, a chunk at a time: eviction runs between chunks, so a long prompt never holds more than the
-budget plus one chunk; a packed model's chunks multiply by its dequantized weights (``prompt_matmuls``)."""
+budget plus one chunk."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from tqdm.auto import tqdm
 
 from sparsegen.engine.reconstruct import compress_whole, reads_whole
 from sparsegen.engine.step import forward
-from sparsegen.quant.fast import prompt_matmuls
 
 
 def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, chunk_size: int,
@@ -36,9 +35,8 @@ def prefill(model: torch.nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor
             logits = compress_whole(model, cache, ids[:, :end], position_ids[:, :end],
                                     mask[:, :end] if padded else None, chunk_size)
         else:
-            with prompt_matmuls():  # (a packed model's chunk by its dequantized weights)
-                logits = forward(model, cache, ids[:, start:end], position_ids[:, start:end],
-                                 mask[:, :end] if padded else None, last=True)
+            logits = forward(model, cache, ids[:, start:end], position_ids[:, start:end],
+                             mask[:, :end] if padded else None, last=True)
         if after_chunk is not None:
             after_chunk()
     return logits

@@ -24,7 +24,6 @@ from sparsegen.kv.cache import EvictionCache
 from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.rollback import forget_last
-from sparsegen.quant.fast import prompt_matmuls
 
 
 def _unbounded(policy: Policy, scores: bool) -> Policy:
@@ -51,8 +50,7 @@ def compress_whole(model: torch.nn.Module, cache, ids: torch.Tensor, positions: 
     try:
         for layer, policy in zip(cache.layers, policies):  # the context in one pass, held whole
             layer.policy = _unbounded(policy, scores=not policy.reconstructs) if policy.compresses_whole else Full()
-        with prompt_matmuls():
-            logits = forward(model, cache, ids, positions, mask, last=True)
+        logits = forward(model, cache, ids, positions, mask, last=True)
         if any(policy.reconstructs for policy in policies):
             _read_again(model, cache, ids, positions, mask, chunk_size, policies)
     finally:
@@ -87,8 +85,7 @@ def _read_again(model: torch.nn.Module, cache, ids: torch.Tensor, positions: tor
     for start in range(0, ids.shape[1], chunk_size):
         piece = slice(start, start + chunk_size)
         held = torch.ones_like(ids[:, :length])  # (the cache masks its own held tokens; the model its new)
-        with prompt_matmuls():
-            forward(model, cache, again[:, piece], again_positions[:, piece],
-                    None if mask is None else torch.cat((held, again_real[:, piece].long()), dim=1), last=True)
+        forward(model, cache, again[:, piece], again_positions[:, piece],
+                None if mask is None else torch.cat((held, again_real[:, piece].long()), dim=1), last=True)
         forget_last(cache, again_real[:, piece].sum(-1))
         cache.length = length  # (rows that forgot different counts, their pads: the context's own length)

@@ -54,7 +54,6 @@ from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.rollback import forget_last
 from sparsegen.kv.rows import add_row, park, remove_row, stack
 from sparsegen.models.anatomy import pinned_tokens
-from sparsegen.quant.fast import prompt_matmuls
 
 AUTO = "auto"
 
@@ -396,9 +395,8 @@ class Engine:
         start = cache.length - (self.offset if cache.length else 0)
         positions, ids = torch.arange(start, start + len(chunk), device=self.device)[None], torch.tensor([chunk])
         started = time.perf_counter()
-        with prompt_matmuls():
-            logits = compress_whole(self.model, cache, ids.to(self.device), positions, None, self.chunk_size) if whole \
-                else forward(self.model, cache, ids.to(self.device), positions, last=True)
+        logits = compress_whole(self.model, cache, ids.to(self.device), positions, None, self.chunk_size) if whole \
+            else forward(self.model, cache, ids.to(self.device), positions, last=True)
         if budget is not None and len(chunk) == tokens:
             budget.encoded(tokens, time.perf_counter() - started)
         self._encoded(job, chunk, logits[0])

@@ -25,15 +25,12 @@ This is a runtime choice (``--weights``), not a checkpoint: ``sparsegen quantize
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import itertools
 import warnings
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparsegen import native
@@ -42,35 +39,7 @@ from sparsegen.allocator import page_out
 INT4_GROUP = 32  # inputs per int4 scale: llama.cpp's Q4 block size
 FEW_ROWS = 16  # up to a batch of decode steps: W8A8Linear turns their inputs by a sum, not a matmul
 ROTATION_BLOCK = 64  # inputs a w8a8 linear turns together (W8A8Linear): SmolLM2's and Gemma 3's widths divide by it
-PROMPT_ROWS = 64  # rows from which a packed linear, inside ``prompt_matmuls``, multiplies by its dequantized weights
 ROWS_AT_ONCE = 4096  # rows quantized together: a large table's fp32 temporaries stay small (Gemma 3's LM head: 262,144)
-
-
-_PROMPT_MATMULS = contextvars.ContextVar("sparsegen_prompt_matmuls", default=False)
-
-
-@contextlib.contextmanager
-def prompt_matmuls():
-    """Inside: a ``W8A8Linear``, ``W4A8Linear`` or ``W5A8Linear`` given at least ``PROMPT_ROWS`` rows (a prompt's
-    chunk) multiplies them by its own weights dequantized to fp32, in PyTorch's float matmul, not in its integer
-    kernel: so many rows are bound by arithmetic, not by the weights' bytes, and the float matmul does the arithmetic
-    faster (``scripts/prompt_matmuls.py``). The weights are the same; the inputs are not rounded to 8 bits (as
-    llama.cpp's GPU backends dequantize for large batches). A decode step's or a verification's few rows keep the
-    integer kernels. ``sparsegen.engine.prefill.prefill`` and a server's prompt chunks run inside it."""
-    token = _PROMPT_MATMULS.set(True)
-    try:
-        yield
-    finally:
-        _PROMPT_MATMULS.reset(token)
-
-
-def _as_prompt(x: torch.Tensor, in_features: int) -> bool:
-    """Whether ``x`` is a prompt chunk ``prompt_matmuls`` takes (never inside a compiled graph: a decode step)."""
-    return not torch.compiler.is_compiling() and _PROMPT_MATMULS.get() and x.numel() >= PROMPT_ROWS * in_features
-
-
-def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x.float(), weight, bias).to(x.dtype)
 
 
 def _row_chunks(weight: torch.Tensor):
@@ -322,8 +291,6 @@ class W8A8Linear(nn.Module):
         return self._rotated(torch.ops.quantized.linear_unpack(self.packed)[0].dequantize())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _as_prompt(x, self.in_features):
-            return _dense(x, self.dequantized(), self.bias)
         flat = self._rotated(x.reshape(-1, self.in_features).float())
         peak = flat.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         y = torch.ops.sparsegen.w8a8_linear(flat / peak, self.handle, self.out_features) * peak
@@ -386,8 +353,6 @@ class W4A8Linear(nn.Module):
         return (codes.float() * d[..., None] + low[..., None]).view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _as_prompt(x, self.in_features):
-            return _dense(x, self.dequantized(), self.bias)
         op = torch.ops.sparsegen.w5a8_linear if self.BITS == 5 else torch.ops.sparsegen.w4a8_linear
         y = op(x.float(), self.blocks, self.out_features)
         y = y if self.bias is None else y + self.bias
