@@ -152,3 +152,100 @@ SIMD void dot(const uint8_t* weights, const QuantizedRow* rows, int64_t blocks, 
   for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]) + minimums_and_last<kBits>(weights, rows[r], blocks);
 }
 
+
+// A prompt's rows against eight weight rows at once (``ChannelTile``: their codes unpacked to bytes and interleaved,
+// four inputs of one channel a 32-bit lane): one instruction multiplies four inputs of eight channels, a block's sums
+// stay integers until its end, and a block's scales are applied once for the eight.
+SIMD inline __m256i accumulate(__m256i sums, __m256i u, __m256i s) {
+#ifdef SPARSEGEN_VNNI
+  return _mm256_dpbusd_epi32(sums, u, s);
+#else
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// A weight row's codes (0-31) as bytes in code_slot's order, the order a row's activation codes take.
+template <int kBits>
+SIMD void unpack_codes(const uint8_t* weights, int64_t blocks, uint8_t* out) {
+  const int64_t pairs = blocks / 2;
+  for (int64_t first = 0; first < pairs; first += 4) {
+    const __m256i plane = kBits == 5 ? load_plane(weights, blocks, first) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int bit = 0; bit < 4; ++bit) {
+      const int64_t pair = first + bit;
+      if (pair == pairs) break;
+      const PairCodes codes = pair_codes<kBits>(weights, blocks, pair, plane, bit);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + pair * 2 * kBlock), codes.low);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + pair * 2 * kBlock + 32), codes.high);
+    }
+  }
+  if (blocks % 2) {  // (the odd last block in its own order, as minimums_and_last reads it)
+    const int64_t last = blocks - 1;
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
+    __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
+    if (kBits == 5) codes = _mm256_or_si256(codes, fifth_bits(load_plane(weights, blocks, last / 2), last / 2 % 4));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + last * kBlock), codes);
+  }
+}
+
+// Four groups of four inputs (``codes``: the tile's, from a group on; ``at``: the rows' codes' byte offset) into
+// ``dots``, one per row. (Constant indices throughout, so that the sums stay in registers.)
+template <int ROWS>
+SIMD inline __attribute__((always_inline)) void four_groups(const int32_t* codes, const QuantizedRow* rows, int64_t at,
+                                                            __m256i (&dots)[ROWS]) {
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * 8));
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t four;
+      std::memcpy(&four, rows[r].codes.data() + at + 4 * k, 4);
+      dots[r] = accumulate(dots[r], w, _mm256_set1_epi32(four));
+    }
+  }
+}
+
+// ``sums`` += a block's integer sums times its scales, eight channels a row.
+template <int ROWS>
+SIMD inline __attribute__((always_inline)) void scaled(const ChannelTile& tile, const QuantizedRow* rows, int64_t block,
+                                                       const __m256i (&dots)[ROWS], __m256 (&sums)[ROWS]) {
+  const __m256 d = _mm256_loadu_ps(tile.scales.data() + block * 8);
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+    sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(d, _mm256_set1_ps(rows[r].scale[block])),
+                              sums[r]);
+}
+
+// ROWS input rows against a tile's eight channels: out[r * stride + j] for j < 8. A pair's 16 groups of four: groups
+// 0-3 and 8-11 are its first block's, 4-7 and 12-15 its second's; the odd last block's 8 are its own.
+template <int ROWS>
+SIMD void tile_dot(const ChannelTile& tile, const QuantizedRow* rows, int64_t blocks, float* out, int64_t stride) {
+  __m256 sums[ROWS];
+  for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_setzero_ps();
+  const int32_t* codes = tile.codes.data();
+  const int64_t paired = blocks / 2 * 2;
+  for (int64_t block = 0; block < paired; block += 2) {
+    __m256i first[ROWS], second[ROWS];
+    for (int r = 0; r < ROWS; ++r) first[r] = second[r] = _mm256_setzero_si256();
+    const int32_t* group = codes + block * 8 * 8;
+    const int64_t at = block * kBlock;
+    four_groups<ROWS>(group, rows, at, first);
+    four_groups<ROWS>(group + 32, rows, at + 16, second);
+    four_groups<ROWS>(group + 64, rows, at + 32, first);
+    four_groups<ROWS>(group + 96, rows, at + 48, second);
+    scaled<ROWS>(tile, rows, block, first, sums);
+    scaled<ROWS>(tile, rows, block + 1, second, sums);
+  }
+  if (blocks % 2) {
+    __m256i last[ROWS];
+    for (int r = 0; r < ROWS; ++r) last[r] = _mm256_setzero_si256();
+    four_groups<ROWS>(codes + paired * 8 * 8, rows, paired * kBlock, last);
+    four_groups<ROWS>(codes + paired * 8 * 8 + 32, rows, paired * kBlock + 16, last);
+    scaled<ROWS>(tile, rows, paired, last, sums);
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256 m = _mm256_loadu_ps(tile.minimums.data() + b * 8);
+    for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].scaled_sum[b]), sums[r]);
+  }
+  for (int r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * stride, sums[r]);
+}

@@ -17,6 +17,12 @@
 // The same activations also multiply llama.cpp's Q8_0 blocks (q8_0_linear: int8 codes and one fp16 scale a block of
 // 32, the layout of BlockEmbedding's table, so a tied LM head reads the table itself), as llama.cpp's Q8_0 x Q8_0
 // dot product: d * dx * sum(code * q).
+//
+// From kTileRows input rows on (a prompt's chunk, a batch of decode steps), the 4- and 5-bit weights are multiplied
+// eight output channels at a time: each thread unpacks eight weight rows' codes to bytes, interleaved four inputs of a
+// channel to a 32-bit lane (ChannelTile, in L1), so that one instruction multiplies four inputs of eight channels for a
+// row, a block's sums stay integers to its end, and its scales are applied once for the eight (tile_dot). 1.7-2.3x
+// PyTorch's fp32 matmul at 512 rows on a Zen 4 core (1.3x on its AVX2 path), where a channel at a time ran 1.1x.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -35,6 +41,10 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // inputs a block holds
+constexpr int64_t kTile = 8;  // weight rows tile_dot multiplies at once
+// Input rows from which the 4- and 5-bit kernels multiply by tiles: below, unpacking eight rows' codes costs more than
+// it saves.
+constexpr int64_t kTileRows = 4;
 // How far ahead of its dot products a thread asks memory for weight rows. The hardware's prefetcher alone kept too few
 // reads in flight: Gemma-3-270M's tied head (178 MB of Q8_0) streamed at 42-53 GB/s where a plain sum of a tensor
 // reads 73 on the same machine, and a compiled Gemma step at 8K took 7.7-8.0% longer (one process, interleaved).
@@ -94,6 +104,14 @@ void quantize_row(const float* x, int64_t blocks, QuantizedRow& row) {
       for (int64_t lane = 0; lane < 4; ++lane) row.pair_scales[(b / 2) * 8 + (b % 2) * 4 + lane] = scale;
   }
 }
+
+// Eight weight rows' codes as bytes, interleaved four inputs at a time ([group of four][channel], groups in
+// code_slot's order), and their blocks' scales and minimums [block][channel]: what tile_dot multiplies a prompt by.
+struct ChannelTile {
+  std::vector<int32_t> codes;
+  std::vector<float> scales, minimums;
+  std::vector<uint8_t> unpacked;  // (each row's codes before they are interleaved)
+};
 
 float half_bits(const uint8_t* bytes) {
   uint16_t bits;
@@ -217,7 +235,7 @@ std::vector<QuantizedRow> quantized_rows(const at::Tensor& flat, int64_t count, 
   return quantized;
 }
 
-// The 4- and 5-bit weights' dot products, by output channel.
+// The 4- and 5-bit weights' dot products, by output channel; ``tiles``: by eight channels at once (tile_dot).
 template <int kBits>
 struct BlocksKernel {
   const uint8_t* weights;
@@ -227,6 +245,33 @@ struct BlocksKernel {
   void dot(bool vnni, int64_t n, const QuantizedRow* rows, float* out, int64_t out_stride) const {
     if (vnni) return vnni::dot<ROWS, kBits>(row(n), rows, count, out, out_stride);
     avx2::dot<ROWS, kBits>(row(n), rows, count, out, out_stride);
+  }
+#endif
+#ifdef SPARSEGEN_X86
+  void fill(bool vnni, int64_t first, ChannelTile& tile) const {
+    const int64_t width = count * kBlock;
+    tile.unpacked.resize(kTile * width);
+    tile.codes.resize(kTile * width / 4);
+    tile.scales.resize(kTile * count);
+    tile.minimums.resize(kTile * count);
+    for (int64_t j = 0; j < kTile; ++j) {
+      const uint8_t* w = row(first + j);
+      uint8_t* unpacked = tile.unpacked.data() + j * width;
+      if (vnni) vnni::unpack_codes<kBits>(w, count, unpacked);
+      else avx2::unpack_codes<kBits>(w, count, unpacked);
+      for (int64_t b = 0; b < count; ++b) {
+        tile.scales[b * kTile + j] = half_bits(w + 2 * b);
+        tile.minimums[b * kTile + j] = half_bits(w + 2 * count + 2 * b);
+      }
+    }
+    for (int64_t g = 0; g < width / 4; ++g)
+      for (int64_t j = 0; j < kTile; ++j)
+        std::memcpy(&tile.codes[g * kTile + j], tile.unpacked.data() + j * width + 4 * g, 4);
+  }
+  template <int ROWS>
+  void tile_dot(bool vnni, const ChannelTile& tile, const QuantizedRow* rows, float* out, int64_t out_stride) const {
+    if (vnni) return vnni::tile_dot<ROWS>(tile, rows, count, out, out_stride);
+    avx2::tile_dot<ROWS>(tile, rows, count, out, out_stride);
   }
 #endif
   const uint8_t* row(int64_t n) const { return weights + n * stride; }
@@ -256,18 +301,18 @@ struct Q8_0Kernel {
 // ``x``'s outputs [..., out_features] from its quantized rows: output channels split across threads; kRowBlock input
 // rows at a time against each of a thread's weight rows (eight or four rows a call, then one by one), the weight rows
 // kPrefetchBytes on requested. A decode step's rows are one block: its weights are read once.
+// Channels from ``from`` on (those before it the caller's); ``out``: [rows, out_features].
 template <class Kernel>
 at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<QuantizedRow>& quantized,
-                   int64_t out_features) {
+                   int64_t out_features, at::Tensor out, int64_t from = 0) {
   const int64_t rows = quantized.size();
-  at::Tensor out = at::empty({rows, out_features}, x.options());
   float* y = out.data_ptr<float>();
 #ifdef SPARSEGEN_X86
   const Simd level = simd_level();
   const bool vector = level != Simd::kScalar, vnni = level == Simd::kAvx512Vnni;
 #endif
   const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / kernel.row_bytes());
-  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+  at::parallel_for(from, out_features, 16, [&](int64_t first, int64_t last) {
     for (int64_t block = 0; block < rows; block += kRowBlock) {
       const int64_t block_end = std::min(rows, block + kRowBlock);
       for (int64_t n = first; n < last; ++n) {
@@ -295,6 +340,37 @@ at::Tensor outputs(const at::Tensor& x, const Kernel& kernel, std::vector<Quanti
   return out.view(shape);
 }
 
+// A prompt's rows against the 4- and 5-bit weights eight channels at a time (tile_dot), each thread its own tiles;
+// the channels past the last whole tile, and every channel on a CPU without AVX2, by ``outputs``.
+template <int kBits>
+at::Tensor tiled_outputs(const at::Tensor& x, const BlocksKernel<kBits>& kernel, std::vector<QuantizedRow>& quantized,
+                         int64_t out_features) {
+  const int64_t rows = quantized.size();
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  int64_t tiles = 0;
+#ifdef SPARSEGEN_X86
+  const Simd level = simd_level();
+  const bool vnni = level == Simd::kAvx512Vnni;
+  if (level != Simd::kScalar && rows >= kTileRows) tiles = out_features / kTile;
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    ChannelTile tile;
+    for (int64_t t = first; t < last; ++t) {
+      kernel.fill(vnni, t * kTile, tile);
+      float* channels = y + t * kTile;
+      int64_t r = 0;
+      if (vnni)  // (AVX-512's 32 vector registers hold eight rows' sums; AVX2's 16 hold four)
+        for (; r + 8 <= rows; r += 8)
+          kernel.template tile_dot<8>(vnni, tile, &quantized[r], channels + r * out_features, out_features);
+      for (; r + 4 <= rows; r += 4)
+        kernel.template tile_dot<4>(vnni, tile, &quantized[r], channels + r * out_features, out_features);
+      for (; r < rows; ++r) kernel.template tile_dot<1>(vnni, tile, &quantized[r], channels + r * out_features, 0);
+    }
+  });
+#endif
+  return outputs(x, kernel, quantized, out_features, out, tiles * kTile);
+}
+
 template <int kBits>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
   const char* name = kBits == 5 ? "sparsegen::w5a8_linear" : "sparsegen::w4a8_linear";
@@ -307,7 +383,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_fea
   const at::Tensor weights = blocks.contiguous();
   const int64_t count = in_features / kBlock;
   std::vector<QuantizedRow> quantized = quantized_rows(x.reshape({-1, in_features}).contiguous(), count, true);
-  return outputs(x, BlocksKernel<kBits>{weights.data_ptr<uint8_t>(), weights.size(1), count}, quantized, out_features);
+  return tiled_outputs(x, BlocksKernel<kBits>{weights.data_ptr<uint8_t>(), weights.size(1), count}, quantized,
+                       out_features);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t out_features) {
@@ -323,7 +400,8 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   std::vector<QuantizedRow> quantized = quantized_rows(x.reshape({-1, in_features}).contiguous(), count, false);
   const Q8_0Kernel kernel{weights.data_ptr<int8_t>(), reinterpret_cast<const uint8_t*>(steps.data_ptr<at::Half>()),
                           count};
-  return outputs(x, kernel, quantized, out_features);
+  return outputs(x, kernel, quantized, out_features, at::empty({static_cast<int64_t>(quantized.size()), out_features},
+                                                               x.options()));
 }
 
 // The dot products the w4a8, w5a8 and Q8_0 kernels take on this CPU (simd_level): what a benchmark records.
