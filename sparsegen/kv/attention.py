@@ -349,7 +349,7 @@ def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: f
         probs = torch.softmax(scores, dim=-1)
         if layer.attention is not None:
             visible = total if mask is None else mask[:, :, rows].sum(-1)[:, :, None, :, None]
-            real = cache.step.new_valid[:, None, None, rows, None]
+            real = cache.step.new_valid[:, None, None, rows, None] if cache.padded else None  # (None: all real)
             observe(layer.policy, layer.attention[:, :, :limit], probs, visible, real)
         out = probs.to(value.dtype).view(batch, kv_heads, -1, limit) @ value[:, :, :limit]
         outs.append(out.view(batch, q_heads, scores.shape[3], -1))

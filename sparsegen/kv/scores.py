@@ -33,7 +33,11 @@ def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> 
     batch, q_heads, q, head_dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * q, head_dim)
-    scores = (key.scores(grouped) if isinstance(key, HeldCodes) else grouped @ key.float().transpose(-1, -2)) * scaling
+    if isinstance(key, HeldCodes):
+        scores = key.scores(grouped) * scaling
+    else:  # (the scaling inside the product: one pass over the [q, T] scores less, the same values)
+        keys = key.float().transpose(-1, -2)
+        scores = torch.baddbmm(grouped.new_empty(()), grouped.flatten(0, 1), keys.flatten(0, 1), beta=0, alpha=scaling)
     return scores.view(batch, kv_heads, q_heads // kv_heads, q, -1)
 
 
