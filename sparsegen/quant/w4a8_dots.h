@@ -152,7 +152,6 @@ SIMD void dot(const uint8_t* weights, const QuantizedRow* rows, int64_t blocks, 
   for (int r = 0; r < ROWS; ++r) out[r * stride] = lanes_sum(sums[r]) + minimums_and_last<kBits>(weights, rows[r], blocks);
 }
 
-
 // A prompt's rows against eight weight rows at once (``ChannelTile``: their codes unpacked to bytes and interleaved,
 // four inputs of one channel a 32-bit lane): one instruction multiplies four inputs of eight channels, a block's sums
 // stay integers until its end, and a block's scales are applied once for the eight.

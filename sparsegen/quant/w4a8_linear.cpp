@@ -235,7 +235,7 @@ std::vector<QuantizedRow> quantized_rows(const at::Tensor& flat, int64_t count, 
   return quantized;
 }
 
-// The 4- and 5-bit weights' dot products, by output channel; ``tiles``: by eight channels at once (tile_dot).
+// The 4- and 5-bit weights' dot products, by output channel, and (fill, tile_dot) eight channels at once.
 template <int kBits>
 struct BlocksKernel {
   const uint8_t* weights;
@@ -246,8 +246,7 @@ struct BlocksKernel {
     if (vnni) return vnni::dot<ROWS, kBits>(row(n), rows, count, out, out_stride);
     avx2::dot<ROWS, kBits>(row(n), rows, count, out, out_stride);
   }
-#endif
-#ifdef SPARSEGEN_X86
+  // The tile of eight weight rows from ``first`` on.
   void fill(bool vnni, int64_t first, ChannelTile& tile) const {
     const int64_t width = count * kBlock;
     tile.unpacked.resize(kTile * width);
