@@ -101,6 +101,15 @@ SIMD inline __m256 pair_sums(const PairCodes& codes, const int8_t* q) {
                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
 }
 
+// The odd last block's codes in their own order: 0-15 from the low nibbles, 16-31 from the high ones.
+template <int kBits>
+SIMD inline __m256i odd_block_codes(const uint8_t* weights, int64_t blocks) {
+  const int64_t last = blocks - 1;
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
+  const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
+  return kBits == 5 ? _mm256_or_si256(codes, fifth_bits(load_plane(weights, blocks, last / 2), last / 2 % 4)) : codes;
+}
+
 // sum(m * dx * sum(q)) over a row's blocks, eight at a time, and its odd last block's whole product.
 template <int kBits>
 SIMD inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& row, int64_t blocks) {
@@ -113,11 +122,9 @@ SIMD inline float minimums_and_last(const uint8_t* weights, const QuantizedRow& 
   }
   float total = lanes_sum(sums);
   for (; b < blocks; ++b) total += _cvtsh_ss(minimums[2 * b] | (minimums[2 * b + 1] << 8)) * row.scaled_sum[b];
-  if (blocks % 2) {  // (the odd last block: codes 0-15 low, 16-31 high, q in its own order)
+  if (blocks % 2) {  // (the odd last block: q in its own order)
     const int64_t last = blocks - 1;
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
-    __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
-    if (kBits == 5) codes = _mm256_or_si256(codes, fifth_bits(load_plane(weights, blocks, last / 2), last / 2 % 4));
+    const __m256i codes = odd_block_codes<kBits>(weights, blocks);
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes.data() + last * kBlock));
     const __m256 sums_last = _mm256_cvtepi32_ps(byte_dots(codes, q));
     total += _cvtsh_ss(weights[2 * last] | (weights[2 * last + 1] << 8)) * row.scale[last] * lanes_sum(sums_last);
@@ -163,27 +170,19 @@ SIMD inline __m256i accumulate(__m256i sums, __m256i u, __m256i s) {
 #endif
 }
 
-// A weight row's codes (0-31) as bytes in code_slot's order, the order a row's activation codes take.
+// A weight row's codes (0-31) as bytes in code_slot's order, the order a row's activation codes take. (Once a tile,
+// not a step's inner loop: each pair reads its plane again, and its bit's shifts are not constants.)
 template <int kBits>
 SIMD void unpack_codes(const uint8_t* weights, int64_t blocks, uint8_t* out) {
-  const int64_t pairs = blocks / 2;
-  for (int64_t first = 0; first < pairs; first += 4) {
-    const __m256i plane = kBits == 5 ? load_plane(weights, blocks, first) : _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int bit = 0; bit < 4; ++bit) {
-      const int64_t pair = first + bit;
-      if (pair == pairs) break;
-      const PairCodes codes = pair_codes<kBits>(weights, blocks, pair, plane, bit);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + pair * 2 * kBlock), codes.low);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + pair * 2 * kBlock + 32), codes.high);
-    }
+  for (int64_t pair = 0; pair < blocks / 2; ++pair) {
+    const __m256i plane = kBits == 5 ? load_plane(weights, blocks, pair) : _mm256_setzero_si256();
+    const PairCodes codes = pair_codes<kBits>(weights, blocks, pair, plane, pair % 4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + pair * 2 * kBlock), codes.low);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + pair * 2 * kBlock + 32), codes.high);
   }
-  if (blocks % 2) {  // (the odd last block in its own order, as minimums_and_last reads it)
-    const int64_t last = blocks - 1;
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + 4 * blocks + last * 16));
-    __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
-    if (kBits == 5) codes = _mm256_or_si256(codes, fifth_bits(load_plane(weights, blocks, last / 2), last / 2 % 4));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + last * kBlock), codes);
+  if (blocks % 2) {
+    const __m256i codes = odd_block_codes<kBits>(weights, blocks);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (blocks - 1) * kBlock), codes);
   }
 }
 
