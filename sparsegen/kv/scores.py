@@ -35,7 +35,7 @@ def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> 
     grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * q, head_dim)
     if isinstance(key, HeldCodes):
         scores = key.scores(grouped) * scaling
-    else:  # (the scaling inside the product: one pass over the [q, T] scores less, the same values)
+    else:  # (the scaling inside the product: one pass over the [q, T] scores less; equal to within float rounding)
         keys = key.float().transpose(-1, -2)
         scores = torch.baddbmm(grouped.new_empty(()), grouped.flatten(0, 1), keys.flatten(0, 1), beta=0, alpha=scaling)
     return scores.view(batch, kv_heads, q_heads // kv_heads, q, -1)

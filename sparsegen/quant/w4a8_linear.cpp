@@ -21,8 +21,8 @@
 // From kTileRows input rows on (a prompt's chunk, a batch of decode steps), the 4- and 5-bit weights are multiplied
 // eight output channels at a time: each thread unpacks eight weight rows' codes to bytes, interleaved four inputs of a
 // channel to a 32-bit lane (ChannelTile, in L1), so that one instruction multiplies four inputs of eight channels for a
-// row, a block's sums stay integers to its end, and its scales are applied once for the eight (tile_dot). 1.7-2.3x
-// PyTorch's fp32 matmul at 512 rows on a Zen 4 core (1.3x on its AVX2 path), where a channel at a time ran 1.1x.
+// row, a block's sums stay integers to its end, and its scales are applied once for the eight (tile_dot). Measured in
+// docs/benchmarks.md, "Prompts on the integer kernels".
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
