@@ -167,7 +167,8 @@ def conversation_args(p: argparse.ArgumentParser, speculative: bool = True) -> N
     if speculative:
         speculative_args(p)
     p.add_argument("--policy", default="streaming", help=f"{', '.join(POLICIES)} (default streaming)")
-    budget_args(p, "KV tokens kept per conversation (default 1024)")
+    budget_args(p, "KV tokens kept per conversation, or a share of the longest one (0.2: of --max-context, by "
+                   "default the model's context length; every session gets the same budget) (default 1024)")
     p.set_defaults(budget="1024")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default 512)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default 128)")

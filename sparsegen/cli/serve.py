@@ -127,6 +127,7 @@ def server_app(args: argparse.Namespace, quiet: bool = False):
     builds it too; ``quiet``: without the start-up lines."""
     import time
 
+    from sparsegen.models.anatomy import context_length
     from sparsegen.serve.server import build_app
     from sparsegen.serve.worker import kv_bound
 
@@ -150,7 +151,9 @@ def server_app(args: argparse.Namespace, quiet: bool = False):
             f"{memory.per_session / 2**20:,.1f} MiB each" if memory is not None else
             f"worst-case KV memory {bound / 2**20:.1f} MiB ({limits.max_sessions} sessions + {limits.max_batch} in "
             f"flight, each at most budget + {args.chunk_size} tokens)")
-    say(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}; {held}; "
+    share = f" ({args.budget:g} of {engine.max_context or context_length(model):,} tokens)" \
+        if isinstance(args.budget, float) else ""
+    say(f"sparsegen serve: {args.model}, {policy['policy']} budget {policy['budget']}{share}; {held}; "
         f"http://{args.host}:{args.port}/v1" + (f" ({len(limits.api_keys)} API keys)" if limits.api_keys
                                                 else " (no API key)"))
     if not quiet:

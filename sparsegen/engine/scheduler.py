@@ -53,7 +53,7 @@ from sparsegen.kv import EvictionCache, PolicySpec
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.rollback import forget_last
 from sparsegen.kv.rows import add_row, park, remove_row, stack
-from sparsegen.models.anatomy import pinned_tokens
+from sparsegen.models.anatomy import context_length, pinned_tokens
 
 AUTO = "auto"
 
@@ -101,7 +101,8 @@ class Engine:
         self._batch: EvictionCache | None = None  # the stacked caches of the replies decoding together
         self._rows: list[Job] = []  # whose reply each row of it is
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
-        policy.build()  # a fractional budget fails here (a conversation's length is not known), before any request
+        # a fractional budget: that share of the longest conversation (``PolicySpec.fixed``), every session alike
+        self.policy = policy = policy.fixed(max_context or context_length(model))
         self.speculation, self.quantization, self.max_sessions = speculation, policy.kv_bits, max_sessions
         if speculation is not None and policy.kv_bits is not None:
             raise ValueError("speculative decoding verifies with the model's own full cache: drop --kv-bits")
@@ -128,7 +129,7 @@ class Engine:
         if self.speculation is not None:
             raise ValueError("--kv-memory sizes one cache per session: drop --speculative (it adds a draft cache)")
         if not self.policy.bounded and self.max_context is None:
-            self.max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+            self.max_context = context_length(self.model)
             if self.max_context is None:
                 raise ValueError("a full cache under --kv-memory needs --max-context (the most tokens a session holds)")
         self.memory = KVMemory.plan(self.new_cache(), *kv_costs(self.model, self.quantization), cap, idle_grace)

@@ -5,12 +5,12 @@ fractional budget's limits once it is resolved against an input's length)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from sparsegen.kv.cache import EvictionCache
-from sparsegen.kv.policies import check_settings, make_policy
+from sparsegen.kv.policies import check_settings, make_policy, resolve_budget
 from sparsegen.kv.policy import Policy
 from sparsegen.kv.quantized import KVQuantization, as_quantization, policy_and_bits
 
@@ -91,6 +91,16 @@ class PolicySpec:
     def resolved(self, input_length: int | None = None) -> PolicySpec:
         """The same settings with the policy built (``build``): a fractional budget fixed to ``input_length``."""
         return PolicySpec(self.build(input_length), positions=self.positions, kv_bits=self.kv_bits)
+
+    def fixed(self, longest: int | None) -> PolicySpec:
+        """These settings with a fractional budget fixed to that share of ``longest`` tokens, the most a conversation
+        may hold (a server gives every session one budget, so one compiled step's shape serves them all)."""
+        if not isinstance(self.budget, float):
+            return self
+        if longest is None:
+            raise ValueError(f"a fractional budget ({self.budget:g}) is a share of the most tokens a conversation may "
+                             "hold: give --max-context TOKENS, or a budget in tokens")
+        return replace(self, budget=resolve_budget(self.budget, longest))
 
     def cache(self, model: torch.nn.Module, input_length: int | None = None, **cache_options) -> EvictionCache:
         """An empty ``EvictionCache`` under these settings (``cache_options``: its others, e.g. ``chunk_size``)."""

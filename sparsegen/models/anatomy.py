@@ -66,6 +66,11 @@ def pinned_tokens(model: nn.Module) -> int:
     return getattr(model.get_decoder(), PINNED, 0)
 
 
+def context_length(model: nn.Module) -> int | None:
+    """The most positions the model was trained for (its config's ``max_position_embeddings``; None if it has none)."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+
 SAMPLE = 4096  # elements of each weight read into the fingerprint (evenly spaced): enough to tell pruned or
 # quantized weights, or another checkpoint of the same architecture, apart without hashing every byte
 

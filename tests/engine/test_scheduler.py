@@ -140,6 +140,20 @@ def test_a_conversation_encodes_only_each_new_turn(reference):
     assert template.render([{"role": "user", "content": "hi"}]) == "User: hi\nAssistant:"
 
 
+def test_a_fractional_budget_is_that_share_of_the_longest_conversation(reference):
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, PolicySpec("h2o", 0.25), chunk_size=32, max_context=256)
+    assert engine.policy.budget == 64 and engine.new_cache().policy.budget == 64
+    job = _run(engine, engine.begin(engine.session(None), Sampling(max_tokens=8), prompt="word " * 120))
+    assert job.session.cache.length > 120 and max(job.session.cache.held_tokens()) <= 64
+    default = Engine(model, tokenizer, PolicySpec("h2o", 0.25), chunk_size=32)  # of the model's context length
+    assert default.policy.budget == round(0.25 * model.config.max_position_embeddings)
+    spec = PolicySpec("streaming", 0.5)
+    with pytest.raises(ValueError, match="give --max-context TOKENS"):
+        spec.fixed(None)
+    assert spec.fixed(100).budget == 50 and PolicySpec("streaming", 40).fixed(None).budget == 40
+
+
 def test_edited_history_or_an_evicted_session_starts_over(reference):
     model, tokenizer = reference
     engine = Engine(model, tokenizer, PolicySpec("window", 48), chunk_size=32, max_sessions=1)
