@@ -195,7 +195,11 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
     ray.init(address=args.ray or None, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(application, name="sparsegen", route_prefix="/")
-    print(f"sparsegen serve: {args.replicas} replicas of {args.model} on Ray Serve, http://{args.host}:{args.port}/v1 "
+    budget = "" if not policy_spec(args).bounded else f" budget {args.budget:g}" + (
+        "" if not isinstance(args.budget, float) else f" of {args.max_context:,} tokens" if args.max_context
+        else " of the model's context length")
+    print(f"sparsegen serve: {args.replicas} replicas of {args.model} ({args.policy}{budget}) on Ray Serve, "
+          f"http://{args.host}:{args.port}/v1 "
           f"(each turn of a session to the replica holding its cache: send X-Session-Id)", flush=True)
     try:
         while True:
