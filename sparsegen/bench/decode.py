@@ -37,7 +37,7 @@ from sparsegen.engine.prefill import prefill
 from sparsegen.engine.speculative import Speculation, speculative_tokens
 from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.kv import EvictionCache, KVQuantization, Policy
-from sparsegen.kv.quantized import policy_and_bits
+from sparsegen.kv.quantized import AS_COMPUTED, held_kv, policy_and_bits
 from sparsegen.memory import PeakMemory, available_bytes
 from sparsegen.models.anatomy import weights_of
 from sparsegen.models.spec import kv_bytes_per_token, kv_shape
@@ -65,13 +65,15 @@ class Setup:
     seed: int = 0
     repeats: int = 1  # measure every policy this many times, interleaved, and pool the steps
     text_ids: torch.Tensor | None = None  # prefill with this token stream (rows at different offsets), not random ids
-    kv_bits: KVQuantization | None = None  # the evicting caches hold K/V quantized (dense and recompute rows do not)
+    # how the evicting caches hold K/V (None: the model's default; dense and recompute rows as computed)
+    kv_bits: KVQuantization | int | None = None
 
     def __post_init__(self):
         if self.prefill not in ("real", "synthetic"):
             raise ValueError(f"prefill must be 'real' or 'synthetic', got {self.prefill!r}")
         if self.new_tokens < 1 or self.warmup < 0 or self.recompute_tokens < 1 or self.repeats < 1:
             raise ValueError("new_tokens, recompute_tokens and repeats must be >= 1 and warmup >= 0")
+        self.kv_bits = held_kv(self.model, self.kv_bits)  # (None asks for the model's default: resolved here)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.element_size = param.element_size()
@@ -123,6 +125,8 @@ def row_kv_bits(name: str, default: KVQuantization | None) -> KVQuantization | N
     bits = policy_and_bits(name)[1]
     if bits is None:
         return default
+    if bits == AS_COMPUTED:
+        return None
     return replace(default, bits=bits) if default else KVQuantization(bits)
 
 
@@ -222,7 +226,7 @@ def _cache_for(setup: Setup, name: str, policy: Policy | None, batch: int, conte
         cache = DynamicCache(config=setup.model.config)
     else:
         cache = EvictionCache(setup.model, policy, chunk_size=setup.chunk_size, expected_length=total,
-                              kv_bits=setup.kv_bits_of(name))
+                              kv_bits=setup.kv_bits_of(name) or AS_COMPUTED)
     if setup.prefill == "synthetic":
         _, kv_heads, head_dim = kv_shape(setup.model.config)
         generator = torch.Generator(device=setup.device).manual_seed(setup.seed)

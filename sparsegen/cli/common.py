@@ -99,19 +99,23 @@ def budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
                    help="kvzap: the learned KV scorer `sparsegen fit-scorer` wrote for this model")
     p.add_argument("--positions", choices=["original", "rolling"], default=None,
                    help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
-    p.add_argument("--kv-bits", type=int, choices=[16, 8, 4, 2], default=None,
-                   help="hold the cached keys and values in this many bits, under any policy: 16 as float16 numbers "
-                        "(llama.cpp's default cache type), 8/4/2 as codes (KIVI-style: keys per channel, values per "
-                        "token) (default: as the model computes them)")
+    p.add_argument("--kv-bits", type=int, choices=[32, 16, 8, 4, 2], default=None,
+                   help="hold the cached keys and values in this many bits, under any policy: 32 as the model computes "
+                        "them, 16 as float16 numbers (llama.cpp's default cache type), 8/4/2 as codes (KIVI-style: "
+                        "keys per channel, values per token) (default: 16 where the weights run in the integer "
+                        "kernels on a CPU, as a GGUF model's do by default; else as the model computes them)")
     p.add_argument("--kv-residual", type=int, default=32,
                    help="with --kv-bits: the newest tokens also kept in full precision (default 32)")
 
 
 def kv_quantization(args: argparse.Namespace):
-    """``--kv-bits``/``--kv-residual`` as a ``KVQuantization``, or None."""
+    """``--kv-bits``/``--kv-residual`` as a ``KVQuantization``, ``AS_COMPUTED`` (32), or None (the model's default)."""
     from sparsegen.kv import KVQuantization
+    from sparsegen.kv.quantized import AS_COMPUTED
 
-    return None if args.kv_bits is None else KVQuantization(args.kv_bits, args.kv_residual)
+    if args.kv_bits in (None, AS_COMPUTED):
+        return args.kv_bits
+    return KVQuantization(args.kv_bits, args.kv_residual)
 
 
 def policy_args(p: argparse.ArgumentParser) -> None:

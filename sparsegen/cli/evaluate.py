@@ -7,6 +7,7 @@ import json
 
 from sparsegen.cli.common import budget_args, load_model, model_args, policy_specs
 from sparsegen.kv.policies import POLICIES
+from sparsegen.kv.quantized import held_kv_description
 
 
 def cmd_ppl(args: argparse.Namespace) -> None:
@@ -131,7 +132,7 @@ def cmd_fidelity(args: argparse.Namespace) -> None:
     print(f"{'policy':<16}{'budget':>8}{'ROUGE-L':>9}{'tokens to divergence':>22}{'KL(full||policy)':>18}")
     for name, policy in policy_specs(args).items():
         result = {**policy.build(args.prompt_tokens).describe(),
-                  **(policy.kv_bits.describe() if policy.kv_bits else {}),
+                  **held_kv_description(model, policy.kv_bits),
                   **fidelity(model, tokenizer, prompts, policy, args.new_tokens, args.chunk_size)}
         report["policies"].append(result)
         print(f"{name:<16}{str(result['budget']):>8}{result['rouge_l']:>9.3f}{result['tokens_to_divergence']:>22.1f}"

@@ -204,7 +204,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--question", default=None, help="asked after the text; each policy answers it")
     p.add_argument("--answer", default=None, help="the text the question needs: its tokens are marked")
     p.add_argument("--protocol", choices=["stream", "context"], default="stream")
-    p.add_argument("--kv-bits", type=int, choices=[16, 8, 4, 2], default=None)
+    p.add_argument("--kv-bits", type=int, choices=[32, 16, 8, 4, 2], default=None)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens of each policy's answer (default 16)")
     p.add_argument("--html", default=None, metavar="OUT.html", help="a self-contained page (no network)")

@@ -17,6 +17,7 @@ from sparsegen.cli.common import (
     speculative_args,
 )
 from sparsegen.eval.protocols import PROTOCOLS
+from sparsegen.kv.quantized import held_kv_description
 
 PROTOCOL_HELP = ("stream: the whole prompt in chunks, evicting as it goes; context: the context in one pass, "
                  "compressed once, then the question, the budget holding throughout; context-once (kvpress's "
@@ -41,7 +42,7 @@ def cmd_passkey(args: argparse.Namespace) -> None:
     results = {}
     for name, policy in policy_specs(args).items():
         results[name] = {**policy.build(max(lengths)).describe(), "budget": policy.budget,
-                         **(policy.kv_bits.describe() if policy.kv_bits else {}),
+                         **held_kv_description(model, policy.kv_bits),
                          **passkey_accuracy(model, tokenizer, filler, lengths, depths, policy, args.trials, args.seed,
                                             args.chunk_size, chat=chat, protocol=args.protocol)}
         print(f"{name}: accuracy {results[name]['accuracy']:.1%}")

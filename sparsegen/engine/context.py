@@ -22,7 +22,7 @@ from sparsegen.kv.cache import EvictionCache
 from sparsegen.kv.layer import BUFFERS, ROW_STATE
 from sparsegen.kv.policies import policy_class
 from sparsegen.kv.policy import Policy, policy_options
-from sparsegen.kv.quantized import KVQuantization
+from sparsegen.kv.quantized import AS_COMPUTED, KVQuantization
 from sparsegen.models.anatomy import model_fingerprint, pinned_tokens
 
 FORMAT = "sparsegen.compressed_context/2"  # 2: rolling order-policy keys held turned to their token ordinal
@@ -154,7 +154,7 @@ class CompressedContext:
             raise ValueError(f"the context was compressed under {meta['policy']}, not {policy.describe()}")
         quant = meta["kv_quantization"]
         cache = EvictionCache(model, policy, positions=meta["positions"], chunk_size=meta["chunk_size"],
-                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else None,
+                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else AS_COMPUTED,
                               **options)
         if len(cache.layers) != len(meta["layers"]):
             raise ValueError("the saved context's layers do not match the model's")
@@ -238,7 +238,7 @@ class CompressedContext:
         quant = meta["kv_quantization"]
         probe = EvictionCache(model, policy_from_description(meta["policy"]), positions=meta["positions"],
                               chunk_size=meta["chunk_size"],
-                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else None)
+                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else AS_COMPUTED)
         if len(probe.layers) != len(meta["layers"]):
             raise _damaged(path, f"it has {len(meta['layers'])} layers, the model {len(probe.layers)}")
         device = next(model.parameters()).device

@@ -11,7 +11,6 @@ different tokens at different positions) for as long as the same jobs decode tog
 when its reply finishes or leaves. While others decode, the chunk goes into their step's forward
 (``sparsegen.kv.packed``): one pass over the weights for both. A failure in a job (its prompt, its sampling) fails it
 alone; a forward that fails, the replies in it. One thread drives an engine.
-
 With a ``Speculation`` (``--speculative``), each session also keeps a draft cache under the draft policy, and a reply
 decoding alone advances by speculative rounds (drafted by that cache, verified by the session's full cache: the same
 tokens as without). Replies decoding together step one token at a time, batched, as without it; the tokens their
@@ -26,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -51,6 +51,7 @@ from sparsegen.engine.store import SessionStore
 from sparsegen.engine.template import ChatTemplate
 from sparsegen.kv import EvictionCache, PolicySpec
 from sparsegen.kv.cache import DEFAULT_CHUNK
+from sparsegen.kv.quantized import AS_COMPUTED, held_kv
 from sparsegen.kv.rollback import forget_last
 from sparsegen.kv.rows import add_row, park, remove_row, stack
 from sparsegen.models.anatomy import context_length, pinned_tokens
@@ -101,19 +102,19 @@ class Engine:
         self._batch: EvictionCache | None = None  # the stacked caches of the replies decoding together
         self._rows: list[Job] = []  # whose reply each row of it is
         self._steps: list[int] = []  # decode steps each row has run in the batch (not yet in its session's cache)
-        # a fractional budget: that share of the longest conversation (``PolicySpec.fixed``), every session alike
-        self.policy = policy = policy.fixed(max_context or context_length(model))
-        self.speculation, self.quantization, self.max_sessions = speculation, policy.kv_bits, max_sessions
+        policy = policy.fixed(max_context or context_length(model))  # (a fractional budget: of the longest one)
         if speculation is not None and policy.kv_bits is not None:
             raise ValueError("speculative decoding verifies with the model's own full cache: drop --kv-bits")
+        self.policy = policy = policy if speculation is None else replace(policy, kv_bits=AS_COMPUTED)
+        self.speculation, self.max_sessions = speculation, max_sessions
+        self.quantization = held_kv(model, policy.kv_bits)  # (None: as the model computes them)
         if speculation is not None and policy.bounded:
             raise ValueError("speculative decoding verifies with the full cache: use --policy full (the draft "
                              "cache takes --speculative's policy)")
         self.drafts = None if speculation is None else ConversationDrafts(model, speculation, chunk_size, compile)
         self.decode = DecodeStep(model, compile)
-        self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0,
-                              # steps that carried a prompt chunk, their decode tokens and seconds (within the above)
-                              "packed_steps": 0, "packed_decode_tokens": 0, "packed_seconds": 0.0})
+        self.counters.update({"decode_seconds": 0.0, "decode_steps": 0, "dropped_sessions": 0, "packed_steps": 0,
+                              "packed_decode_tokens": 0, "packed_seconds": 0.0})  # (packed: steps with a prompt chunk)
         self.max_context, self.memory = max_context, None
         if kv_memory is not None:
             self._plan_memory(kv_memory, idle_grace)

@@ -28,6 +28,7 @@ from sparsegen.engine.step import DecodeStep, forward
 from sparsegen.kv import EvictionCache, Policy, make_policy
 from sparsegen.kv.cache import DEFAULT_CHUNK
 from sparsegen.kv.policies.full import Full
+from sparsegen.kv.quantized import AS_COMPUTED
 from sparsegen.kv.rollback import forget_last
 
 MOST_DRAFT_TOKENS = 16
@@ -275,10 +276,11 @@ def speculative_tokens(
 def _caches(model: torch.nn.Module, drafter: torch.nn.Module, speculation: Speculation, length: int,
             chunk_size: int) -> tuple[EvictionCache, EvictionCache]:
     """The target's full cache and the draft's, each with room for ``length`` tokens and a round of drafts."""
-    room = length + MOST_DRAFT_TOKENS + 1
-    target = EvictionCache(model, Full(), chunk_size=chunk_size, expected_length=room, rollback=MOST_DRAFT_TOKENS)
+    room = length + MOST_DRAFT_TOKENS + 1  # (K/V as computed: the model's own full cache verifies)
+    target = EvictionCache(model, Full(), chunk_size=chunk_size, expected_length=room, rollback=MOST_DRAFT_TOKENS,
+                           kv_bits=AS_COMPUTED)
     draft = EvictionCache(drafter, speculation.policy, positions=speculation.positions, chunk_size=chunk_size,
-                          expected_length=room, rollback=MOST_DRAFT_TOKENS)
+                          expected_length=room, rollback=MOST_DRAFT_TOKENS, kv_bits=AS_COMPUTED)
     return target, draft
 
 
@@ -370,7 +372,7 @@ class ConversationDrafts:
     def new_cache(self) -> EvictionCache:
         spec = self.speculation()
         return EvictionCache(self.drafter, spec.policy, positions=spec.positions, chunk_size=self.chunk_size,
-                             rollback=self.tokens)
+                             rollback=self.tokens, kv_bits=AS_COMPUTED)
 
     def round(self, model: torch.nn.Module, job: Job, offset: int, take: Callable, forget: Callable,
               counters: dict) -> None:

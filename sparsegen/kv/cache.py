@@ -28,7 +28,7 @@ from sparsegen.kv.layer import KV_BUFFERS, ROW_STATE, EvictionLayer, Step
 from sparsegen.kv.policies.full import Full
 from sparsegen.kv.policies.window import Window
 from sparsegen.kv.policy import Policy
-from sparsegen.kv.quantized import KVQuantization, as_quantization
+from sparsegen.kv.quantized import AS_COMPUTED, KVQuantization, held_kv
 from sparsegen.kv.rotary import Rotary
 from sparsegen.models.anatomy import pinned_tokens
 
@@ -63,11 +63,12 @@ class EvictionCache(Cache):
         never leaves them short of it.
 
         ``kv_bits`` (8, 4 or 2, or a ``KVQuantization`` to set the residual too): hold keys and values as low-bit
-        codes (``sparsegen.kv.quantized``); 16 holds them as float16 numbers (llama.cpp's default cache type); None
-        holds them as the model computes them."""
+        codes (``sparsegen.kv.quantized``); 16 holds them as float16 numbers (llama.cpp's default cache type); 32
+        (``AS_COMPUTED``) as the model computes them; None: the model's default (``default_kv_bits``: 16 on a CPU
+        where its linears run in the integer kernels, else 32)."""
         prepare(model)
         policy.check_model(model)
-        self.quantization = as_quantization(kv_bits)
+        self.quantization = held_kv(model, kv_bits)
         self.kv_dtype = torch.float16 if self.quantization is not None and not self.quantization.codes else None
         positions = positions or policy.default_positions
         if positions not in ("original", "rolling"):
@@ -301,6 +302,12 @@ class EvictionCache(Cache):
                 layer.attention = layer.memo = None  # (nothing scores the tokens any more)
 
     # --- what users ask ---
+    @property
+    def kv_bits(self) -> KVQuantization | int:
+        """How this cache holds K/V, as another cache of the same storage is asked for it (``AS_COMPUTED`` where the
+        model's own dtype: None would take the model's default)."""
+        return self.quantization or AS_COMPUTED
+
     def held_tokens(self) -> list[int]:
         """Tokens held per layer now: slots in use (the largest held count of any sequence), per head where the
         heads share slots."""

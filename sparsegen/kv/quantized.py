@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-BITS = (16, 8, 4, 2)  # 16: float16 numbers, no codes
+BITS = (16, 8, 4, 2)  # 16: float16 numbers, no codes (32, ``AS_COMPUTED``: as the model computes them)
 TINY = 1e-6  # floor of a channel scale: a channel that was all zeros stays finite
 
 
@@ -73,12 +73,39 @@ def policy_and_bits(name: str) -> tuple[str, int | None]:
     return policy, int(bits) if bits else None
 
 
-def as_quantization(kv_bits: int | KVQuantization | None) -> KVQuantization | None:
-    """``kv_bits`` as given to the cache and the entry points: a bit width (the default residual), a
-    ``KVQuantization``, or None (no quantization)."""
-    if kv_bits is None or isinstance(kv_bits, KVQuantization):
+AS_COMPUTED = 32  # ``kv_bits`` for K/V held as the model computes them, whatever the model's default (``held_kv``)
+INTEGER_WEIGHTS = ("w8a8", "w4a8", "w5a8", "gguf")  # the weights sparsegen's integer kernels run, as llama.cpp's do
+
+
+def as_quantization(kv_bits: int | KVQuantization | None) -> KVQuantization | int | None:
+    """``kv_bits`` as given to the cache and the entry points, checked: a bit width (the default residual), a
+    ``KVQuantization``, ``AS_COMPUTED`` (kept as it is), or None (the model's default)."""
+    if kv_bits is None or kv_bits == AS_COMPUTED or isinstance(kv_bits, KVQuantization):
         return kv_bits
     return KVQuantization(kv_bits)
+
+
+def default_kv_bits(model: torch.nn.Module) -> int | None:
+    """How a model's caches hold K/V unless told: float16 numbers where its linears run in sparsegen's integer
+    kernels on a CPU (a GGUF model's default; llama.cpp's default cache type: half the bytes a decode step's
+    attention reads, rounding each K/V to 11 significant bits), else as the model computes them."""
+    from sparsegen.models.anatomy import weights_of
+
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return 16 if on_cpu and weights_of(model) in INTEGER_WEIGHTS else None
+
+
+def held_kv(model: torch.nn.Module, kv_bits: int | KVQuantization | None) -> KVQuantization | None:
+    """How a cache of ``model`` holds K/V for ``kv_bits``: None means the model's default (``default_kv_bits``),
+    ``AS_COMPUTED`` as computed (the result None)."""
+    kv_bits = as_quantization(default_kv_bits(model) if kv_bits is None else kv_bits)
+    return None if kv_bits == AS_COMPUTED else kv_bits
+
+
+def held_kv_description(model: torch.nn.Module, kv_bits: int | KVQuantization | None) -> dict:
+    """``held_kv``'s answer as a result records it (``kv_bits``, ``kv_residual``; nothing where as computed)."""
+    held = held_kv(model, kv_bits)
+    return held.describe() if held is not None else {}
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

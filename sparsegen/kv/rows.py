@@ -20,7 +20,7 @@ def stack(model: torch.nn.Module, caches: list[EvictionCache], capacity: int = 1
     only, reallocated one layer at a time as a row comes or goes (a memory cap counts every byte)."""
     if not caches:
         raise ValueError("stack() needs at least one cache")
-    batched = EvictionCache(model, caches[0].policy, caches[0].positions, chunk_size=1, kv_bits=caches[0].quantization,
+    batched = EvictionCache(model, caches[0].policy, caches[0].positions, chunk_size=1, kv_bits=caches[0].kv_bits,
                   max_length=caches[0].max_length)
     batched.row_capacity = max(capacity, len(caches))
     batched.exact_rows = exact

@@ -109,7 +109,8 @@ class PolicySpec:
 
     def __str__(self) -> str:
         budget = "" if not isinstance(self.policy, str) or self.budget is None else f":{self.budget}"
-        return f"{self.name}{budget}" + (f"+kv{self.kv_bits.bits}" if self.kv_bits is not None else "")
+        bits = getattr(self.kv_bits, "bits", self.kv_bits)  # (a KVQuantization's, or AS_COMPUTED)
+        return f"{self.name}{budget}" + (f"+kv{bits}" if bits is not None else "")
 
 
 def as_spec(policy: str | Policy | PolicySpec, budget: int | float | str | None = None) -> PolicySpec:

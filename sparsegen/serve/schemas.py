@@ -199,7 +199,7 @@ class InspectRequest(BaseModel):
     question: str | None = None
     answer: str | None = None
     protocol: Literal["stream", "context"] = "stream"
-    kv_bits: Literal[16, 8, 4, 2] | None = None
+    kv_bits: Literal[32, 16, 8, 4, 2] | None = None
     max_new_tokens: int = Field(default=16, ge=0)
 
     @model_validator(mode="before")

@@ -11,6 +11,10 @@ from sparsegen.allocator import page_out, release_freed_memory
 from sparsegen.bench import roofline
 from sparsegen.bench.roofline import weight_bytes_per_step
 from sparsegen.cli import main
+from sparsegen.engine.context import CompressedContext
+from sparsegen.kv import EvictionCache, KVQuantization, make_policy
+from sparsegen.kv.rows import stack
+from sparsegen.models.compat import cache_kwargs
 from sparsegen.quant import fast, restore
 from sparsegen.quant.fast import BlockEmbedding, Int4Linear, Int8Linear, TiedHead, W4A8Linear, W5A8Linear, W8A8Linear
 from sparsegen.quant.restore import SharedInput, dequantized, quantize_weights
@@ -26,6 +30,28 @@ def _model(**config):  # widths that are multiples of the int4 group (32)
 
     torch.manual_seed(0)
     return LlamaForCausalLM(tiny_llama_config(VOCAB, **config)).eval()
+
+
+@pytest.mark.parametrize("weights", ["w8a8", "w4a8"])
+def test_integer_kernel_weights_hold_kv_in_float16_unless_told(weights):
+    """Where the linears run in the integer kernels on a CPU (a GGUF model's default), caches hold K/V as float16
+    numbers, as llama.cpp does; ``kv_bits=32`` keeps them as computed, and a cache rebuilt from another (stacked rows,
+    a saved context) keeps that one's storage, not the model's default."""
+    model = _model()
+    assert EvictionCache(model, make_policy("full")).quantization is None  # (fp32 weights: as computed)
+    quantize_weights(model, weights)
+    default, computed = (EvictionCache(model, make_policy("h2o", 10), kv_bits=bits) for bits in (None, 32))
+    assert default.quantization == KVQuantization(16) == default.kv_bits
+    assert computed.quantization is None and computed.kv_bits == 32
+    prompt = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for cache in (default, computed):
+            model(prompt, **cache_kwargs(cache))
+        assert default.layers[0].keys.dtype == torch.float16 and computed.layers[0].keys.dtype == torch.float32
+        stacked = stack(model, [computed])
+        restored = CompressedContext.of(model, computed, prompt).cache(model, check=False)
+    for cache in (stacked, restored):
+        assert cache.quantization is None and cache.layers[0].keys.dtype == torch.float32
 
 
 @pytest.mark.parametrize("weights,kind", [("int8", Int8Linear), ("int4", Int4Linear)])
