@@ -195,8 +195,10 @@ def _bench_model(args, model, label: str, random_weights: bool, bandwidth, polic
     )
     env = setup.environment()
     extensions = f" [{' '.join(env['vector_extensions'])}]" if env["vector_extensions"] else ""
+    held = "as computed" if env["kv_bits"] is None else f"in {env['kv_bits']} bits"  # (the evicting rows')
     print(f"{env['model']}{' (random weights)' if env['random_weights'] else ''}: {env['dtype']} on "
           f"{env['machine']}{extensions}; copy bandwidth {env['bandwidth_gb_s']} GB/s; prefill {env['prefill']}; "
+          f"K/V {held}; "
           f"{'torch.compile' if compiled else 'eager'}; {args.new_tokens} timed decode steps after "
           f"{args.warmup}{f', {args.repeats} times over' if args.repeats > 1 else ''}")
     print(report.header())
