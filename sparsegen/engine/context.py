@@ -89,6 +89,13 @@ def policy_from_description(description: dict) -> Policy:
     return policy
 
 
+def saved_kv_bits(meta: dict) -> KVQuantization | int:
+    """How a saved context held its K/V (``AS_COMPUTED`` where its metadata records no quantization: the file's
+    storage, not the model's default)."""
+    quant = meta["kv_quantization"]
+    return KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else AS_COMPUTED
+
+
 @dataclass
 class CompressedContext:
     tensors: dict[str, torch.Tensor]  # "seen", "context_ids" and "layers.{i}.{buffer}" (a layer's held slots)
@@ -152,10 +159,8 @@ class CompressedContext:
             policy = policy_from_description(meta["policy"])
         elif policy.describe() != meta["policy"]:
             raise ValueError(f"the context was compressed under {meta['policy']}, not {policy.describe()}")
-        quant = meta["kv_quantization"]
         cache = EvictionCache(model, policy, positions=meta["positions"], chunk_size=meta["chunk_size"],
-                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else AS_COMPUTED,
-                              **options)
+                              kv_bits=saved_kv_bits(meta), **options)
         if len(cache.layers) != len(meta["layers"]):
             raise ValueError("the saved context's layers do not match the model's")
         device = next(model.parameters()).device
@@ -166,7 +171,8 @@ class CompressedContext:
             layer.used, layer.fan, layer.peak_tokens = counts["used"], counts["fan"], counts["peak_tokens"]
             if layer.keys is not None:
                 layer.device, layer.is_initialized = device, True
-                layer.dtype = layer.keys.dtype if quant is None else model.dtype  # what attention computes in
+                # (what attention computes in)
+                layer.dtype = layer.keys.dtype if cache.quantization is None else model.dtype
         cache.seen = self.tensors["seen"].to(device, copy=True)
         cache.length, cache.padded = meta["length"], meta["padded"]
         return cache
@@ -235,10 +241,8 @@ class CompressedContext:
         from sparsegen.engine.step import forward
 
         meta, tensors = self.meta, self.tensors
-        quant = meta["kv_quantization"]
         probe = EvictionCache(model, policy_from_description(meta["policy"]), positions=meta["positions"],
-                              chunk_size=meta["chunk_size"],
-                              kv_bits=KVQuantization(quant["kv_bits"], quant["kv_residual"]) if quant else AS_COMPUTED)
+                              chunk_size=meta["chunk_size"], kv_bits=saved_kv_bits(meta))
         if len(probe.layers) != len(meta["layers"]):
             raise _damaged(path, f"it has {len(meta['layers'])} layers, the model {len(probe.layers)}")
         device = next(model.parameters()).device
