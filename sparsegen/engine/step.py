@@ -353,10 +353,11 @@ def _compiled_step(graphs: bool):
     layer's K and V (measured: 4 copies of the cache a step); without it the write is in place.
     The wrapper's ~460 size and stride assertions (of inputs dynamo's guards have checked, and of kernels' outputs)
     re-check what is already known each step: off (CUDA keeps the alignment checks: Triton's kernels assume aligned
-    inputs). (``triton.cudagraphs`` is what mode="reduce-overhead"
-    sets; a mode and options cannot both be given.) On a CPU the graph's wrapper is C++ (``cpp_wrapper``): the ~700
-    kernel and op calls of a SmolLM2 step no longer go through Python (measured in docs/benchmarks-log.md); CUDA replays
-    a graph instead."""
+    inputs). (``triton.cudagraphs`` is what mode="reduce-overhead" sets; a mode and options cannot both be given.) On
+    a CPU the graph's wrapper is C++ (``cpp_wrapper``): the ~700 kernel and op calls of a SmolLM2 step no longer go
+    through Python (measured in docs/benchmarks-log.md); CUDA replays a graph instead. That wrapper is built apart
+    from the kernels, at -O1 (``cpp_wrapper_build_separate``): gcc optimizing its calls was half a cold compile
+    (SmolLM2's whole step: 39 s of 80 in gcc, 16 s so; the step as fast, docs/benchmarks.md)."""
     return _compiled(_step, graphs)
 
 
@@ -371,6 +372,10 @@ def _compiled(function: Callable, graphs: bool):
     """``function`` through ``torch.compile`` with the step's options (``_compiled_step``)."""
     options = {"reorder_for_locality": False, "triton.cudagraphs": graphs, "size_asserts": False,
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
+    import torch._inductor.config as inductor
+
+    if not graphs and hasattr(inductor, "cpp_wrapper_build_separate"):  # (torch 2.13's)
+        options["cpp_wrapper_build_separate"] = True
     accepted = inspect.signature(torch.compile).parameters
     # (isolated: its own list of graphs, which graph_calls reads)
     limit = {name: value for name, value in (("recompile_limit", COMPILED_SHAPES), ("isolate_recompiles", True))
