@@ -34,6 +34,10 @@ FEW_QUERIES = native_attention.MOST_QUERIES  # up to a speculative verification:
 # its queries can see (a causal one-pass 4K prefill, one SmolLM2 layer's 9 heads: 1.39 s whole, 0.69 s in blocks of
 # 512, 0.43 s in blocks of 256, measured)
 QUERY_BLOCK = 256
+# and at most this many fp32 scores a block (8 MB, all heads): a block's [rows, T] scores written and read back while
+# they are in cache. KVzip's second reading (512 copy queries over a 4.6K-token SmolLM2 layer): 122 ms a layer in
+# blocks of 256 queries, 57 ms in blocks of 48, measured
+SCORES_PER_BLOCK = 1 << 21
 
 
 def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
@@ -289,8 +293,9 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
                                                        scaling, probs=layer.attention is not None)
         _observe_call(cache, layer, probs, mask, total)
         return out
-    if q > QUERY_BLOCK and incoming is None and sink_query is None and _blockable(layer, key, value):
-        return _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling)
+    rows = _block_rows(batch, q_heads, key.shape[2])
+    if q > rows and incoming is None and sink_query is None and _blockable(layer, key, value):
+        return _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling, rows)
     queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)
     scores = attention_scores(queries, key, scaling)
     if incoming is not None:
@@ -328,30 +333,42 @@ def _blockable(layer, key, value) -> bool:
                                        and layer.policy.attention_statistic in ("sum", "pivotal", "max"))
 
 
-def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: float):
-    """``_grouped_attention`` of a long call, ``QUERY_BLOCK`` queries at a time, each block over the keys up to the
-    last one any of its queries sees: the same rows of probabilities, none of them for keys a causal mask hides.
-    One host read per call (the blocks' reach): a prefill's, never a decode step's."""
+def _block_rows(batch: int, q_heads: int, keys: int) -> int:
+    """Queries a block of a long call's grouped attention: ``QUERY_BLOCK``, fewer where the block's scores would pass
+    ``SCORES_PER_BLOCK``."""
+    return max(16, min(QUERY_BLOCK, SCORES_PER_BLOCK // (batch * q_heads * keys)))
+
+
+def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: float, rows: int):
+    """``_grouped_attention`` of a long call, ``rows`` queries at a time (``_block_rows``), each block over the keys
+    from the first to the last one any of its queries sees (a sliding-window layer's window, not every key), masked
+    only where one of them is denied a key: the same rows of probabilities, none of them for keys the mask hides. One
+    host read per call (the blocks' bounds): a prefill's, never a decode step's."""
     batch, q_heads, q, _ = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
+    blocks = -(-q // rows)
     if mask is None:
-        reach = torch.full((q,), total, device=query.device)
-    else:  # one past the last key each query sees, in any row or head
-        columns = torch.arange(1, total + 1, device=query.device)
-        reach = torch.where(mask.any(dim=(0, 1)), columns, 0).amax(-1)
-    limits = F.pad(reach, (0, -q % QUERY_BLOCK)).view(-1, QUERY_BLOCK).amax(-1).clamp(min=1).tolist()
+        bounds = [[0, total, total, total]] * blocks
+    else:  # per block: the first and one past the last key any query sees, the first and one past the last one denied
+        seen = F.pad(mask.any(dim=(0, 1)), (0, 0, 0, -q % rows)).view(blocks, rows, total).any(1)
+        denied = F.pad(~mask.all(dim=(0, 1)), (0, 0, 0, -q % rows)).view(blocks, rows, total).any(1) & seen
+        columns = torch.arange(total, device=query.device)
+        bounds = torch.stack((torch.where(seen, columns, total).amin(-1), torch.where(seen, columns + 1, 0).amax(-1),
+                              torch.where(denied, columns, total).amin(-1), torch.where(denied, columns + 1, 0).amax(-1)),
+                             dim=-1).tolist()
     outs = []
-    for start, limit in zip(range(0, q, QUERY_BLOCK), limits):
-        rows = slice(start, start + QUERY_BLOCK)
-        scores = attention_scores(query[:, :, rows], key[:, :, :limit], scaling)
-        if mask is not None:
-            scores.masked_fill_(~mask[:, :, None, rows, :limit], -torch.inf)
+    for start, (first, limit, first_denied, last_denied) in zip(range(0, q, rows), bounds):
+        block, keys = slice(start, start + rows), slice(first, limit)
+        scores = attention_scores(query[:, :, block], key[:, :, keys], scaling)
+        if first_denied < last_denied:
+            scores[..., first_denied - first:last_denied - first].masked_fill_(
+                ~mask[:, :, None, block, first_denied:last_denied], -torch.inf)
         probs = torch.softmax(scores, dim=-1)
         if layer.attention is not None:
-            visible = total if mask is None else mask[:, :, rows].sum(-1)[:, :, None, :, None]
-            real = cache.step.new_valid[:, None, None, rows, None] if cache.padded else None  # (None: all real)
-            observe(layer.policy, layer.attention[:, :, :limit], probs, visible, real)
-        out = probs.to(value.dtype).view(batch, kv_heads, -1, limit) @ value[:, :, :limit]
+            visible = total if mask is None else mask[:, :, block].sum(-1)[:, :, None, :, None]
+            real = cache.step.new_valid[:, None, None, block, None] if cache.padded else None  # (None: all real)
+            observe(layer.policy, layer.attention[:, :, keys], probs, visible, real)
+        out = probs.to(value.dtype).view(batch, kv_heads, -1, limit - first) @ value[:, :, keys]
         outs.append(out.view(batch, q_heads, scores.shape[3], -1))
     return torch.cat(outs, dim=2)
 
