@@ -353,9 +353,8 @@ def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: f
         seen = F.pad(mask.any(dim=(0, 1)), (0, 0, 0, -q % rows)).view(blocks, rows, total).any(1)
         denied = F.pad(~mask.all(dim=(0, 1)), (0, 0, 0, -q % rows)).view(blocks, rows, total).any(1) & seen
         columns = torch.arange(total, device=query.device)
-        bounds = torch.stack((torch.where(seen, columns, total).amin(-1), torch.where(seen, columns + 1, 0).amax(-1),
-                              torch.where(denied, columns, total).amin(-1), torch.where(denied, columns + 1, 0).amax(-1)),
-                             dim=-1).tolist()
+        bounds = torch.stack([bound for keys in (seen, denied) for bound in (
+            torch.where(keys, columns, total).amin(-1), torch.where(keys, columns + 1, 0).amax(-1))], dim=-1).tolist()
     outs = []
     for start, (first, limit, first_denied, last_denied) in zip(range(0, q, rows), bounds):
         block, keys = slice(start, start + rows), slice(first, limit)
