@@ -134,7 +134,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2")
     parser.add_argument("--methods", default="snapkv,knorm,streaming,tova")
-    parser.add_argument("--budget", type=float, default=0.5, help="share of the context kept (kvpress: 1 - ratio)")
+    parser.add_argument("--budget", default="0.5",
+                        help="share of the context kept (kvpress: 1 - ratio); several, comma-separated, share one "
+                             "full-cache row (kvpress's ratios 25/50/75/87.5%%: 0.75,0.5,0.25,0.125)")
     parser.add_argument("--haystack", default=str(data_dir() / "books" / "test" / "great_expectations.txt"))
     parser.add_argument("--libraries", default="kvpress,sparsegen,sparsegen-once",
                         help="sparsegen: its context protocol (the budget held through the question and answer); "
@@ -154,6 +156,7 @@ def main() -> None:
         return
     libraries = args.libraries.split(",")
     methods = args.methods.split(",")
+    budgets = [float(b) for b in args.budget.split(",")]
     unmatched = [m for m in methods if m not in PRESSES and m not in ADAPTIVE]
     if "kvpress" in libraries and unmatched:
         parser.error(f"no kvpress press is matched to {', '.join(unmatched)}; choose from "
@@ -174,10 +177,12 @@ def main() -> None:
                                                    "0.5.5"), "transformers": __import__("transformers").__version__,
                                                    "samples_per_task": args.samples, "rows": rows}, indent=2))
 
-    def record(library: str, method: str, results: list[dict], seconds: float, window: int | None = None) -> None:
+    def record(library: str, method: str, budget: float | None, results: list[dict], seconds: float,
+               window: int | None = None) -> None:
         for task in dict.fromkeys(r["task"] for r in results):
             mine = [r for r in results if r["task"] == task]
-            rows.append({"library": library, "policy": method, "budget": args.budget, "protocol": args.protocol,
+            label = method if budget is None or len(budgets) == 1 else f"{method} {budget:.1%}"
+            rows.append({"library": library, "policy": label, "budget": budget, "protocol": args.protocol,
                          "window": window,
                          "task": task, "length": args.length, "score": sum(r["score"] for r in mine) / len(mine),
                          "kv_tokens": max(r["kv_tokens"] for r in mine), "samples": mine,
@@ -186,28 +191,29 @@ def main() -> None:
         save()
 
     # kvpress first: sparsegen's cache switches the model's attention to its own registered functions
-    for method in (["full"] + methods) if "kvpress" in libraries else []:
-        press = None if method == "full" else make_press(kvpress, method, args.budget)
+    pressings = [("full", None)] + [(method, budget) for method in methods for budget in budgets]
+    for method, budget in pressings if "kvpress" in libraries else []:
+        press = None if method == "full" else make_press(kvpress, method, budget)
         t0, results = time.perf_counter(), []
         for sample in samples:
             pressed_tokens = len(sample.ids) if args.protocol == "query-aware" else sample.context_tokens
             if press is not None:  # as many tokens kept as sparsegen keeps: a share of the context, even query-aware
-                press.compression_ratio = 1 - args.budget * sample.context_tokens / pressed_tokens
+                press.compression_ratio = 1 - budget * sample.context_tokens / pressed_tokens
             answer, held = kvpress_answer(model, tokenizer, sample, press, args.protocol == "query-aware")
             results.append({"task": sample.task, "depth": sample.depth, "answer": answer, "answers": sample.answers,
                             "score": ruler.score(answer, sample.answers), "kv_tokens": held})
-        record("kvpress", method, results, time.perf_counter() - t0)
+        record("kvpress", method, budget, results, time.perf_counter() - t0)
     protocols = {"sparsegen": args.protocol, "sparsegen-once": f"{args.protocol}-once"}
     for library in [lib for lib in libraries if lib in protocols]:
-        for method in methods:
+        for method, budget in pressings[1:]:
             t0 = time.perf_counter()
             options = {"window": args.window} if "window" in policy_options(policy_class(method)) else {}
             results = ruler.evaluate(model, tokenizer, samples,
-                                     PolicySpec(method, args.budget, options),
+                                     PolicySpec(method, budget, options),
                                      protocol=protocols[library], progress=False)
             for r, sample in zip(results, samples):
-                r["kv_tokens"] = round(args.budget * sample.context_tokens)  # after the context
-            record(library, method, results, time.perf_counter() - t0, options.get("window"))
+                r["kv_tokens"] = round(budget * sample.context_tokens)  # after the context
+            record(library, method, budget, results, time.perf_counter() - t0, options.get("window"))
 
     print(f"\n{args.model}, RULER {args.length}, {args.samples} samples a task, {args.protocol} protocol, budget "
           f"{args.budget} of the context (kvpress keeping as many tokens)\n")
