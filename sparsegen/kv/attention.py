@@ -35,8 +35,8 @@ FEW_QUERIES = native_attention.MOST_QUERIES  # up to a speculative verification:
 # 512, 0.43 s in blocks of 256, measured)
 QUERY_BLOCK = 256
 # and at most this many fp32 scores a block (8 MB, all heads): a block's [rows, T] scores written and read back while
-# they are in cache. KVzip's second reading (512 copy queries over a 4.6K-token SmolLM2 layer): 122 ms a layer in
-# blocks of 256 queries, 57 ms in blocks of 48, measured
+# they are in cache. SmolLM2's one-pass 4K prefill under H2O: 14.7 s in blocks of 256 queries, 11.8 s in blocks of
+# 57 (scripts/compression_cost.py)
 SCORES_PER_BLOCK = 1 << 21
 
 
