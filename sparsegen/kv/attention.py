@@ -293,8 +293,8 @@ def _grouped_attention(cache, layer, query, sink_query, sink_slot, key, value, i
                                                        scaling, probs=layer.attention is not None)
         _observe_call(cache, layer, probs, mask, total)
         return out
-    rows = _block_rows(batch, q_heads, key.shape[2])
-    if q > rows and incoming is None and sink_query is None and _blockable(layer, key, value):
+    rows = _block_rows(batch, q_heads, key.shape[2])  # (never a verification's few queries: the blocks read the host)
+    if q > max(rows, FEW_QUERIES) and incoming is None and sink_query is None and _blockable(layer, key, value):
         return _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling, rows)
     queries = query if sink_query is None else torch.cat((query, sink_query), dim=2)
     scores = attention_scores(queries, key, scaling)
