@@ -350,8 +350,11 @@ def _attention_by_query_blocks(cache, layer, query, key, value, mask, scaling: f
     if mask is None:
         bounds = [[0, total, total, total]] * blocks
     else:  # per block: the first and one past the last key any query sees, the first and one past the last one denied
-        seen = F.pad(mask.any(dim=(0, 1)), (0, 0, 0, -q % rows)).view(blocks, rows, total).any(1)
-        denied = F.pad(~mask.all(dim=(0, 1)), (0, 0, 0, -q % rows)).view(blocks, rows, total).any(1) & seen
+        def any_in_block(keys_of_queries: torch.Tensor) -> torch.Tensor:  # [q, T] -> [blocks, T]
+            return F.pad(keys_of_queries, (0, 0, 0, -q % rows)).view(blocks, rows, total).any(1)
+
+        seen = any_in_block(mask.any(dim=(0, 1)))
+        denied = any_in_block(~mask.all(dim=(0, 1))) & seen
         columns = torch.arange(total, device=query.device)
         bounds = torch.stack([bound for keys in (seen, denied) for bound in (
             torch.where(keys, columns, total).amin(-1), torch.where(keys, columns + 1, 0).amax(-1))], dim=-1).tolist()
