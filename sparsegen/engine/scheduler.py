@@ -312,6 +312,11 @@ class Engine:
         jobs = [job for job in jobs if not job.done]
         prefilling = min((job for job in jobs if job.feed), key=lambda job: job.served, default=None)
         decoding = [job for job in jobs if not job.feed]
+        if len(decoding) == 1:
+            # the others have finished: it decodes alone from here, in its own cache (speculating, if on), so a
+            # compiled step never runs a stacked batch of one row (a graph of its own, beside the lone cache's)
+            for job in list(self._rows):
+                self._unstack(job)
         if prefilling is not None:
             prefilling.served = self._ticks
             if decoding and self.packs and not reads_whole(prefilling.session.cache):
@@ -324,8 +329,6 @@ class Engine:
             return
         if len(decoding) == 1 and self.speculation is not None:
             job = decoding[0]
-            if self._rows == [job]:  # the others have finished: it decodes alone from here, speculating
-                self._unstack(job)
             if job.sampling.max_tokens - len(job.tokens) > 1:
                 self._guarded(job, self._speculate, job)
                 if job.done:

@@ -10,8 +10,9 @@ from sparsegen.engine.step import COMPILES
 def warm_up(engine: Engine, rows: int = 3, tokens: int = 4) -> dict:
     """Compile, before any request, the decode step's graphs that traffic meets, so that no reply waits on a
     compile: throwaway replies of one prompt decode alone (a session's own cache), then ``rows`` of them
-    stacked, finishing one after another (the batched cache at ``rows`` down to 1 rows: at its second batch size
-    dynamo compiles a graph whose batch size is a variable, which every later size takes). An unbounded policy's
+    stacked, finishing one after another (the batched cache at ``rows`` down to 2 rows: the stacked batch's first
+    graph has a variable batch size, since a batch of one was seen before, and every later size takes it; the last
+    row decodes alone again, in its own cache's graph). Two graphs. An unbounded policy's
     slots are fixed only with ``max_context`` (its sessions then allocate it at once); without, each larger
     allocation of a growing conversation is a graph of its own, compiled when first met. Their caches and the
     counters are given back; returns ``{"compiles", "seconds"}`` (``COMPILES``' count and seconds it added)."""

@@ -39,9 +39,9 @@ def gguf_plan(path) -> dict[str, str]:
     x86), PyTorch's weight-only ``int4`` and ``int8``. The LM head takes the output tensor's type, or the token
     embedding's when the two are tied. ``TABLE``, the token embedding, is there when the file stores it below 16 bits
     (as ``BlockEmbedding``, whatever its type: SmolLM2's and Gemma 3's are Q8_0, which it holds exactly)."""
-    from gguf import GGUFReader
+    from sparsegen.models.gguf import tensor_types
 
-    types = {t.name.removesuffix(".weight"): t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    types = {name.removesuffix(".weight"): kind for name, kind in tensor_types(path).items()}
     plan = {TABLE: types.get(TABLE)}
     for name, kind in types.items():
         parts = name.split(".")
