@@ -16,6 +16,7 @@ from sparsegen.engine.prefill import prefill
 from sparsegen.engine.step import DecodeStep, _step
 from sparsegen.kv import EvictionCache, make_policy
 from sparsegen.kv.quantized import KVQuantization
+from sparsegen.quant.restore import quantize_weights
 from tests.kv.families import VOCAB, named_policies, tiny_model
 
 BUDGET, PROMPT, STEPS = 10, 6, 8  # the budget fills at the 4th step: steps before and after
@@ -588,17 +589,21 @@ def test_a_regional_step_gives_the_eager_steps_logits_kept_tokens_and_counts(nam
 
 
 @pytest.mark.parametrize("name, family", [(name, "deep llama") for name in ("full", "streaming", "h2o")]
-                         + [("h2o", "gemma3")])
+                         + [("h2o", "gemma3"), ("h2o", "deep llama w8a8")])
 def test_a_regional_steps_steady_blocks_run_their_graphs_without_dynamo_and_give_the_eager_logits(name, family,
                                                                                                    monkeypatch):
     """Each block's graph, once dynamo's guards have chosen it for a state, is recorded on two calls and, where both
     recorded the same inputs, called on them from the third (``graph_calls.BlockCalls``): the eager step's logits,
     the same logits, kept tokens and counts as every block through dynamo, and every block of a steady step direct
-    (rolling sinks: a second state, once they may evict)."""
+    (rolling sinks: a second state, once they may evict). With packed weights too: their linears that share an
+    input (``SharedInput``) hand outputs on between calls, which a replayed block must do as dynamo's code did."""
     import sparsegen.engine.step as decoding
 
     budget, room = _sizes(name)
-    model = _deep_llama() if family == "deep llama" else tiny_model(family)
+    model = tiny_model(family) if family == "gemma3" else _deep_llama()
+    if family.endswith("w8a8"):
+        with torch.inference_mode():
+            quantize_weights(model, "w8a8")
     monkeypatch.setattr(decoding, "BLOCK_LAYERS", 2)
     results = []
     for direct in (True, False):
