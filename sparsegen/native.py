@@ -12,6 +12,8 @@ import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,6 +21,29 @@ import torch
 LIBRARY = torch.library.Library("sparsegen", "DEF")
 SOURCES = ("quant/w8a8_linear.cpp", "quant/w4a8_linear.cpp", "kv/decode_attention.cpp")
 HEADERS = ("avx2.h", "quant/w4a8_dots.h")  # (the AVX2 paths share one; the w4a8 kernel includes the other twice)
+
+
+@contextmanager
+def sole_loader(build_directory: Path) -> Iterator[None]:
+    """Around ``cpp_extension.load`` of ``build_directory``: an OS lock on a file beside it, which the system lets go
+    of when its process ends, however it ends. PyTorch's own lock (a ``lock`` file in the folder, made by every load,
+    cached or not) stays behind when its process is killed inside the load (Ctrl-C during the first build), and every
+    later load then waits for it forever, silently. Every sparsegen process loads through here, so a ``lock`` file
+    found while this lock is held is such a leftover: it is removed, and said."""
+    try:
+        import fcntl
+    except ImportError:  # (not a POSIX system: PyTorch's lock alone)
+        yield
+        return
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with open(build_directory.parent / f"{build_directory.name}.sparsegen-lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        leftover = build_directory / "lock"
+        if leftover.exists():
+            print(f"sparsegen: removing {leftover}, left by a process that ended while loading the kernels",
+                  file=sys.stderr, flush=True)
+            leftover.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
@@ -39,9 +64,10 @@ def build() -> str | None:
                   file=sys.stderr, flush=True)
         # (PyTorch rebuilds when a source or a flag changes, not a header: the headers' digest is a flag)
         header = hashlib.sha256(b"".join((package / name).read_bytes() for name in HEADERS)).hexdigest()[:16]
-        cpp_extension.load(name, [str(package / source) for source in SOURCES],
-                           extra_cflags=["-O3", "-fopenmp", f"-DSPARSEGEN_HEADER={header}"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False)  # (ATen's parallel_for is inlined)
+        with sole_loader(Path(cpp_extension._get_build_directory(name, verbose=False))):  # (PyTorch's folder)
+            cpp_extension.load(name, [str(package / source) for source in SOURCES],
+                               extra_cflags=["-O3", "-fopenmp", f"-DSPARSEGEN_HEADER={header}"],
+                               extra_ldflags=["-fopenmp"], is_python_module=False)  # (ATen's parallel_for inlined)
         return None
     except Exception as error:  # (no compiler, no ninja, headers of another build: the ops still run, slower)
         lines = str(error).strip().splitlines() or [""]  # (a failed build's message: the commands, then the error)
