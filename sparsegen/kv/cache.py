@@ -35,6 +35,7 @@ from sparsegen.models.anatomy import pinned_tokens
 DEFAULT_CHUNK = 512
 # the counts a fixed step keeps outside its graph (``fixed_shape_step``): they change every step, the graph reads none
 HOST_COUNTS = frozenset({"length", "used", "peak_tokens"})
+HELD_SLOTS_BUCKET = 256  # slots ``stop_evicting`` rounds each layer's allocation up to
 _BY_VALUE = frozenset({int, float, str, bool, type(None), torch.dtype, torch.device})  # tensors: by identity and
 # layout (a buffer let go and a new one may share an identity); the rest by identity
 
@@ -300,6 +301,10 @@ class EvictionCache(Cache):
             if not layer.is_sliding:
                 layer.policy = self.policy
                 layer.attention = layer.memo = None  # (nothing scores the tokens any more)
+                if layer.is_initialized and layer.keys.shape[2] % HELD_SLOTS_BUCKET:
+                    # (a compiled decode step attends over an unbounded layer's allocation: rounded up, the contexts
+                    # of nearby lengths that each kept its share share one graph, not one compile each)
+                    layer._reallocate(-(-layer.keys.shape[2] // HELD_SLOTS_BUCKET) * HELD_SLOTS_BUCKET)
 
     # --- what users ask ---
     @property

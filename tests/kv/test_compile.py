@@ -81,3 +81,29 @@ def test_steps_that_read_the_host_break_the_graph(name):
     (tests/kv/test_host_syncs.py): each read is a graph break."""
     torch._dynamo.reset()
     assert _breaks(name) > 0
+
+
+@pytest.mark.parametrize("name", ["kvzip", "knorm"])
+def test_contexts_of_nearby_lengths_held_after_compression_decode_in_one_shape(name):
+    """Under ``context-once`` a compressed context stops evicting and a compiled step attends over its layers'
+    allocation: contexts that kept 11 and 13 tokens get the same slots (one graph between them, not a compile
+    each), and a step gives the logits of a cache holding the same tokens without the extra room."""
+    model = tiny_model("llama")
+    shapes, logits = [], []
+    for length, budget in ((36, 11), (40, 13), (40, 13)):
+        ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+        cache = EvictionCache(model, make_policy(name, budget), chunk_size=16)
+        with torch.inference_mode():
+            prefill(model, cache, ids, torch.ones_like(ids), 16, first_chunk=length)
+            if len(shapes) < 2:
+                cache.stop_evicting()
+            else:  # (the same held tokens, lifted without the rounding)
+                cache.policy = make_policy("full")
+                for layer in cache.layers:
+                    layer.policy, layer.attention, layer.memo = cache.policy, None, None
+            assert cache.fits_fixed_step()
+            shapes.append(tuple(layer.fixed_slots for layer in cache.layers))
+            token, position = ids[:, -1], torch.tensor([length])
+            logits.append(DecodeStep(model, compile=False).uncompiled(cache, token, position))
+    assert shapes[0] == shapes[1] != shapes[2]
+    torch.testing.assert_close(logits[1], logits[2], rtol=1e-5, atol=1e-6)
