@@ -7,13 +7,13 @@ caps the path, as the tests do)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ SOURCES = ("quant/w8a8_linear.cpp", "quant/w4a8_linear.cpp", "kv/decode_attentio
 HEADERS = ("avx2.h", "quant/w4a8_dots.h")  # (the AVX2 paths share one; the w4a8 kernel includes the other twice)
 
 
-@contextmanager
+@contextlib.contextmanager
 def sole_loader(build_directory: Path) -> Iterator[None]:
     """Around ``cpp_extension.load`` of ``build_directory``: an OS lock on a file beside it, which the system lets go
     of when its process ends, however it ends. PyTorch's own lock (a ``lock`` file in the folder, made by every load,
@@ -64,7 +64,8 @@ def build() -> str | None:
                   file=sys.stderr, flush=True)
         # (PyTorch rebuilds when a source or a flag changes, not a header: the headers' digest is a flag)
         header = hashlib.sha256(b"".join((package / name).read_bytes() for name in HEADERS)).hexdigest()[:16]
-        with sole_loader(Path(cpp_extension._get_build_directory(name, verbose=False))):  # (PyTorch's folder)
+        folder = getattr(cpp_extension, "_get_build_directory", None)  # (PyTorch's folder for the build)
+        with sole_loader(Path(folder(name, verbose=False))) if folder else contextlib.nullcontext():
             cpp_extension.load(name, [str(package / source) for source in SOURCES],
                                extra_cflags=["-O3", "-fopenmp", f"-DSPARSEGEN_HEADER={header}"],
                                extra_ldflags=["-fopenmp"], is_python_module=False)  # (ATen's parallel_for inlined)
