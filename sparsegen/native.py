@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from sparsegen.paths import use_compile_cache
+
 LIBRARY = torch.library.Library("sparsegen", "DEF")
 SOURCES = ("quant/w8a8_linear.cpp", "quant/w4a8_linear.cpp", "kv/decode_attention.cpp")
 HEADERS = ("avx2.h", "quant/w4a8_dots.h")  # (the AVX2 paths share one; the w4a8 kernel includes the other twice)
@@ -74,3 +76,40 @@ def build() -> str | None:
         lines = str(error).strip().splitlines() or [""]  # (a failed build's message: the commands, then the error)
         reason = next((line for line in lines if "error:" in line), lines[-1]).strip()
         return f"{type(error).__name__}: {reason}"
+
+
+def remember_vector_isas() -> None:
+    """Before a process's first compile: spare inductor its probe of the CPU's vector instruction sets where an
+    earlier process on this machine found them all usable. Inductor checks each set the CPU lists (here: AVX-512
+    with VNNI and AMX, AVX-512, AVX2) by building a test library and loading it in a child Python, once a process:
+    ~1.2 s of every ``serve`` start, warm compile cache or not. The verdict is kept in the compile cache's folder,
+    named by the CPU's flags, torch, Python and the C++ compiler. Where every listed set passed, ``cpp.vec_isa_ok``
+    (inductor's own switch: the listed sets are usable) is set, in the probing process too, since the switch is
+    part of inductor's cache key. Where one failed (AMX in a VM that grants no tile state), inductor probes every
+    process, as it would; a user's ``TORCHINDUCTOR_VEC_ISA_OK`` is left as it is."""
+    import json
+    import platform
+
+    from torch._inductor import config, cpu_vec_isa
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    if config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    compiler = shutil.which(get_cpp_compiler()) or get_cpp_compiler()
+    stat = os.stat(compiler) if os.path.exists(compiler) else None
+    machine = [torch.__version__, sys.executable, compiler, stat and (stat.st_size, stat.st_mtime_ns),
+               sorted(cpu_vec_isa.x86_isa_checker()), os.environ.get("ATEN_CPU_CAPABILITY")]
+    key = hashlib.sha256(json.dumps(machine).encode()).hexdigest()[:24]
+    record = Path(use_compile_cache()) / "vec-isa" / f"{key}.json"
+    flags = machine[4]
+    listed = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    try:
+        usable = json.loads(record.read_text())["usable"]
+    except (OSError, ValueError, KeyError, TypeError):
+        usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # (the probe, this once)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        partial = record.with_suffix(f".{os.getpid()}.part")
+        partial.write_text(json.dumps({"listed": listed, "usable": usable, "machine": machine}))
+        partial.replace(record)
+    if usable == listed:
+        config.cpp.vec_isa_ok = True

@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from sparsegen import native
 from sparsegen.engine import graph_calls
 from sparsegen.kv.regions import block_step, hooked, run_block
 from sparsegen.models.anatomy import decoder_layers
@@ -374,6 +375,7 @@ def _compiled(function: Callable, graphs: bool):
                "alignment_asserts": graphs, "cpp_wrapper": not graphs}
     import torch._inductor.config as inductor
 
+    native.remember_vector_isas()  # (inductor's probe of the CPU, once a machine rather than once a process)
     if not graphs and hasattr(inductor, "cpp_wrapper_build_separate"):  # (torch 2.13's)
         options["cpp_wrapper_build_separate"] = True
     accepted = inspect.signature(torch.compile).parameters
