@@ -294,13 +294,14 @@ def _draft(drafter: torch.nn.Module, draft: EvictionCache, draft_step: DecodeSte
     drafts, draft_probs = [], []
     token = pending
     for i in range(k):
-        if i == 0 and bool(carried.any()):  # the carried draft and the pending token in one call
-            every = bool(carried.all())
+        if i == 0 and bool(carried.all()):  # every row's carried draft, then the pending token: two steps
+            draft_step(draft, last_draft, fed - 1)
+            logits = draft_step(draft, token, fed)
+        elif i == 0 and bool(carried.any()):  # some rows': with the pending token in one call, masked where not
             logits = forward(
                 drafter, draft, torch.stack([last_draft, pending], 1), torch.stack([fed - 1, fed], 1),
-                None if every else torch.cat([torch.ones(batch, draft.length, dtype=torch.long, device=device),
-                                              carried.long()[:, None], torch.ones_like(fed)[:, None]], 1),
-                last=True)
+                torch.cat([torch.ones(batch, draft.length, dtype=torch.long, device=device), carried.long()[:, None],
+                           torch.ones_like(fed)[:, None]], 1), last=True)
         else:
             logits = draft_step(draft, token, fed + i)
         token, probs = draft_token(logits, *sampling)
