@@ -91,22 +91,28 @@ def remember_vector_isas() -> None:
     import platform
 
     from torch._inductor import config, cpu_vec_isa
-    from torch._inductor.cpp_builder import get_cpp_compiler
 
-    if config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+    try:  # (inductor's own helpers: where this PyTorch has other ones, inductor probes as it would)
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        probed, checker = cpu_vec_isa.valid_vec_isa_list, cpu_vec_isa.x86_isa_checker
+        supported = cpu_vec_isa.supported_vec_isa_list
+    except (ImportError, AttributeError):
+        return
+    if getattr(config.cpp, "vec_isa_ok", True) is not None or platform.machine() not in ("x86_64", "AMD64"):
         return
     compiler = shutil.which(get_cpp_compiler()) or get_cpp_compiler()
     stat = os.stat(compiler) if os.path.exists(compiler) else None
     machine = [torch.__version__, sys.executable, compiler, stat and (stat.st_size, stat.st_mtime_ns),
-               sorted(cpu_vec_isa.x86_isa_checker()), os.environ.get("ATEN_CPU_CAPABILITY")]
+               sorted(checker()), os.environ.get("ATEN_CPU_CAPABILITY")]
     key = hashlib.sha256(json.dumps(machine).encode()).hexdigest()[:24]
     record = Path(use_compile_cache()) / "vec-isa" / f"{key}.json"
     flags = machine[4]
-    listed = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    listed = [str(isa) for isa in supported if all(f in flags for f in str(isa).split())]
     try:
         usable = json.loads(record.read_text())["usable"]
     except (OSError, ValueError, KeyError, TypeError):
-        usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # (the probe, this once)
+        usable = [str(isa) for isa in probed()]  # (the probe, this once)
         record.parent.mkdir(parents=True, exist_ok=True)
         partial = record.with_suffix(f".{os.getpid()}.part")
         partial.write_text(json.dumps({"listed": listed, "usable": usable, "machine": machine}))
