@@ -82,10 +82,14 @@ def _read_again(model: torch.nn.Module, cache, ids: torch.Tensor, positions: tor
     columns = torch.arange(ids.shape[1], device=ids.device)
     again_real, again_positions = columns < real.sum(-1, keepdim=True), positions[:, -1:] + 1 + columns
     length = cache.length
-    for start in range(0, ids.shape[1], chunk_size):
-        piece = slice(start, start + chunk_size)
-        held = torch.ones_like(ids[:, :length])  # (the cache masks its own held tokens; the model its new)
-        forward(model, cache, again[:, piece], again_positions[:, piece],
-                None if mask is None else torch.cat((held, again_real[:, piece].long()), dim=1), last=True)
-        forget_last(cache, again_real[:, piece].sum(-1))
-        cache.length = length  # (rows that forgot different counts, their pads: the context's own length)
+    try:
+        for start in range(0, ids.shape[1], chunk_size):
+            piece = slice(start, start + chunk_size)
+            held = torch.ones_like(ids[:, :length])  # (the cache masks its own held tokens; the model its new)
+            cache.reading_again = start, start + chunk_size  # (the ordinals this chunk copies: what its scores rank)
+            forward(model, cache, again[:, piece], again_positions[:, piece],
+                    None if mask is None else torch.cat((held, again_real[:, piece].long()), dim=1), last=True)
+            forget_last(cache, again_real[:, piece].sum(-1))
+            cache.length = length  # (rows that forgot different counts, their pads: the context's own length)
+    finally:
+        cache.reading_again = None

@@ -23,7 +23,7 @@ from sparsegen.kv import native_attention
 from sparsegen.kv.quantized import HeldCodes
 from sparsegen.kv.regions import CACHE_KWARG, route, unroute
 from sparsegen.kv.rotary import memoized
-from sparsegen.kv.scores import attention_scores, observe, observed_queries, slot_ranks
+from sparsegen.kv.scores import RECONSTRUCTION_SINKS, attention_scores, observe, observed_queries, slot_ranks
 from sparsegen.kv.stepwise import shared_attention, stepwise_attention
 from sparsegen.models.compat import attention_implementation, model_eager_attention, passed_cache
 from sparsegen.models.families import family
@@ -87,7 +87,10 @@ def eviction_attention(cache, layer, query, key, value, scaling: float, sliding_
     elif cache.rolling:
         query, key = _rank_frames(cache, layer, query, key, total, view)
     observed = observed_queries(layer.policy, q)
-    if (observed is not None and sink_query is None and incoming is None and not isinstance(key, HeldCodes)
+    if (cache.reading_again is not None and layer.attention is not None and sink_query is None and incoming is None
+            and not isinstance(key, HeldCodes) and layer.attention.dim() == 3):
+        out = _reconstruction_attention(cache, layer, query, key, value, mask, scaling, band)
+    elif (observed is not None and sink_query is None and incoming is None and not isinstance(key, HeldCodes)
             and (mask is None or mask.shape[1] == 1)):
         out = _attention_observing_last(cache, layer, query, key, value, mask, scaling, observed, band)
     elif layer.policy.needs_attention or (sliding_window is not None and view is None) or few_queries_on_cpu:
@@ -278,6 +281,36 @@ def _attention_observing_last(cache, layer, query, key, value, mask, scaling: fl
         scores.masked_fill_(~last[:, :, None, -observed:], -torch.inf)
     real = step.new_valid[:, None, None, -observed:, None]
     observe(layer.policy, layer.attention[:, :, :total], torch.softmax(scores, dim=-1), total, real, step.new_index)
+    return out
+
+
+def _reconstruction_attention(cache, layer, query, key, value, mask: torch.Tensor | None, scaling: float,
+                              band: tuple[int, int] | None) -> torch.Tensor:
+    """A chunk of KVzip's copy (``cache.reading_again``: the ordinals of the context's tokens it copies): its hidden
+    states attend to everything held and to the copy before them (SDPA, no probabilities); its scores are each copy
+    query's softmax over the context's first ``RECONSTRUCTION_SINKS`` tokens, the chunk it copies and the copy so far
+    (KVzip's own normalisation, kvpress's too), and each of those tokens keeps the most any query head pays it. Over
+    the whole context instead, a book's every token drew a copying head's attention once, and the probabilities of
+    every copy query over every context token were the pass's main cost."""
+    q, total = query.shape[2], key.shape[2]
+    held = total - q
+    if band is not None:
+        mask = _band_mask(0, q, total, band, query.device)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    first, end = cache.reading_again
+    index, valid = layer.index[:, :, :held], layer.valid[:, :, :held]
+    local = valid & (((index >= first) & (index < end)) | (index < RECONSTRUCTION_SINKS))  # [B, Hkv, held]
+    columns = local.any(dim=(0, 1)).nonzero().squeeze(1)  # (one host read a layer: a prefill's, never a step's)
+    scores = attention_scores(query, torch.cat((key.index_select(2, columns), key[:, :, held:]), dim=2), scaling)
+    seen = torch.cat((local.index_select(2, columns)[:, :, None, :].expand(-1, -1, q, -1),
+                      torch.ones(q, q, dtype=torch.bool, device=query.device).tril().expand(*local.shape[:2], q, q)),
+                     dim=-1)  # [B, Hkv, q, L + q]
+    if mask is not None:  # (padded rows: what each query may see at all)
+        seen = seen & torch.cat((mask.index_select(-1, columns), mask[..., held:]), dim=-1)
+    probs = torch.softmax(scores.masked_fill(~seen[:, :, None], -torch.inf), dim=-1)[..., :len(columns)]
+    real = cache.step.new_valid[:, None, None, :, None]  # (a pad's query pays nothing)
+    paid = probs.masked_fill(~real, 0).nan_to_num(0).amax(dim=(2, 3))  # [B, Hkv, L]
+    layer.attention[:, :, columns] = torch.maximum(layer.attention[:, :, columns], paid)
     return out
 
 

@@ -112,6 +112,8 @@ class EvictionCache(Cache):
         self.exact_rows = False  # a stacked cache holds storage for its rows only (reallocated as they come and go)
         self._workspace: torch.Tensor | None = None
         self.block_step = None  # a decode step running the layers a block at a time (``sparsegen.kv.regions``)
+        # the ordinals [first, end) of the context's tokens a chunk of KVzip's copy reads again (``reconstruct``)
+        self.reading_again: tuple[int, int] | None = None
         # decode steps attend through ``sparsegen::decode_attention`` (built here, outside any compiled step)
         self.native_decode = next(model.parameters()).device.type == "cpu" and native_attention.ready()
         self.mark_evicting(self.expected_length)  # (an announced length past the budget: one compiled graph)

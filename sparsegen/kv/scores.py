@@ -28,6 +28,10 @@ def slot_ranks(index: torch.Tensor, valid: torch.Tensor, sinks: int | None = Non
     return ranks.masked_fill(~valid, 0)
 
 
+# the context's first tokens in every KVzip copy query's softmax beside the chunk it copies (attention sinks: KVzip's
+# and kvpress's n_sink)
+RECONSTRUCTION_SINKS = 4
+
 def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """fp32 logits ``[B, Hkv, group, q, T]`` of grouped queries against their KV head's keys."""
     batch, q_heads, q, head_dim = query.shape

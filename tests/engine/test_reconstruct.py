@@ -1,6 +1,6 @@
 """KVzip's reconstruction scoring (``sparsegen.engine.reconstruct``) against a reference written out with the model's
 own eager attention: each chunk of the context read again after the whole context, every query head's attention
-probabilities on the context's tokens, the most any paid kept per KV head."""
+probabilities on the context's first tokens, the chunk and the copy, the most any paid kept per KV head."""
 
 import pytest
 import torch
@@ -12,19 +12,25 @@ from tests.kv.families import VOCAB, tiny_model
 CONTEXT, CHUNK, BUDGET = 40, 16, 12
 
 
-def reference_scores(model, ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """Per layer ``[kv_heads, n]``: the most attention any query head of the copy paid each context token, the copy
-    fed a chunk at a time after the context (each chunk sees the context and its own tokens before it)."""
+def reference_scores(model, ids: torch.Tensor, chunk: int, sinks: int = 4) -> list[torch.Tensor]:
+    """Per layer ``[kv_heads, n]``: the copy fed a chunk at a time after the context (each chunk sees the context and
+    its own tokens before it); each copy query's attention renormalised over the context's first ``sinks`` tokens,
+    the chunk it copies and the copy (a softmax over a subset is the whole softmax renormalised over it), and the
+    most any query head paid each of those context tokens (0 for the rest)."""
     n = ids.shape[1]
-    config = model.config
-    kv_heads = config.num_key_value_heads
-    best = None
+    kv_heads = model.config.num_key_value_heads
+    best = [torch.zeros(kv_heads, n) for _ in range(model.config.num_hidden_layers)]
     for start in range(0, n, chunk):
         piece = ids[:, start:start + chunk]
         positions = torch.cat((torch.arange(n), n + start + torch.arange(piece.shape[1])))[None]
         out = model(input_ids=torch.cat((ids, piece), dim=1), position_ids=positions, output_attentions=True)
-        scores = [a[0, :, n:, :n].reshape(kv_heads, -1, piece.shape[1], n).amax(dim=(1, 2)) for a in out.attentions]
-        best = scores if best is None else [torch.maximum(b, s) for b, s in zip(best, scores)]
+        local = torch.zeros(n + piece.shape[1], dtype=torch.bool)
+        local[:sinks] = local[start:start + chunk] = local[n:] = True
+        for layer, attention in enumerate(out.attentions):
+            probs = attention[0, :, n:] * local
+            probs = (probs / probs.sum(-1, keepdim=True))[..., :n]
+            paid = probs.reshape(kv_heads, -1, piece.shape[1], n).amax(dim=(1, 2))
+            best[layer] = torch.maximum(best[layer], paid)
     return best
 
 

@@ -86,10 +86,10 @@ def test_which_queries_a_policy_reads():
 
 @pytest.mark.parametrize("chunk_size", [None, 50])
 @pytest.mark.parametrize("family,policy", [("llama", "h2o"), ("llama", "scissorhands"), ("gemma3", "h2o"),
-                                           ("qwen3", "pyramid"), ("llama", "kvzip"), ("gemma3", "kvzip")])
+                                           ("qwen3", "pyramid")])
 def test_a_long_call_attends_a_block_of_queries_at_a_time_and_keeps_what_one_pass_keeps(family, policy, chunk_size,
                                                                                        monkeypatch):
-    """H2O's sums, Scissorhands' votes and KVzip's maxima (its second reading: chunks after the held context) over a
+    """H2O's sums and Scissorhands' votes over a
     long call (the whole prompt, or a chunk after held tokens), its queries taken a block at a time over the keys
     each block can see: the kept tokens and logits of one pass over every query, in a left-padded batch too, and on
     Gemma 3's sliding-window layers (whose masks hide the keys behind each query's window)."""
