@@ -3,12 +3,14 @@ then compressed to the budget, by scores that saw all of it (kvpress's protocol)
 
 Context reconstruction (KVzip's scoring, ``Policy.reconstructs``) comes between: the model reads the context again
 right after it, a chunk at a time, teacher-forced, and each held token's score is the most attention a query head of
-that second reading pays it; the reading's own tokens are forgotten after each chunk.
+that second reading pays it, each copy query's attention taken as a softmax over the context's first tokens, the
+chunk it copies and the copy itself (KVzip's normalisation, and kvpress's); the reading's own tokens are forgotten
+after each chunk.
 
-The second reading runs the linears over the context's tokens again and each of its queries attends to the whole
-context (twice a causal prefill's average), in fp32 grouped matmuls, since the scores need the probabilities; it holds
-the whole context plus one chunk while it runs. It needs no question and no tokenizer: the repeated text itself is the
-cue (the model's copying heads look back at the token that came next the first time). KVzip's paper puts an
+The second reading runs the linears over the context's tokens again; its hidden states attend to the whole context
+(SDPA, twice a causal prefill's average), and only its scores' softmax is formed, over the chunk's own tokens. It
+holds the whole context plus one chunk while it runs. It needs no question and no tokenizer: the repeated text itself
+is the cue (the model's copying heads look back at the token that came next the first time). KVzip's paper puts an
 instruction ("Repeat the previous context") before the copy; sparsegen leaves it out, which also keeps the pass the
 same for every model.
 """
