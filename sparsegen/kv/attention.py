@@ -289,9 +289,9 @@ def _reconstruction_attention(cache, layer, query, key, value, mask: torch.Tenso
     """A chunk of KVzip's copy (``cache.reading_again``: the ordinals of the context's tokens it copies): its hidden
     states attend to everything held and to the copy before them (SDPA, no probabilities); its scores are each copy
     query's softmax over the context's first ``RECONSTRUCTION_SINKS`` tokens, the chunk it copies and the copy so far
-    (KVzip's own normalisation, kvpress's too), and each of those tokens keeps the most any query head pays it. Over
-    the whole context instead, a book's every token drew a copying head's attention once, and the probabilities of
-    every copy query over every context token were the pass's main cost."""
+    (KVzip's own normalisation, kvpress's too), and each of those tokens keeps the most any query head pays it. (Until
+    2026-12-05 the softmax was over the whole context: within noise the same needles kept on RULER, and the same
+    cost, docs/results/smollm2/ruler/README.md.)"""
     q, total = query.shape[2], key.shape[2]
     held = total - q
     if band is not None:
