@@ -103,11 +103,11 @@ def remember_vector_isas() -> None:
         return
     compiler = shutil.which(get_cpp_compiler()) or get_cpp_compiler()
     stat = os.stat(compiler) if os.path.exists(compiler) else None
-    machine = [torch.__version__, sys.executable, compiler, stat and (stat.st_size, stat.st_mtime_ns),
-               sorted(checker()), os.environ.get("ATEN_CPU_CAPABILITY")]
+    flags = sorted(checker())
+    machine = [torch.__version__, sys.executable, compiler, stat and (stat.st_size, stat.st_mtime_ns), flags,
+               os.environ.get("ATEN_CPU_CAPABILITY")]
     key = hashlib.sha256(json.dumps(machine).encode()).hexdigest()[:24]
     record = Path(use_compile_cache()) / "vec-isa" / f"{key}.json"
-    flags = machine[4]
     listed = [str(isa) for isa in supported if all(f in flags for f in str(isa).split())]
     try:
         usable = json.loads(record.read_text())["usable"]

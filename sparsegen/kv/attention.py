@@ -23,7 +23,7 @@ from sparsegen.kv import native_attention
 from sparsegen.kv.quantized import HeldCodes
 from sparsegen.kv.regions import CACHE_KWARG, route, unroute
 from sparsegen.kv.rotary import memoized
-from sparsegen.kv.scores import RECONSTRUCTION_SINKS, attention_scores, observe, observed_queries, slot_ranks
+from sparsegen.kv.scores import attention_scores, observe, observed_queries, scored_by_copy, slot_ranks
 from sparsegen.kv.stepwise import shared_attention, stepwise_attention
 from sparsegen.models.compat import attention_implementation, model_eager_attention, passed_cache
 from sparsegen.models.families import family
@@ -297,9 +297,7 @@ def _reconstruction_attention(cache, layer, query, key, value, mask: torch.Tenso
     if band is not None:
         mask = _band_mask(0, q, total, band, query.device)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    first, end = cache.reading_again
-    index, valid = layer.index[:, :, :held], layer.valid[:, :, :held]
-    local = valid & (((index >= first) & (index < end)) | (index < RECONSTRUCTION_SINKS))  # [B, Hkv, held]
+    local = layer.valid[:, :, :held] & scored_by_copy(layer.index[:, :, :held], cache.reading_again)  # [B, Hkv, held]
     columns = local.any(dim=(0, 1)).nonzero().squeeze(1)  # (one host read a layer: a prefill's, never a step's)
     scores = attention_scores(query, torch.cat((key.index_select(2, columns), key[:, :, held:]), dim=2), scaling)
     seen = torch.cat((local.index_select(2, columns)[:, :, None, :].expand(-1, -1, q, -1),

@@ -32,6 +32,13 @@ def slot_ranks(index: torch.Tensor, valid: torch.Tensor, sinks: int | None = Non
 # and kvpress's n_sink)
 RECONSTRUCTION_SINKS = 4
 
+
+def scored_by_copy(index: torch.Tensor, reading: tuple[int, int]) -> torch.Tensor:
+    """Which held tokens (by ordinal ``index``) a chunk of KVzip's copy scores, ``reading`` being the ordinals
+    ``[first, end)`` it copies: those and the context's first ``RECONSTRUCTION_SINKS``."""
+    return ((index >= reading[0]) & (index < reading[1])) | (index < RECONSTRUCTION_SINKS)
+
+
 def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """fp32 logits ``[B, Hkv, group, q, T]`` of grouped queries against their KV head's keys."""
     batch, q_heads, q, head_dim = query.shape

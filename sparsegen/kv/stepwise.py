@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from sparsegen.kv.policy import TokenView
 from sparsegen.kv.quantized import HeldCodes
-from sparsegen.kv.scores import RECONSTRUCTION_SINKS, attention_scores, observe, observed_queries
+from sparsegen.kv.scores import attention_scores, observe, observed_queries, scored_by_copy
 
 
 def stepwise_attention(cache, layer, query, key, value, scaling: float, sliding_window: int | None = None):
@@ -181,9 +181,7 @@ def _held_and_own_blocks(layer, query, key, value, scaling: float, held_mask: to
                                              own_mask, scaling)
     reading = layer.cache.reading_again
     if layer.attention is not None and reading is not None:  # (KVzip's copy: scored over the sinks, its chunk, itself)
-        ordinal = layer.index[:, :, :start]
-        local = ((ordinal >= reading[0]) & (ordinal < reading[1])) | (ordinal < RECONSTRUCTION_SINKS)
-        held_mask = held_mask & local[:, :, None]
+        held_mask = held_mask & scored_by_copy(layer.index[:, :, :start], reading)[:, :, None]
         held_probs, own_probs = _block_probs(query, key[:, :, :start], own_keys, held_mask, own_mask, scaling)
     if layer.attention is not None:
         rows = held_probs.shape[3]
