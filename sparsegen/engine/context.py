@@ -64,6 +64,9 @@ def _check_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Non
                                                                      and layer[k] >= (k == "fan") for k in counts)
                                      for layer in meta["layers"]):
         raise _damaged(path, "its metadata's 'layers' are not each {used, fan, peak_tokens} counts")
+    if not all(isinstance(layer.get("budget"), (int, type(None))) and not isinstance(layer.get("budget"), bool)
+               and (layer.get("budget") or 1) >= 1 for layer in meta["layers"]):
+        raise _damaged(path, "its metadata's layer budgets are not positive token counts")
     if meta["chunk_size"] < 1 or meta["padded"] < 0:
         raise _damaged(path, "its metadata's chunk_size or padding is out of range")
     for name in ("seen", "context_ids"):
@@ -76,6 +79,14 @@ def _check_meta(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Non
         policy_from_description(meta["policy"])
     except (KeyError, TypeError, ValueError) as err:
         raise _damaged(path, f"its policy {meta['policy']} cannot be rebuilt ({err})") from None
+
+
+def _own_budget(layer, counts: dict) -> None:
+    """A layer's budget as saved, where a policy gives each layer its own share of the model's
+    (``Policy.budget_across_layers``; files written before layers recorded theirs hold the policy's)."""
+    budget = counts.get("budget", layer.policy.budget)
+    if budget != layer.policy.budget:
+        layer.policy = layer.policy.with_budget(budget)
 
 
 def policy_from_description(description: dict) -> Policy:
@@ -127,7 +138,8 @@ class CompressedContext:
             for name, buf in layer.buffers() + layer.row_state():
                 held = buf[:, :, :layer.used] if name in BUFFERS else buf  # slots past `used` hold nothing
                 tensors[f"layers.{i}.{name}"] = held.contiguous().clone()
-            layers.append({"used": layer.used, "fan": layer.fan, "peak_tokens": layer.peak_tokens})
+            layers.append({"used": layer.used, "fan": layer.fan, "peak_tokens": layer.peak_tokens,
+                           "budget": layer.policy.budget})  # (a layer's own share: ``budget_across_layers``)
         quant = cache.quantization
         meta = {"format": FORMAT, "model": getattr(model.config, "_name_or_path", "") or "",
                 "fingerprint": model_fingerprint(model), "policy": cache.policy.describe(),
@@ -169,6 +181,7 @@ class CompressedContext:
                 saved = self.tensors.get(f"layers.{i}.{name}")
                 setattr(layer, name, None if saved is None else saved.to(device, copy=True))
             layer.used, layer.fan, layer.peak_tokens = counts["used"], counts["fan"], counts["peak_tokens"]
+            _own_budget(layer, counts)
             if layer.keys is not None:
                 layer.device, layer.is_initialized = device, True
                 # (what attention computes in)
@@ -251,6 +264,11 @@ class CompressedContext:
             forward(model, probe, token, token, last=True)
         expected = {"seen": ((1,), torch.long), "context_ids": ((self.tokens,), torch.long)}
         for i, (layer, counts) in enumerate(zip(probe.layers, meta["layers"])):
+            if counts.get("budget", layer.policy.budget) != layer.policy.budget \
+                    and not layer.policy.budget_across_layers:
+                raise _damaged(path, f"layer {i}'s budget {counts['budget']} is not its policy's "
+                                     f"({layer.policy.budget}), which gives every layer the same")
+            _own_budget(layer, counts)
             if counts["fan"] != layer.fan or counts["used"] > layer.most_slots(meta["chunk_size"]):
                 raise _damaged(path, f"layer {i}'s counts {counts} do not fit the model under its policy")
             for name, buf in layer.buffers() + layer.row_state():

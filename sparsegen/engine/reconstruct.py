@@ -17,8 +17,6 @@ same for every model.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from sparsegen.engine.step import forward
@@ -31,8 +29,7 @@ from sparsegen.kv.rollback import forget_last
 def _unbounded(policy: Policy, scores: bool) -> Policy:
     """``policy`` evicting nothing (no budget), observing attention only if it ``scores``: its layers keep the
     storage it gave them (heads sharing slots)."""
-    own = copy.copy(policy)
-    own.budget = None
+    own = policy.with_budget(None)
     own.needs_attention = own.needs_attention and scores
     return own
 
@@ -58,11 +55,7 @@ def compress_whole(model: torch.nn.Module, cache, ids: torch.Tensor, positions: 
     finally:
         for layer, policy in zip(cache.layers, policies):
             layer.policy = policy
-    for layer in cache.layers:
-        layer.compress(cache.seen)
-        room = None if layer.slot_budget is None else layer.slot_budget + cache.chunk_size * layer.fan
-        if room is not None and layer.keys.shape[2] > room:
-            layer._reallocate(room)  # (the room the pass took, given back)
+    cache.compress()
     return logits
 
 

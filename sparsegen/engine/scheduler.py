@@ -107,6 +107,10 @@ class Engine:
             raise ValueError("speculative decoding verifies with the model's own full cache: drop --kv-bits")
         self.policy = policy = policy if speculation is None else replace(policy, kv_bits=AS_COMPUTED)
         self.speculation, self.max_sessions = speculation, max_sessions
+        if policy.build().budget_across_layers:
+            raise ValueError(f"{policy.name} sizes each layer by the scores of the context it compressed, so two "
+                             "conversations' caches differ layer by layer and cannot decode in one batch: serve "
+                             "kvzip-heads (each layer's heads share its budget) or kvzip")
         self.quantization = held_kv(model, policy.kv_bits)  # (None: as the model computes them)
         if speculation is not None and policy.bounded:
             raise ValueError("speculative decoding verifies with the full cache: use --policy full (the draft "

@@ -201,6 +201,41 @@ class EvictionCache(Cache):
         for layer in layers:
             layer.evict(seen, now=True)
 
+    def compress(self) -> None:
+        """Compress a context encoded whole (``Policy.compresses_whole``), between calls: each layer keeps its budget's
+        highest-priority tokens; under a policy whose budget spans the layers (``budget_across_layers``), what one
+        ranking of all their priorities gives each (``_share_budget``)."""
+        shared = [layer for layer in self.layers
+                  if layer.is_initialized and layer.policy.budget_across_layers and layer.slot_budget is not None]
+        keep = dict(zip(map(id, shared), self._share_budget(shared))) if shared else {}
+        for layer in self.layers:
+            layer.compress(self.seen, keep.get(id(layer)))
+
+    def _share_budget(self, layers: list[EvictionLayer]) -> list[torch.Tensor]:
+        """How many tokens each of ``layers`` keeps per row (``[batch, rows]`` each): those among the top of every
+        layer's priorities ranked together, as many as the layers' budgets hold in all (a prompt prefix and what the
+        policy protects always among them). Each layer's policy then takes as its budget the most any of its rows
+        keeps, plus an even part of the slots the context left free (a context within the budget: the budget as
+        it was), so the layers still hold the model's budget in all (at batch 1; a batch's layer, its largest row)."""
+        flat = []
+        for layer in layers:
+            view = layer.view(self.seen)
+            priority = layer.policy.priority(view)
+            if layer.pinned:
+                priority = priority.masked_fill(view.index < layer.pinned, torch.inf)
+            flat.append(priority.masked_fill(~view.valid, -torch.inf).flatten(1))  # [batch, rows * slots]
+        scores = torch.cat(flat, 1)
+        total = sum(layer.slot_budget for layer in layers)
+        top = scores.topk(min(total, scores.shape[1]), dim=1)
+        won = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices, top.values > -torch.inf)
+        keep = [part.view(*layer.valid.shape[:2], -1).sum(-1)
+                for layer, part in zip(layers, won.split([part.shape[1] for part in flat], dim=1))]
+        free = (total - won.sum(1)) // len(layers)  # [batch]: each layer's part of the slots no token won
+        for layer, count in zip(layers, keep):
+            slots = int((count + free[:, None] // count.shape[1]).amax())
+            layer.policy = layer.policy.with_budget(max(1, -(-slots // layer.fan)))
+        return keep
+
     def fits_fixed_step(self) -> bool:
         """Whether the next decode step can be fixed-shape (``fixed_shape_step``), giving a bounded layer its spare slot
         if it has none yet: every layer with fixed slots and, if unbounded, one free. A bounded layer keeps the fixed
@@ -294,10 +329,6 @@ class EvictionCache(Cache):
     def stop_evicting(self) -> None:
         """Hold every token fed from now on (what it holds stays): kvpress's protocol, where a context is compressed
         once and the question and answer that follow are never evicted. Sliding-window layers keep their window."""
-        if self.policy.shares_slots:
-            raise ValueError(f"{self.policy.name}'s heads share one pool of slots, which cannot grow: it cannot stop "
-                             "evicting after the context; use a protocol that holds the budget (context, query-aware) "
-                             "or a policy with a row per head")
         self.policy = Full()
         for layer in self.layers:
             if not layer.is_sliding:

@@ -462,12 +462,17 @@ class EvictionLayer(CacheLayerMixin):
             kept = self.keep_highest(self.view(seen), keep_count)
         self._compact(kept, keep_count)
 
-    def compress(self, seen: torch.Tensor) -> None:
+    def compress(self, seen: torch.Tensor, keep_count: torch.Tensor | None = None) -> None:
         """Keep the budget's highest-priority tokens now, between calls (a context scored by a pass of its own:
-        ``Policy.reconstructs``)."""
+        ``Policy.reconstructs``), or each row's ``keep_count`` (``[batch, rows]``) of them, and give back the room
+        the pass took."""
         if self.is_initialized and self.slot_budget is not None:
-            keep_count = self.valid[:, :, :self.used].sum(-1).clamp(max=self.slot_budget)
+            held = self.valid[:, :, :self.used].sum(-1)
+            keep_count = held.clamp(max=self.slot_budget) if keep_count is None else keep_count.clamp(max=held)
             self._compact(self.keep_highest(self.view(seen), keep_count), keep_count)
+            room = self.slot_budget + self.cache.chunk_size * self.fan
+            if self.keys.shape[2] > room:
+                self._reallocate(room)
 
     def keep_highest(self, view: TokenView, keep_count: torch.Tensor) -> torch.Tensor:
         """The ``keep_count`` (``[batch, rows]``) highest-priority valid slots of each row (ties: the newer), pinned

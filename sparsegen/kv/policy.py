@@ -7,6 +7,7 @@ KV head after each forward step (ties go to the more recent token) and does all 
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import ClassVar
@@ -76,6 +77,9 @@ class Policy:
     reconstructs: ClassVar[bool] = False
     # the layer keeps running moments of the queries it sees (``TokenView.queries``)
     needs_queries: ClassVar[bool] = False
+    # (with ``compresses_whole``) the compression ranks every layer's priorities together: the layers' budgets sum to
+    # the model's, and each layer's becomes what its tokens won (``EvictionCache.compress``)
+    budget_across_layers: ClassVar[bool] = False
 
     def __init__(self, budget: int | None):
         if budget is not None and budget <= 0:
@@ -106,6 +110,12 @@ class Policy:
         """The policy layer ``index`` of ``layers`` runs (itself; PyramidKV-style policies give each layer its own
         budget, and the layer's storage is sized by it)."""
         return self
+
+    def with_budget(self, budget: int | None) -> Policy:
+        """This policy with another budget, its other options as they are (a layer's own share of the model's)."""
+        own = copy.copy(self)
+        own.budget = budget
+        return own
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Refuse a model this policy cannot run on (a learned scorer fit on another); called as a cache is built."""

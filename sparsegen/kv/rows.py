@@ -35,6 +35,9 @@ def add_row(batch: EvictionCache, source: EvictionCache) -> None:
     if source.seen is None or source.seen.shape[0] != 1 or not same_policy \
             or source.quantization != batch.quantization:
         raise ValueError("add_row() takes a fed cache of one sequence built with the same policy and kv_bits")
+    if any(layer.policy.budget != row.policy.budget for layer, row in zip(batch.layers, source.layers)):
+        raise ValueError("add_row() takes caches whose layers hold the batch's budgets (a policy whose budget spans "
+                         "the layers gives each context its own shares)")
     rows = 0 if batch.seen is None else batch.seen.shape[0]
     for layer, row in zip(batch.layers, source.layers):
         layer.fan = row.fan

@@ -10,13 +10,14 @@ from sparsegen.engine.context import CompressedContext, model_fingerprint
 from sparsegen.engine.prefill import prefill
 from sparsegen.engine.step import DecodeStep
 from sparsegen.kv import EvictionCache, PolicySpec, make_policy
+from tests.engine.test_reconstruct import sharpened
 from tests.kv.families import VOCAB, tiny_model
 
 CONTEXT = " ".join(["it was the best of times, it was the worst of times, it was the age of wisdom"] * 4)
 QUESTIONS = [" it was the season of", " the age of"]
 POLICIES = [("full", None, None), ("streaming", 16, None), ("h2o", 0.3, None), ("snapkv", 0.25, None),
             ("h2o", 0.3, 4), ("adakv", 0.3, None), ("pyramid", 24, None), ("kvzip", 0.3, None), ("kvzip", 0.3, 4),
-            ("kvzip-heads", 0.3, None), ("expected-attention", 0.3, None)]
+            ("kvzip-heads", 0.3, None), ("kvzip-global", 0.3, None), ("expected-attention", 0.3, None)]
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +138,50 @@ def test_nothing_evicted_after_the_context_when_asked(model_and_tokenizer):
     assert once.cache["kv_tokens"] == text.cache["kv_tokens"] == 16 + question + 5
     held = sparsegen.generate(model, tokenizer, context=compressed, question=QUESTIONS[0], max_new_tokens=6)
     assert held.cache["kv_tokens"] == 16
-    with pytest.raises(ValueError, match="share one pool"):
-        sparsegen.generate(model, tokenizer, context=CONTEXT, policy="adakv", budget=16, **common)
+    pooled = sparsegen.generate(model, tokenizer, context=CONTEXT, policy="adakv", budget=16, **common)
+    assert pooled.cache["kv_tokens"] == 16 + question + 5  # (heads sharing their slots: the pool grows)
+
+
+@torch.inference_mode()
+def test_a_saved_kvzip_global_context_keeps_each_layers_budget(tmp_path):
+    """The model-wide KVzip gives each layer its own share: saved and loaded, each layer keeps it, and decoding past
+    it evicts as the original does."""
+    model = sharpened(tiny_model("llama"))
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    original = EvictionCache(model, make_policy("kvzip-global", 12), chunk_size=16)
+    prefill(model, original, ids, torch.ones_like(ids), 16, first_chunk=40)
+    budgets = [layer.policy.budget for layer in original.layers]
+    assert budgets[0] != budgets[1]
+    path = CompressedContext.of(model, original, ids).save(tmp_path / "context.safetensors")
+    restored = CompressedContext.load(path, model).cache(model)
+    assert [layer.policy.budget for layer in restored.layers] == budgets
+    step, token = DecodeStep(model), torch.tensor([5])
+    for position in range(40, 60):  # (past every layer's budget)
+        logits = [step(cache, token, torch.tensor([position])) for cache in (original, restored)]
+        assert torch.equal(logits[0], logits[1])
+        token = logits[0].argmax(-1)
+    assert restored.held_tokens() == original.held_tokens() == budgets
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name", ["adakv", "kvzip-heads", "kvzip-global"])
+def test_heads_sharing_their_slots_hold_what_follows_the_context_as_the_full_cache(name):
+    """kvpress's protocol under per-head budgets: a context the budget holds, then nothing evicted as the question
+    and the answer go past the budget: the full cache's logits, step after step."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    question = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    caches = [EvictionCache(model, make_policy("full")), EvictionCache(model, make_policy(name, 40))]
+    for cache in caches:
+        prefill(model, cache, ids, torch.ones_like(ids), 16, first_chunk=40)
+        cache.stop_evicting()
+    logits = [prefill(model, cache, question, torch.ones_like(question), 16, start=40) for cache in caches]
+    step = DecodeStep(model)
+    for position in range(49, 57):
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+        token = logits[0].argmax(-1)
+        logits = [step(cache, token, torch.tensor([position])) for cache in caches]
+    assert caches[1].held_tokens() == caches[0].held_tokens() == [57, 57]
 
 
 def _damaged_copies(path, folder) -> dict:
@@ -165,6 +208,8 @@ def _damaged_copies(path, folder) -> dict:
     write("length-1e12", length=10**12, digest=None)
     write("layers-not-counts", layers=[{"used": "x"}] * len(meta["layers"]), digest=None)
     write("policy-unknown", policy={"policy": "nope", "budget": 3}, digest=None)
+    write("layer-budget", layers=[{**layer, "budget": 3} for layer in meta["layers"]], digest=None)  # (uniform)
+    write("layer-budget-0", layers=[{**layer, "budget": 0} for layer in meta["layers"]], digest=None)
     keys = "layers.0.keys"
     write("shape", {**tensors, keys: tensors[keys][:, :, :3].contiguous()}, digest=None)
     write("dtype", {**tensors, keys: tensors[keys].double()}, digest=None)
@@ -186,7 +231,7 @@ def test_a_damaged_file_is_refused_whole_at_load_in_one_line(model_and_tokenizer
     assert CompressedContext.load(good, model).tokens > 16
     (tmp_path / "bad").mkdir()
     damaged = _damaged_copies(good, tmp_path / "bad")
-    assert len(damaged) == 22
+    assert len(damaged) == 24
     for name, path in damaged.items():
         with pytest.raises(ValueError) as err:
             CompressedContext.load(path, model)

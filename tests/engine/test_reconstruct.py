@@ -107,6 +107,52 @@ def test_kvzip_heads_gives_a_layers_pool_to_its_highest_scores_in_any_head():
         assert {h for h, _ in held} == set(range(heads)) and len(held) == BUDGET * heads
 
 
+def sharpened(model):
+    """``model`` with its second layer's queries scaled up: that layer's attention, and so its reconstruction
+    scores, peaked where the first layer's are flat (layers that differ, as a trained model's do)."""
+    model.model.layers[1].self_attn.q_proj.weight.data *= 20
+    return model
+
+
+@torch.inference_mode()
+def test_kvzip_global_gives_the_models_slots_to_its_highest_scores_in_any_layer():
+    """The model-wide variant: all ``budget × heads × layers`` slots go to the highest reconstruction scores of any
+    layer and head (each head's ``recent`` newest kept), and each layer's budget becomes what it won."""
+    ids = torch.randint(3, VOCAB, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    reference = reference_scores(sharpened(tiny_model("llama", attn="eager")), ids, CHUNK)
+    model = sharpened(tiny_model("llama"))
+    policy = make_policy("kvzip-global", BUDGET)
+    cache = EvictionCache(model, policy, chunk_size=CHUNK)
+    prefill(model, cache, ids, torch.ones_like(ids), CHUNK, first_chunk=CONTEXT)
+    heads, layers = reference[0].shape[0], len(reference)
+    recent = {(i, h, t) for i in range(layers) for h in range(heads) for t in range(CONTEXT - policy.recent, CONTEXT)}
+    others = sorted(((i, h, t) for i in range(layers) for h in range(heads) for t in range(CONTEXT)
+                     if (i, h, t) not in recent), key=lambda key: (float(reference[key[0]][key[1:]]), key[2]))
+    expected = recent | set(others[len(others) - (BUDGET * heads * layers - len(recent)):])
+    held = set()
+    for i, layer in enumerate(cache.layers):
+        valid = layer.valid[0, 0, :layer.used]
+        held |= {(i, h, t) for h, t in zip(layer.head[0, 0, :layer.used][valid].tolist(),
+                                            layer.index[0, 0, :layer.used][valid].tolist())}
+    assert held == expected
+    won = [sum(1 for key in held if key[0] == i) for i in range(layers)]
+    assert won[0] != won[1] and sum(won) == BUDGET * heads * layers  # (shares that differ, the model's total)
+    assert [layer.policy.budget for layer in cache.layers] == [-(-n // heads) for n in won]
+    assert cache.policy.budget == BUDGET  # (the cache's own description: the budget asked for)
+
+
+@torch.inference_mode()
+def test_kvzip_global_within_its_budget_keeps_every_layers_budget():
+    """A context the budget holds: nothing evicted, and each layer keeps the budget it had (room to decode into),
+    not only what its tokens took."""
+    ids = torch.randint(3, VOCAB, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    model = sharpened(tiny_model("llama"))
+    cache = EvictionCache(model, make_policy("kvzip-global", CONTEXT + 8), chunk_size=CHUNK)
+    prefill(model, cache, ids, torch.ones_like(ids), CHUNK, first_chunk=CONTEXT)
+    assert cache.held_tokens() == [CONTEXT] * 2
+    assert [layer.policy.budget for layer in cache.layers] == [CONTEXT + 8] * 2
+
+
 @torch.inference_mode()
 def test_only_a_fresh_eviction_cache_under_kvzip_is_read_again():
     """A transformers cache (bench's dense rows) prefills as ever; a cache that already holds tokens is not re-read."""

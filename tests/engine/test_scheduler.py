@@ -4,12 +4,14 @@ import torch
 import sparsegen
 from sparsegen.engine import ChatTemplate, Engine, Sampling
 from sparsegen.engine.generate import generate
+from sparsegen.engine.prefill import prefill
 from sparsegen.engine.warmup import warm_up
 from sparsegen.kv import EvictionCache, PolicySpec, make_policy
 from sparsegen.kv.policies import policy_class
 from sparsegen.kv.rows import stack
 from sparsegen.models.compat import cache_kwargs
 from sparsegen.serve.chat import chat
+from tests.engine.test_reconstruct import sharpened
 from tests.kv.families import VOCAB, tiny_model
 from tests.serve.ids import IdTokenizer
 
@@ -123,6 +125,19 @@ def test_stacking_refuses_unfed_or_different_caches():
         model(input_ids=torch.tensor([[5, 6, 7]]), **cache_kwargs(fed[-1]))
     with pytest.raises(ValueError, match="same policy"):
         stack(model, fed)
+    model = sharpened(tiny_model("llama"))
+    shared = EvictionCache(model, make_policy("kvzip-global", 12))
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    prefill(model, shared, ids, torch.ones_like(ids), 16)
+    assert len({layer.policy.budget for layer in shared.layers}) > 1
+    with pytest.raises(ValueError, match="batch's budgets"):  # (each layer's share of its own context's scores)
+        stack(model, [shared])
+
+
+def test_a_server_refuses_a_policy_whose_layer_budgets_differ_by_conversation(reference):
+    model, tokenizer = reference
+    with pytest.raises(ValueError, match="cannot decode in one batch: serve kvzip-heads"):
+        Engine(model, tokenizer, PolicySpec("kvzip-global", 16))
 
 
 def test_a_conversation_encodes_only_each_new_turn(reference):

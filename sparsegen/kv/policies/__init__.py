@@ -13,6 +13,7 @@ from sparsegen.kv.policies import (  # noqa: F401
     knorm,
     kvzap,
     kvzip,
+    kvzip_global,
     kvzip_heads,
     lagkv,
     pyramid,
