@@ -26,11 +26,13 @@ from sparsegen.kv.policy import Policy
 from sparsegen.kv.rollback import forget_last
 
 
-def _unbounded(policy: Policy, scores: bool) -> Policy:
-    """``policy`` evicting nothing (no budget), observing attention only if it ``scores``: its layers keep the
-    storage it gave them (heads sharing slots)."""
+def _unbounded(policy: Policy, scores: bool, rows_per_head: bool) -> Policy:
+    """``policy`` evicting nothing (no budget), observing attention only if it ``scores``. ``rows_per_head``: where its
+    heads share one pool of slots, they hold a row each while the context is read (attention over rows of their own
+    is the faster), pooled when it is compressed (``EvictionCache.compress``)."""
     own = policy.with_budget(None)
     own.needs_attention = own.needs_attention and scores
+    own.shares_slots = own.shares_slots and not rows_per_head
     return own
 
 
@@ -46,12 +48,15 @@ def compress_whole(model: torch.nn.Module, cache, ids: torch.Tensor, positions: 
     under a policy that ``compresses_whole``, score them (by reconstruction, where it ``reconstructs``) and compress
     them to the budget: the last logits ``[B, vocab]``, as a plain prefill gives."""
     policies = [layer.policy for layer in cache.layers]
+    # (low-bit codes' key scales are per layout: a pool of codes is one from the start)
+    rows_per_head = all(layer.quantization is None for layer in cache.layers)
     try:
         for layer, policy in zip(cache.layers, policies):  # the context in one pass, held whole
-            layer.policy = _unbounded(policy, scores=not policy.reconstructs) if policy.compresses_whole else Full()
+            layer.policy = _unbounded(policy, not policy.reconstructs, rows_per_head) if policy.compresses_whole \
+                else Full()
         logits = forward(model, cache, ids, positions, mask, last=True)
         if any(policy.reconstructs for policy in policies):
-            _read_again(model, cache, ids, positions, mask, chunk_size, policies)
+            _read_again(model, cache, ids, positions, mask, chunk_size, policies, rows_per_head)
     finally:
         for layer, policy in zip(cache.layers, policies):
             layer.policy = policy
@@ -60,7 +65,7 @@ def compress_whole(model: torch.nn.Module, cache, ids: torch.Tensor, positions: 
 
 
 def _read_again(model: torch.nn.Module, cache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                chunk_size: int, policies: list[Policy]) -> None:
+                chunk_size: int, policies: list[Policy], rows_per_head: bool) -> None:
     """KVzip's scores: the contexts held whole are read again, each row its own tokens at the positions after its own,
     and every held token keeps the most attention a query head of that reading pays it; the reading is forgotten."""
     for layer, policy in zip(cache.layers, policies):  # scored, none evicted (no budget) until all is read
@@ -68,7 +73,7 @@ def _read_again(model: torch.nn.Module, cache, ids: torch.Tensor, positions: tor
         if layer.keys.shape[2] < room:
             layer._reallocate(room)
         if policy.reconstructs:
-            layer.policy = _unbounded(policy, scores=True)
+            layer.policy = _unbounded(policy, True, rows_per_head)
             layer.attention = torch.zeros(layer.valid.shape, dtype=torch.float32, device=layer.device)
     # each row's own tokens again, from its first (left-aligned: its chunks are those it would read alone), at the
     # positions after its own

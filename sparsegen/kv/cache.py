@@ -203,20 +203,27 @@ class EvictionCache(Cache):
 
     def compress(self) -> None:
         """Compress a context encoded whole (``Policy.compresses_whole``), between calls: each layer keeps its budget's
-        highest-priority tokens; under a policy whose budget spans the layers (``budget_across_layers``), what one
-        ranking of all their priorities gives each (``_share_budget``)."""
-        shared = [layer for layer in self.layers
-                  if layer.is_initialized and layer.policy.budget_across_layers and layer.slot_budget is not None]
-        keep = dict(zip(map(id, shared), self._share_budget(shared))) if shared else {}
-        for layer in self.layers:
+        highest-priority tokens. Where a layer's heads share one pool (``shares_slots``) but held a row each while
+        the context was read, or the budget spans the layers (``budget_across_layers``), the rows' shares come first
+        from one ranking of the layer's, or of all those layers', priorities (``_share_budget``)."""
+        layers = [layer for layer in self.layers if layer.is_initialized and layer.slot_budget is not None]
+        across = [layer for layer in layers if layer.policy.budget_across_layers]
+        groups = [across] if across else []
+        groups += [[layer] for layer in layers if layer.policy.shares_slots and layer.fan == 1
+                   and not layer.policy.budget_across_layers]
+        keep = {}
+        for group in groups:
+            keep.update(zip(map(id, group), self._share_budget(group)))
+        for layer in layers:
             layer.compress(self.seen, keep.get(id(layer)))
 
     def _share_budget(self, layers: list[EvictionLayer]) -> list[torch.Tensor]:
-        """How many tokens each of ``layers`` keeps per row (``[batch, rows]`` each): those among the top of every
-        layer's priorities ranked together, as many as the layers' budgets hold in all (a prompt prefix and what the
-        policy protects always among them). Each layer's policy then takes as its budget the most any of its rows
-        keeps, plus an even part of the slots the context left free (a context within the budget: the budget as
-        it was), so the layers still hold the model's budget in all (at batch 1; a batch's layer, its largest row)."""
+        """How many tokens each row of ``layers`` keeps (``[batch, rows]`` each): those among the top of all their
+        priorities ranked together, as many as their budgets hold in all (a prompt prefix and what the policy
+        protects always among them). Each layer's policy then takes as its budget its heads' share of the most any
+        sequence keeps there, plus an even part of the slots the context left free (a context within the budget:
+        the budget as it was), so the layers hold their budgets' total (at batch 1; a batch's layer, its largest
+        sequence's share)."""
         flat = []
         for layer in layers:
             view = layer.view(self.seen)
@@ -225,15 +232,17 @@ class EvictionCache(Cache):
                 priority = priority.masked_fill(view.index < layer.pinned, torch.inf)
             flat.append(priority.masked_fill(~view.valid, -torch.inf).flatten(1))  # [batch, rows * slots]
         scores = torch.cat(flat, 1)
-        total = sum(layer.slot_budget for layer in layers)
+        total = sum(layer.slot_budget * layer.valid.shape[1] for layer in layers)
         top = scores.topk(min(total, scores.shape[1]), dim=1)
         won = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices, top.values > -torch.inf)
         keep = [part.view(*layer.valid.shape[:2], -1).sum(-1)
                 for layer, part in zip(layers, won.split([part.shape[1] for part in flat], dim=1))]
         free = (total - won.sum(1)) // len(layers)  # [batch]: each layer's part of the slots no token won
         for layer, count in zip(layers, keep):
-            slots = int((count + free[:, None] // count.shape[1]).amax())
-            layer.policy = layer.policy.with_budget(max(1, -(-slots // layer.fan)))
+            heads = count.shape[1] * layer.fan
+            budget = max(1, -(-int((count.sum(-1) + free).max()) // heads))
+            if budget != layer.policy.budget:
+                layer.policy = layer.policy.with_budget(budget)
         return keep
 
     def fits_fixed_step(self) -> bool:

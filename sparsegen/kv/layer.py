@@ -470,9 +470,25 @@ class EvictionLayer(CacheLayerMixin):
             held = self.valid[:, :, :self.used].sum(-1)
             keep_count = held.clamp(max=self.slot_budget) if keep_count is None else keep_count.clamp(max=held)
             self._compact(self.keep_highest(self.view(seen), keep_count), keep_count)
+            if self.policy.shares_slots and self.fan == 1 and self.valid.shape[1] > 1:
+                self._pool_heads()
             room = self.slot_budget + self.cache.chunk_size * self.fan
             if self.keys.shape[2] > room:
                 self._reallocate(room)
+
+    def _pool_heads(self) -> None:
+        """Move every KV head's held tokens into one row of slots, tagged by head (``shares_slots``): a context is
+        read with a row per head (attention over rows of their own is the faster) and pooled once compressed."""
+        batch, heads, used = *self.valid.shape[:2], self.used
+        valid = self.valid[:, :, :used].reshape(batch, heads * used)
+        pooled = int(valid.sum(1).max())
+        take = torch.argsort((~valid).byte(), dim=1, stable=True)[:, None, :pooled]  # held first, head by head
+        for name, buf in self.buffers():
+            flat = buf[:, :, :used].reshape(batch, 1, heads * used, *buf.shape[3:])
+            setattr(self, name, flat.gather(2, take if buf.dim() == 3 else
+                                            take[..., None].expand(-1, -1, -1, buf.shape[-1])))
+        self.head = take // used
+        self.fan, self.used, self.peak_tokens = heads, pooled, self.peak_tokens * heads
 
     def keep_highest(self, view: TokenView, keep_count: torch.Tensor) -> torch.Tensor:
         """The ``keep_count`` (``[batch, rows]``) highest-priority valid slots of each row (ties: the newer), pinned

@@ -17,7 +17,8 @@ CONTEXT = " ".join(["it was the best of times, it was the worst of times, it was
 QUESTIONS = [" it was the season of", " the age of"]
 POLICIES = [("full", None, None), ("streaming", 16, None), ("h2o", 0.3, None), ("snapkv", 0.25, None),
             ("h2o", 0.3, 4), ("adakv", 0.3, None), ("pyramid", 24, None), ("kvzip", 0.3, None), ("kvzip", 0.3, 4),
-            ("kvzip-heads", 0.3, None), ("kvzip-global", 0.3, None), ("expected-attention", 0.3, None)]
+            ("kvzip-heads", 0.3, None), ("kvzip-global", 0.3, None), ("kvzip-global", 0.3, 4),
+            ("expected-attention", 0.3, None)]
 
 
 @pytest.fixture(scope="module")
