@@ -63,7 +63,7 @@ def test_kvzip_keeps_what_the_reconstruction_attends_to_most(recent):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("name", ["kvzip", "expected-attention"])
+@pytest.mark.parametrize("name", ["kvzip", "kvzip-global", "expected-attention"])
 def test_each_row_of_a_padded_batch_is_scored_as_if_alone(family, name):
     """Left-padded contexts of two lengths, compressed whole: each row (KVzip: reading its own tokens again) keeps
     what it keeps alone (Gemma 3's sliding-window layers their window); the logits are those of a plain prefill."""
@@ -81,8 +81,15 @@ def test_each_row_of_a_padded_batch_is_scored_as_if_alone(family, name):
         alone = EvictionCache(model, make_policy(name, BUDGET), chunk_size=CHUNK)
         prefill(model, alone, row_ids, torch.ones_like(row_ids), CHUNK)
         for ours, theirs in zip(batch.layers, alone.layers):
-            held = [set(ours.index[row, h][ours.valid[row, h]].tolist()) for h in range(ours.index.shape[1])]
-            assert held == [set(theirs.index[0, h][theirs.valid[0, h]].tolist()) for h in range(ours.index.shape[1])]
+            assert held_by_head(ours, row) == held_by_head(theirs, 0)
+
+
+def held_by_head(layer, row: int) -> set[tuple[int, int]]:
+    """(KV head, token ordinal) of every token a layer holds for sequence ``row``, its heads pooled or not."""
+    valid = layer.valid[row, :, :layer.used]
+    heads = layer.head[row, :, :layer.used] if layer.head is not None else \
+        torch.arange(valid.shape[0])[:, None].expand_as(valid)
+    return set(zip(heads[valid].tolist(), layer.index[row, :, :layer.used][valid].tolist()))
 
 
 @torch.inference_mode()
