@@ -43,7 +43,8 @@ def agreement(predicted: torch.Tensor, target: torch.Tensor, keep: float = KEEP)
 def fit_scorer(model: torch.nn.Module, windows: torch.Tensor, held_out: torch.Tensor, ridge: float = 1e-2,
                chunk_size: int = DEFAULT_CHUNK, progress: bool = True) -> tuple[torch.Tensor, dict]:
     """Weights ``[layers, kv_heads, F]`` fit on ``windows`` ``[N, n]`` and the fit's report: per layer, the share of
-    KVzip's kept tokens (at 30%) the prediction keeps on ``held_out`` windows, and the seconds it took."""
+    KVzip's kept tokens (at 30%) the prediction keeps on ``held_out`` windows, per head and with every layer's and head's
+    scores ranked together (``kvzap-global``)."""
     layers = model.config.get_text_config().num_hidden_layers
     gram: dict[int, torch.Tensor] = {}
     moment: dict[int, torch.Tensor] = {}
@@ -61,13 +62,19 @@ def fit_scorer(model: torch.nn.Module, windows: torch.Tensor, held_out: torch.Te
         eye[-1, -1] = 0  # (the constant feature unpenalized: a penalized intercept leans on the others for the mean)
         weights[i] = torch.linalg.solve(gram[i] + ridge * scale * eye, moment[i])[..., 0].float()
     agree: dict[int, list[float]] = {}
+    across: list[float] = []  # (the model's top 30% ranked together, as ``kvzap-global`` keeps)
     for row in held_out:
+        predicted, target = [], []
         for i, x, y in reconstruction_samples(model, row[None], chunk_size):
-            agree.setdefault(i, []).append(agreement(torch.einsum("htf,hf->ht", x, weights[i]), y))
+            predicted.append(torch.einsum("htf,hf->ht", x, weights[i]))
+            target.append(y)
+            agree.setdefault(i, []).append(agreement(predicted[-1], y))
+        across.append(agreement(torch.cat(predicted).flatten(), torch.cat(target).flatten()))
     per_layer = {i: round(sum(v) / len(v), 4) for i, v in sorted(agree.items())}
     report = {"windows": len(windows), "held_out": len(held_out), "tokens": windows.shape[1], "ridge": ridge,
               "kept_agreement_by_layer": per_layer,
-              "kept_agreement": round(sum(per_layer.values()) / max(len(per_layer), 1), 4)}
+              "kept_agreement": round(sum(per_layer.values()) / max(len(per_layer), 1), 4),
+              "kept_agreement_across_layers": round(sum(across) / max(len(across), 1), 4)}
     return weights, report
 
 

@@ -86,3 +86,48 @@ def test_fit_scorer_then_generate_with_it(tmp_path, capsys):
     assert "of what KVzip keeps" in capsys.readouterr().out
     assert main(["generate", "--model", "reference", "--prompt", "Once upon a time, in a quiet village by the sea,",
                  "--policy", "kvzap", "--scorer", str(out), "--budget", "8", "--max-new-tokens", "4"]) == 0
+
+
+@torch.inference_mode()
+def test_kvzap_global_at_full_budget_gives_the_dense_caches_logits(fitted):
+    model, path, _, _ = fitted
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    dense = model(input_ids=ids, **cache_kwargs(DynamicCache())).logits[:, -1]
+    cache = EvictionCache(model, make_policy("kvzap-global", 64, scorer=path))
+    torch.testing.assert_close(prefill(model, cache, ids, torch.ones_like(ids), CHUNK), dense, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kv_bits", [None, 8])  # (8: a pool of codes from the start, scored through its heads)
+def test_kvzap_global_gives_the_models_slots_to_its_highest_predictions_in_any_layer(fitted, kv_bits):
+    """One ranking over every (layer, KV head, token) of a context read whole: the ``recent`` newest of each head
+    kept, then the highest ``features @ weights`` over the dense cache's K/V (nothing is evicted while the context
+    is read, so every layer's K/V are the dense cache's); each layer's budget becomes its heads' share of what it
+    won. Then a decode step keeps each layer within that pool."""
+    model, path, weights, _ = fitted
+    context = 40
+    ids = torch.randint(3, VOCAB, (1, context), generator=torch.Generator().manual_seed(4))
+    dense = DynamicCache()
+    model(input_ids=ids, **cache_kwargs(dense))
+    policy = make_policy("kvzap-global", BUDGET, scorer=path)
+    cache = EvictionCache(model, policy, chunk_size=CHUNK, kv_bits=kv_bits)
+    prefill(model, cache, ids, torch.ones_like(ids), CHUNK, first_chunk=context)
+    layers, heads = weights.shape[:2]
+    held = set()
+    for i, layer in enumerate(cache.layers):
+        valid = layer.valid[0, 0, :layer.used]
+        held |= {(i, h, t) for h, t in zip(layer.head[0, 0, :layer.used][valid].tolist(),
+                                            layer.index[0, 0, :layer.used][valid].tolist())}
+    if kv_bits is None:  # (low-bit codes are scored from their rounded K/V: the kept set is theirs, not the dense one's)
+        scores = [torch.einsum("htf,hf->ht", token_features(dense.layers[i].keys, dense.layers[i].values)[0],
+                               weights[i]) for i in range(layers)]
+        recent = {(i, h, t) for i in range(layers) for h in range(heads) for t in range(context - policy.recent, context)}
+        others = sorted(((i, h, t) for i in range(layers) for h in range(heads) for t in range(context)
+                         if (i, h, t) not in recent), key=lambda key: (float(scores[key[0]][key[1:]]), key[2]))
+        assert held == recent | set(others[len(others) - (BUDGET * heads * layers - len(recent)):])
+    won = [sum(1 for key in held if key[0] == i) for i in range(layers)]
+    assert sum(won) == BUDGET * heads * layers
+    assert [layer.policy.budget for layer in cache.layers] == [-(-n // heads) for n in won]
+    budgets = [layer.policy.budget for layer in cache.layers]
+    model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[context]]), **cache_kwargs(cache))
+    assert all(n <= b for n, b in zip(cache.held_tokens(), budgets))

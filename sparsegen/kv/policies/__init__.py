@@ -12,6 +12,7 @@ from sparsegen.kv.policies import (  # noqa: F401
     keydiff,
     knorm,
     kvzap,
+    kvzap_global,
     kvzip,
     kvzip_global,
     kvzip_heads,

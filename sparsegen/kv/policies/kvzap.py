@@ -80,7 +80,12 @@ class KVzap(KVzip):
 
     def priority(self, view: TokenView) -> torch.Tensor:
         weights = self.layer.to(view.keys.device)
-        return self.protected(view, torch.einsum("bhtf,hf->bht", token_features(view.keys, view.values), weights))
+        features = token_features(view.keys, view.values)
+        if view.head is None:
+            scores = torch.einsum("bhtf,hf->bht", features, weights)
+        else:  # (a layer's heads pooled in one row of slots: each slot scored by its own head's weights)
+            scores = (features * weights[view.head]).sum(-1)
+        return self.protected(view, scores)
 
     def describe(self):
         return {**super().describe(), "scorer": self.scorer}
