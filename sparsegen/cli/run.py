@@ -110,7 +110,8 @@ def cmd_fit_scorer(args: argparse.Namespace) -> None:
           f"{report['held_out']} held-out windows it keeps {report['kept_agreement']:.0%} of what KVzip keeps at 30% "
           f"(per layer {min(report['kept_agreement_by_layer'].values()):.0%}-"
           f"{max(report['kept_agreement_by_layer'].values()):.0%}; every layer ranked together "
-          f"{report['kept_agreement_across_layers']:.0%}); use it with --policy kvzap (or kvzap-global) --scorer {path}")
+          f"{report['kept_agreement_across_layers']:.0%}); use it with --policy kvzap (or kvzap-global) "
+          f"--scorer {path}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:

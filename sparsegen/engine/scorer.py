@@ -43,8 +43,8 @@ def agreement(predicted: torch.Tensor, target: torch.Tensor, keep: float = KEEP)
 def fit_scorer(model: torch.nn.Module, windows: torch.Tensor, held_out: torch.Tensor, ridge: float = 1e-2,
                chunk_size: int = DEFAULT_CHUNK, progress: bool = True) -> tuple[torch.Tensor, dict]:
     """Weights ``[layers, kv_heads, F]`` fit on ``windows`` ``[N, n]`` and the fit's report: per layer, the share of
-    KVzip's kept tokens (at 30%) the prediction keeps on ``held_out`` windows, per head and with every layer's and head's
-    scores ranked together (``kvzap-global``)."""
+    KVzip's kept tokens (at 30%) the prediction keeps on ``held_out`` windows, per head and with every layer's and
+    head's scores ranked together (``kvzap-global``)."""
     layers = model.config.get_text_config().num_hidden_layers
     gram: dict[int, torch.Tensor] = {}
     moment: dict[int, torch.Tensor] = {}

@@ -118,10 +118,11 @@ def test_kvzap_global_gives_the_models_slots_to_its_highest_predictions_in_any_l
         valid = layer.valid[0, 0, :layer.used]
         held |= {(i, h, t) for h, t in zip(layer.head[0, 0, :layer.used][valid].tolist(),
                                             layer.index[0, 0, :layer.used][valid].tolist())}
-    if kv_bits is None:  # (low-bit codes are scored from their rounded K/V: the kept set is theirs, not the dense one's)
+    if kv_bits is None:  # (low-bit codes are scored from their rounded K/V: the kept set is theirs, not the dense's)
         scores = [torch.einsum("htf,hf->ht", token_features(dense.layers[i].keys, dense.layers[i].values)[0],
                                weights[i]) for i in range(layers)]
-        recent = {(i, h, t) for i in range(layers) for h in range(heads) for t in range(context - policy.recent, context)}
+        newest = range(context - policy.recent, context)
+        recent = {(i, h, t) for i in range(layers) for h in range(heads) for t in newest}
         others = sorted(((i, h, t) for i in range(layers) for h in range(heads) for t in range(context)
                          if (i, h, t) not in recent), key=lambda key: (float(scores[key[0]][key[1:]]), key[2]))
         assert held == recent | set(others[len(others) - (BUDGET * heads * layers - len(recent)):])
