@@ -6,6 +6,7 @@ and its multiple of ``full``'s. ``--scores-per-block`` A/Bs the grouped attentio
 
     PYTHONPATH=. .venv/bin/python scripts/compression_cost.py --model smollm2 --tokens 4096 \
         --policies full,h2o,kvzip --budget 0.3 --scores-per-block 0,2097152
+    (--policies full,kvzap-global,kvzip-global --scorer runs/scorers/smollm2.safetensors: the learned scorer's)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import sparsegen
 import sparsegen.kv.attention as attention
 from sparsegen.data import data_dir
+from sparsegen.kv import PolicySpec
 
 
 def main() -> None:
@@ -31,6 +33,7 @@ def main() -> None:
                         help="comma-separated values to A/B (0: blocks of QUERY_BLOCK queries)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scorer", help="kvzap's and kvzap-global's fitted scorer (`sparsegen fit-scorer`)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = sparsegen.load(args.model)
@@ -45,7 +48,9 @@ def main() -> None:
             attention.SCORES_PER_BLOCK = block or 1 << 62
             for policy in policies:
                 start = time.perf_counter()
-                sparsegen.compress(model, tokenizer, context, policy, None if policy == "full" else args.budget)
+                options = {"scorer": args.scorer} if policy.startswith("kvzap") else {}
+                spec = PolicySpec(policy, None if policy == "full" else args.budget, options)
+                sparsegen.compress(model, tokenizer, context, spec)
                 seconds = time.perf_counter() - start
                 best[block, policy] = min(best.get((block, policy), seconds), seconds)
     print(f"{args.model}, a {len(ids)}-token context, budget {args.budget}, {args.threads} threads, "

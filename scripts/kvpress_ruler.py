@@ -14,6 +14,8 @@ press keeping as many tokens as under ``context``.
 
     .venv-kvpress/bin/python scripts/kvpress_ruler.py --model smollm2 --length 4096 --samples 3 \\
         --tasks niah_single_1,niah_single_2 --methods snapkv,knorm,streaming --budget 0.5 --json OUT
+
+``--libraries sparsegen-once`` (sparsegen's rows alone) runs without kvpress, in the project's own venv.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="observation window of sparsegen's SnapKV-scored policies (default theirs, 32; kvpress's "
                              "presses use 64)")
+    parser.add_argument("--scorer", help="kvzap's and kvzap-global's fitted scorer (`sparsegen fit-scorer`)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' rows and exit")
     args = parser.parse_args()
@@ -161,7 +164,7 @@ def main() -> None:
     if "kvpress" in libraries and unmatched:
         parser.error(f"no kvpress press is matched to {', '.join(unmatched)}; choose from "
                      f"{', '.join([*PRESSES, *ADAPTIVE])}")
-    import kvpress
+    kvpress = __import__("kvpress") if "kvpress" in libraries else None  # (sparsegen's rows alone run without it)
 
     model, tokenizer = sparsegen.load(args.model)
     hay = ruler.Haystack(tokenizer, Path(args.haystack).read_text(encoding="utf-8", errors="replace"))
@@ -173,8 +176,9 @@ def main() -> None:
     def save() -> None:
         """The rows so far, rewritten after every method: a run cut short keeps what it measured."""
         if args.json:
-            Path(args.json).write_text(json.dumps({"model": args.model, "kvpress": getattr(kvpress, "__version__",
-                                                   "0.5.5"), "transformers": __import__("transformers").__version__,
+            version = kvpress and getattr(kvpress, "__version__", "0.5.5")
+            Path(args.json).write_text(json.dumps({"model": args.model, "kvpress": version, "transformers":
+                                                   __import__("transformers").__version__,
                                                    "samples_per_task": args.samples, "rows": rows}, indent=2))
 
     def record(library: str, method: str, budget: float | None, results: list[dict], seconds: float,
@@ -207,7 +211,10 @@ def main() -> None:
     for library in [lib for lib in libraries if lib in protocols]:
         for method, budget in pressings[1:]:
             t0 = time.perf_counter()
-            options = {"window": args.window} if "window" in policy_options(policy_class(method)) else {}
+            known = policy_options(policy_class(method))
+            options = {"window": args.window} if "window" in known else {}
+            if "scorer" in known:
+                options["scorer"] = args.scorer
             results = ruler.evaluate(model, tokenizer, samples,
                                      PolicySpec(method, budget, options),
                                      protocol=protocols[library], progress=False)
