@@ -67,7 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         stats = result.to_dict()
         drafted = (f"; drafts from {args.speculative}: {stats['acceptance_rate']:.0%} accepted, "
                    f"{stats['tokens_per_step']:.2f} tokens per full-cache step") if args.speculative else ""
-        print(f"\n[{args.policy}: {stats['prompt_tokens']} prompt + {stats['new_tokens']} new tokens, "
+        policy = context.meta["policy"]["policy"] if context else args.policy
+        print(f"\n[{policy}: {stats['prompt_tokens']} prompt + {stats['new_tokens']} new tokens, "
               f"KV peak {stats['kv_tokens_peak']} tokens / {stats['kv_bytes_peak'] / 2**20:.2f} MiB, "
               f"{stats['seconds']:.2f} s{drafted}]", file=sys.stderr)
 

@@ -180,7 +180,9 @@ class CompressedContext:
             for name in BUFFERS + ROW_STATE:
                 saved = self.tensors.get(f"layers.{i}.{name}")
                 setattr(layer, name, None if saved is None else saved.to(device, copy=True))
-            layer.used, layer.fan, layer.peak_tokens = counts["used"], counts["fan"], counts["peak_tokens"]
+            # (the peak starts at what it holds: the compression's own peak, the whole context, is not this cache's)
+            layer.used, layer.fan = counts["used"], counts["fan"]
+            layer.peak_tokens = layer.used
             _own_budget(layer, counts)
             if layer.keys is not None:
                 layer.device, layer.is_initialized = device, True

@@ -55,6 +55,17 @@ def test_the_full_context_continues_the_models_own_generation(model_and_tokenize
     assert got.texts == [tokenizer.decode(expected[0, len(ids):], skip_special_tokens=True)]
 
 
+@pytest.mark.parametrize("policy", ["kvzip", "kvzip-global"])
+def test_a_question_reports_its_own_peak_not_the_compressions(model_and_tokenizer, policy):
+    """KVzip holds the whole context and a copy of it while it compresses; the answer's K/V peak is what it held."""
+    model, tokenizer = model_and_tokenizer
+    compressed = sparsegen.compress(model, tokenizer, CONTEXT, PolicySpec(policy, 0.3))
+    answer = sparsegen.generate(model, tokenizer, context=compressed, question=QUESTIONS[0], max_new_tokens=4,
+                                stop_at_eos=False)
+    question = len(tokenizer(QUESTIONS[0], add_special_tokens=False)["input_ids"])
+    assert answer.cache["kv_tokens_peak"] <= compressed.held_tokens + question + 4 < compressed.tokens
+
+
 def test_save_and_load_round_trip(model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
     compressed = sparsegen.compress(model, tokenizer, CONTEXT, PolicySpec("h2o", 0.3, kv_bits=4))
