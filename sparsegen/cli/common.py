@@ -96,7 +96,7 @@ def budget_args(p: argparse.ArgumentParser, budget_help: str) -> None:
     p.add_argument("--history", type=int, default=None,
                    help="scissorhands: count only the latest this many queries' votes (default: all)")
     p.add_argument("--scorer", default=None, metavar="FILE.safetensors",
-                   help="kvzap: the learned KV scorer `sparsegen fit-scorer` wrote for this model")
+                   help="kvzap, kvzap-global: the learned KV scorer `sparsegen fit-scorer` wrote for this model")
     p.add_argument("--positions", choices=["original", "rolling"], default=None,
                    help="RoPE positions of cached keys (default: rolling for streaming*, original otherwise)")
     p.add_argument("--kv-bits", type=int, choices=[32, 16, 8, 4, 2], default=None,
