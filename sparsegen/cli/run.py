@@ -235,7 +235,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="KVzip's reconstruction chunk (default 512)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the scorer")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the fit's report (agreement per layer) as JSON")
     p.set_defaults(func=cmd_fit_scorer)
 
     p = sub.add_parser("compare", help="the same prompt under several KV policies: memory, time and text side by side")
