@@ -188,6 +188,7 @@ def test_compiled_drafting_is_lossless_and_runs_the_compiled_step(name, compiled
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.heavy  # compiles the draft's step: 25 s
 def test_a_round_after_every_draft_was_accepted_feeds_the_last_one_through_the_compiled_step(monkeypatch):
     """A draft cache as good as the full one (every draft accepted, so every round after the first carries its last
     draft in): the draft is fed only by compiled one-token steps, never by an eager forward of two tokens (what a

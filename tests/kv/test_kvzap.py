@@ -79,6 +79,7 @@ def test_a_scorer_fit_on_another_model_is_refused(fitted):
         make_policy("kvzap", BUDGET, scorer="missing.safetensors")
 
 
+@pytest.mark.heavy  # a fit, then a CLI generate that compiles its step: 30 s
 def test_fit_scorer_then_generate_with_it(tmp_path, capsys):
     out = tmp_path / "s.safetensors"
     assert main(["fit-scorer", "--model", "reference", "--nsamples", "2", "--held-out", "1", "--seqlen", "96",
